@@ -1,0 +1,1 @@
+"""specwire: speculative text generation as gRPC services with transformers generate() semantics."""
