@@ -1,0 +1,276 @@
+{{/*
+Helpers shared by every template. All are prefixed with the chart name. Helpers that work on one
+service take a dict: (dict "root" $ "component" "config"|"draft"|"target").
+*/}}
+
+{{/* Chart name, overridable with nameOverride. */}}
+{{- define "specwire.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name prefix of every object: <release>-<chart>, or the release name when it contains the chart name. */}}
+{{- define "specwire.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Name of one service's objects; the prefix is cut so that "-target" always fits in 63 characters. */}}
+{{- define "specwire.componentName" -}}
+{{- printf "%s-%s" (include "specwire.fullname" .root | trunc 56 | trimSuffix "-") .component -}}
+{{- end -}}
+
+{{/* Fully qualified DNS name of one service's Service. */}}
+{{- define "specwire.componentHost" -}}
+{{- printf "%s.%s.svc.%s" (include "specwire.componentName" .) .root.Release.Namespace .root.Values.clusterDomain -}}
+{{- end -}}
+
+{{- define "specwire.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Selector labels: only app.kubernetes.io/{name,instance,component}. Selectors are immutable on a
+Deployment, so user labels never go here (they would break `helm upgrade`).
+*/}}
+{{- define "specwire.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specwire.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- if .component }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+{{- end -}}
+
+{{/* The chart's own metadata labels. */}}
+{{- define "specwire.standardLabels" -}}
+helm.sh/chart: {{ include "specwire.chart" .root }}
+{{ include "specwire.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: specwire
+{{- end -}}
+
+{{/* Metadata labels: the chart's labels plus commonLabels (the chart's keys win on a clash). */}}
+{{- define "specwire.labels" -}}
+{{- $std := include "specwire.standardLabels" . | fromYaml -}}
+{{- toYaml (merge $std (.root.Values.commonLabels | default dict)) -}}
+{{- end -}}
+
+{{/* Pod template labels: metadata labels plus the service's podLabels (the chart's keys win). */}}
+{{- define "specwire.podLabels" -}}
+{{- $v := index .root.Values .component -}}
+{{- $labels := include "specwire.labels" . | fromYaml -}}
+{{- toYaml (merge $labels ($v.podLabels | default dict)) -}}
+{{- end -}}
+
+{{/* metadata.annotations (at indent 2, after a newline) from commonAnnotations plus an optional dict "extra"; empty when none. */}}
+{{- define "specwire.annotations" -}}
+{{- $all := merge (dict) (.extra | default dict) (.root.Values.commonAnnotations | default dict) -}}
+{{- if $all }}
+{{ printf "annotations:\n%s" (toYaml $all | indent 2) | indent 2 }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Image reference for an image block (dict "root" $ "image" <repository/tag/variant>). A per-service
+tag is used verbatim; otherwise image.tag or the appVersion, plus "-cuda" for the CUDA variant.
+*/}}
+{{- define "specwire.image" -}}
+{{- $repo := .image.repository | default .root.Values.image.repository -}}
+{{- $tag := .image.tag -}}
+{{- if not $tag -}}
+{{- $tag = .root.Values.image.tag | default .root.Chart.AppVersion -}}
+{{- if eq .image.variant "cuda" -}}
+{{- $tag = printf "%s-cuda" $tag -}}
+{{- end -}}
+{{- end -}}
+{{- printf "%s:%s" $repo $tag -}}
+{{- end -}}
+
+{{- define "specwire.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "specwire.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* grpc.health.v1 service name of each server. */}}
+{{- define "specwire.healthService" -}}
+{{- get (dict "config" "specwire.config.v1.ConfigService" "draft" "specwire.draft.v1.DraftService" "target" "specwire.target.v1.TargetService") .component -}}
+{{- end -}}
+
+{{/* Address the target uses for the config registry. */}}
+{{- define "specwire.configAddress" -}}
+{{- if .Values.target.configAddress -}}
+{{- .Values.target.configAddress -}}
+{{- else if .Values.config.enabled -}}
+{{- printf "%s:%d" (include "specwire.componentHost" (dict "root" . "component" "config")) (int .Values.config.port) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Address the target uses for the draft service: the headless Service through gRPC's DNS resolver, so
+that a round_robin client opens a subchannel per draft pod and spreads its streams over them.
+*/}}
+{{- define "specwire.draftAddress" -}}
+{{- if .Values.target.draftAddress -}}
+{{- .Values.target.draftAddress -}}
+{{- else if .Values.draft.enabled -}}
+{{- printf "dns:///%s:%d" (include "specwire.componentHost" (dict "root" . "component" "draft")) (int .Values.draft.port) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* True ("true") when the service requests GPUs. */}}
+{{- define "specwire.gpuEnabled" -}}
+{{- $v := index .root.Values .component -}}
+{{- if and (hasKey $v "gpu") $v.gpu.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+ConfigMap data of one service: its server settings as environment variables. The container's args
+refer to them as $(NAME), so the ConfigMap is the one place that holds the server's flags.
+*/}}
+{{- define "specwire.settings" -}}
+{{- $root := .root -}}
+{{- $v := index $root.Values .component -}}
+{{- $gpu := include "specwire.gpuEnabled" . -}}
+{{- $s := dict "SPECWIRE_HOST" $root.Values.listenHost "SPECWIRE_PORT" (toString $v.port) "HOME" "/tmp" -}}
+{{- if eq .component "config" -}}
+{{- $_ := set $s "SPECWIRE_DB" (printf "%s/%s" (trimSuffix "/" $v.persistence.mountPath) $v.dbFile) -}}
+{{- end -}}
+{{- if hasKey $v "model" -}}
+{{- if $v.model.name -}}
+{{- $_ := set $s "SPECWIRE_MODEL" $v.model.name -}}
+{{- end -}}
+{{- $_ := set $s "HF_HOME" (printf "%s/huggingface" (trimSuffix "/" $v.model.cache.mountPath)) -}}
+{{- if $v.model.offline -}}
+{{- $_ := set $s "HF_HUB_OFFLINE" "1" -}}
+{{- end -}}
+{{- end -}}
+{{- if eq .component "target" -}}
+{{- $_ := set $s "SPECWIRE_DEVICE" ($v.device | default (ternary "cuda" "cpu" (eq $gpu "true"))) -}}
+{{- $_ := set $s "SPECWIRE_DTYPE" ($v.dtype | default (ternary "bfloat16" "float32" (eq $gpu "true"))) -}}
+{{- with include "specwire.configAddress" $root -}}
+{{- $_ := set $s "SPECWIRE_CONFIG_ADDRESS" . -}}
+{{- end -}}
+{{- with include "specwire.draftAddress" $root -}}
+{{- $_ := set $s "SPECWIRE_DRAFT_ADDRESS" . -}}
+{{- end -}}
+{{- end -}}
+{{- if $root.Values.metrics.enabled -}}
+{{- $_ := set $s "SPECWIRE_PROMETHEUS_PORT" (toString $root.Values.metrics.port) -}}
+{{- end -}}
+{{- if $root.Values.tls.enabled -}}
+{{- $_ := set $s "SPECWIRE_TLS_CERT_FILE" "/etc/specwire/tls/tls.crt" -}}
+{{- $_ := set $s "SPECWIRE_TLS_KEY_FILE" "/etc/specwire/tls/tls.key" -}}
+{{- $_ := set $s "SPECWIRE_TLS_CA_FILE" "/etc/specwire/tls/ca.crt" -}}
+{{- end -}}
+{{- $_ := set $s "OTEL_SERVICE_NAME" $v.otelServiceName -}}
+{{- if $root.Values.otel.enabled -}}
+{{- $_ := set $s "OTEL_EXPORTER_OTLP_ENDPOINT" $root.Values.otel.endpoint -}}
+{{- $_ := set $s "OTEL_EXPORTER_OTLP_PROTOCOL" $root.Values.otel.protocol -}}
+{{- $_ := set $s "OTEL_TRACES_SAMPLER" $root.Values.otel.tracesSampler -}}
+{{- $_ := set $s "OTEL_TRACES_SAMPLER_ARG" $root.Values.otel.tracesSamplerArg -}}
+{{- else -}}
+{{- $_ := set $s "OTEL_SDK_DISABLED" "true" -}}
+{{- end -}}
+{{- toYaml (merge $s ($v.settings | default dict)) -}}
+{{- end -}}
+
+{{/* Server command line; flags take their values from the ConfigMap (see specwire.settings). */}}
+{{- define "specwire.args" -}}
+{{- $v := index .root.Values .component -}}
+{{- $settings := include "specwire.settings" . | fromYaml -}}
+{{- $args := list "--host" "$(SPECWIRE_HOST)" "--port" "$(SPECWIRE_PORT)" -}}
+{{- if eq .component "config" -}}
+{{- $args = concat $args (list "--db" "$(SPECWIRE_DB)") -}}
+{{- end -}}
+{{- if hasKey $settings "SPECWIRE_MODEL" -}}
+{{- $args = concat $args (list "--model" "$(SPECWIRE_MODEL)") -}}
+{{- end -}}
+{{- if eq .component "target" -}}
+{{- $args = concat $args (list "--device" "$(SPECWIRE_DEVICE)" "--dtype" "$(SPECWIRE_DTYPE)") -}}
+{{- if hasKey $settings "SPECWIRE_CONFIG_ADDRESS" -}}
+{{- $args = concat $args (list "--config-address" "$(SPECWIRE_CONFIG_ADDRESS)") -}}
+{{- end -}}
+{{- if hasKey $settings "SPECWIRE_DRAFT_ADDRESS" -}}
+{{- $args = concat $args (list "--draft-address" "$(SPECWIRE_DRAFT_ADDRESS)") -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml (concat $args ($v.extraArgs | default list)) -}}
+{{- end -}}
+
+{{/*
+One probe (dict "root" $ "component" c "probe" <settings> "service" <health name, "" = overall>).
+Native gRPC probes need no binary in the image but speak plaintext only; with TLS the chart's
+health-check script runs instead, against the pod's own port, verifying the Service's DNS name. Its
+RPC deadline is a second under the probe's timeout, which also covers the Python start.
+*/}}
+{{- define "specwire.probe" -}}
+{{- $v := index .root.Values .component -}}
+{{- if .root.Values.tls.enabled }}
+exec:
+  command:
+    - python
+    - /etc/specwire/scripts/health_check.py
+    - --timeout
+    - {{ max 1 (sub (int .probe.timeoutSeconds) 1) | quote }}
+    - --tls-server-name
+    - {{ include "specwire.componentHost" . }}
+    - {{ printf "127.0.0.1:%d/%s" (int $v.port) .service | quote }}
+{{- else }}
+grpc:
+  port: {{ $v.port }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
+{{- end }}
+periodSeconds: {{ .probe.periodSeconds }}
+timeoutSeconds: {{ .probe.timeoutSeconds }}
+failureThreshold: {{ .probe.failureThreshold }}
+{{- end -}}
+
+{{/* Pod-spec `resources`: the service's block plus its GPUs (requests = limits) when enabled. */}}
+{{- define "specwire.resources" -}}
+{{- $v := index .root.Values .component -}}
+{{- $res := deepCopy ($v.resources | default dict) -}}
+{{- if include "specwire.gpuEnabled" . -}}
+{{- $gpus := dict $v.gpu.resourceName $v.gpu.count -}}
+{{- $_ := set $res "limits" (merge (deepCopy $gpus) ($res.limits | default dict)) -}}
+{{- $_ := set $res "requests" (merge (deepCopy $gpus) ($res.requests | default dict)) -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{/* Checks of values that the schema cannot express. */}}
+{{- define "specwire.validate" -}}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
+{{- fail "tls.enabled needs tls.secretName: a kubernetes.io/tls Secret whose certificate names the services" -}}
+{{- end -}}
+{{- if and .Values.otel.enabled (not .Values.otel.endpoint) -}}
+{{- fail "otel.enabled needs otel.endpoint, e.g. http://otel-collector.observability:4317" -}}
+{{- end -}}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) -}}
+{{- fail "metrics.serviceMonitor.enabled needs metrics.enabled: the ServiceMonitor scrapes the metrics port" -}}
+{{- end -}}
+{{- if and (not .Values.config.enabled) (not .Values.target.configAddress) -}}
+{{- fail "config.enabled is false: set target.configAddress to the config registry the target should use" -}}
+{{- end -}}
+{{- range $c := list "draft" "target" -}}
+{{- $a := (index $.Values $c).autoscaling -}}
+{{- if and $a.enabled (gt (int $a.minReplicas) (int $a.maxReplicas)) -}}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) is above maxReplicas (%d)" $c (int $a.minReplicas) (int $a.maxReplicas)) -}}
+{{- end -}}
+{{- if and $a.enabled (not $a.targetCPUUtilizationPercentage) (not $a.metrics) -}}
+{{- fail (printf "%s.autoscaling has no metric: set targetCPUUtilizationPercentage or metrics" $c) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
