@@ -1,0 +1,967 @@
+"""The decoding loop: greedy, multinomial sampling, beam search and beam-sample, with `generate()` semantics.
+
+Structure. Generation is a sequence of *steps over a batch of rows*. A row is one sequence the model
+extends: a prompt repeated `max(num_beams, num_return_sequences)` times gives that many rows. Three
+kinds of step cover every decoding mode:
+
+- `RowBatch.prefill(input_ids)`: run the prompts (optionally in chunks) through the model, fill the
+  KV cache, return the next-token logits `[rows, vocab]`.
+- `RowBatch.decode(tokens)`: append one token per row, run it, return the next logits `[rows, vocab]`.
+- `RowBatch.verify(candidates)`: append `k` candidate tokens per row in one forward and return the
+  logits after each of them `[rows, k, vocab]`; `RowBatch.rollback(n)` then drops rejected positions
+  from the cache. Speculative decoding verifies drafts with it; plain decoding is `k = 1`.
+
+`RowBatch` owns only model-side state (KV cache, attention mask, position ids), so a scheduler can hold
+one per model and feed it steps from several requests, and `RowBatch.reorder` / `RowBatch.select`
+move rows around (beam parents, rows that leave the batch). Around the steps, the loop applies the
+logits processors, picks tokens (`sampling.py`, or the vectorised `BeamSearch` of `beam_search.py`),
+runs the stopping criteria and records outputs. It is a Python generator: each step yields a
+`StepEvent`, and the final `GenerationResult` is the generator's return value (`StopIteration.value`).
+Cancellation is the caller closing or abandoning the generator: no work runs past the current step.
+
+Semantics follow transformers 5.23's `generate()` for decoder-only models, in this order:
+
+1. Refuse the modes transformers 5 dropped (group/constrained beam search, contrastive search, DoLa)
+   with `UnsupportedModeError` naming the field.
+2. Apply the global defaults to unset fields (`max_length=20`, `top_k=50`, ...; the config passed in
+   is already merged request > model `generation_config.json`).
+3. Special tokens: `eos_token_id` becomes a list; `pad_token_id` defaults to `eos[0]`.
+4. Attention mask: given, or inferred as `input_ids != pad` when the pad id occurs in the prompt and is
+   not an EOS id, else all ones. Position ids are `cumsum(mask) - 1` (left padding gets position 0).
+   An all-ones mask is then dropped, as transformers does (it changes the attention kernel path).
+5. Rows are expanded with `repeat_interleave(max(num_beams, num_return_sequences))`.
+6. Lengths: `max_new_tokens` wins (`max_length = input_len + max_new_tokens`); with no length set
+   anywhere, 20 new tokens capped at `max_position_embeddings`; an explicit `max_length` is absolute.
+   `min_new_tokens` sets `min_length = input_len + min_new_tokens`. `input_len >= max_length` raises.
+7. Processors and stopping criteria are built (`processors` / `stopping` modules), then the loop runs.
+
+Assisted-generation flags (`prompt_lookup_num_tokens`, `assistant_early_exit`, `use_mtp`) are ignored
+here: speculation is the target service's strategy built on `RowBatch.verify`, and it keeps this loop's
+output (identical tokens for greedy, the same distribution for sampling). Attention/hidden-state outputs
+are not returned, and the KV cache is always a `DynamicCache` (`cache_implementation` is ignored).
+
+Greedy/sampling: each step processes the raw float32 logits, picks `argmax` or draws from
+`softmax(scores)` with the request's generator, and, only when an EOS criterion exists, replaces the
+token of rows that already finished with `pad_token_id`. The loop ends when every row finished.
+Beam search: processors act on `log_softmax(logits)`; see `beam_search.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from collections.abc import Generator, Iterator
+from typing import Any
+
+import torch
+
+from specwire.errors import FieldProblem, InvalidArgument
+from specwire.generation.beam_search import BeamSearch
+from specwire.generation.config import GenerationMode, errors
+from specwire.generation.outputs import (
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP_STRING,
+    FINISH_TIME,
+    GenerationResult,
+    StepEvent,
+    compute_transition_scores,
+)
+from specwire.generation.processors import build_logits_processors
+from specwire.generation.sampling import make_generator, select_tokens
+from specwire.generation.stopping import FinishReason, build_stopping_criteria
+
+# Transformers' default when no length is set anywhere: this many *new* tokens.
+DEFAULT_NEW_TOKENS = 20
+
+
+class InvalidGenerationArgument(InvalidArgument, ValueError):
+    """A bad generation argument: `InvalidArgument` for the servers, `ValueError` as transformers raises."""
+
+
+class UnsupportedModeError(InvalidGenerationArgument):
+    """
+    A decoding mode or option that transformers 5 removed from `generate()` (or that specwire does not run).
+
+    Args:
+        field (`str`):
+            The GenerationConfig field that selects the mode.
+        message (`str`):
+            Why it is refused and what to use instead.
+        value (`Any`, *optional*):
+            The field's value.
+    """
+
+    def __init__(self, field: str, message: str, value: Any = None):
+        self.field = field
+        self.value = value
+        super().__init__(f"{field}={value!r}: {message}", [FieldProblem(field, value, message)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model-side state of a batch of rows
+# ---------------------------------------------------------------------------------------------------
+
+
+def _accepts(model: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _new_cache(model: Any) -> Any:
+    """A fresh DynamicCache built from the model's text config (so sliding-window layers are sized right)."""
+    from transformers import DynamicCache
+
+    config = model.config
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return DynamicCache(config=text_config)
+
+
+class RowBatch:
+    """
+    KV cache, attention mask and position ids for a batch of rows of one decoder-only model.
+
+    The token history lives with the caller; this object only tracks what the model has seen. With
+    `use_cache=False` it keeps the tokens itself and re-runs the full sequences each step.
+
+    Args:
+        model (`PreTrainedModel`):
+            A transformers causal LM (decoder-only).
+        attention_mask (`torch.LongTensor` of shape `(rows, prompt_length)`, *optional*):
+            Prompt mask (0 = padding). `None` means no padding; so does an all-ones mask, which is dropped
+            after computing positions, as transformers does.
+        prompt_length (`int`):
+            Length of the prompts that `prefill` will receive.
+        rows (`int`):
+            Number of rows.
+        use_cache (`bool`, *optional*, defaults to `True`):
+            Keep a KV cache between steps.
+        prefill_chunk_size (`int`, *optional*):
+            Run the prompt in chunks of this many positions.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        attention_mask: torch.Tensor | None,
+        prompt_length: int,
+        rows: int,
+        use_cache: bool = True,
+        prefill_chunk_size: int | None = None,
+    ):
+        self.model = model
+        self.device = _model_device(model)
+        self.use_cache = use_cache
+        self.prefill_chunk_size = prefill_chunk_size
+        self._logits_to_keep = _accepts(model, "logits_to_keep")
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+            positions = attention_mask.long().cumsum(-1) - 1
+            # Padding positions would be -1; transformers pins them to 0.
+            self.position_ids = positions.masked_fill(attention_mask == 0, 0)
+            # An all-ones mask carries no information; dropping it keeps the model on the same kernel path
+            # as transformers (causal attention without an explicit mask).
+            self.attention_mask = None if bool((attention_mask == 1).all()) else attention_mask
+        else:
+            self.position_ids = torch.arange(prompt_length, device=self.device).unsqueeze(0).expand(rows, -1)
+            self.attention_mask = None
+        self.cache = _new_cache(model) if use_cache else None
+        self.tokens: torch.Tensor | None = None  # only kept without a cache
+
+    @property
+    def length(self) -> int:
+        """Positions per row the model has been given so far (prompt padding included)."""
+        return self.position_ids.shape[1]
+
+    @property
+    def padding_lengths(self) -> torch.Tensor | None:
+        """Left-padding length of every row `[rows]`, or `None` without padding."""
+        if self.attention_mask is None:
+            return None
+        return (self.attention_mask != 0).int().argmax(dim=1)
+
+    def _grow(self, n: int) -> None:
+        """Extend mask and positions by `n` new positions per row."""
+        rows = self.position_ids.shape[0]
+        step = torch.arange(1, n + 1, device=self.device, dtype=self.position_ids.dtype).unsqueeze(0)
+        self.position_ids = torch.cat([self.position_ids, self.position_ids[:, -1:] + step], dim=-1)
+        if self.attention_mask is not None:
+            ones = self.attention_mask.new_ones((rows, n))
+            self.attention_mask = torch.cat([self.attention_mask, ones], dim=-1)
+
+    @torch.no_grad()
+    def _forward(self, new_ids: torch.Tensor, keep: int, upto: int | None = None) -> torch.Tensor:
+        """Runs the model on `new_ids` (the positions not yet in the cache) and returns float32 logits."""
+        total = self.position_ids.shape[1] if upto is None else upto
+        n = new_ids.shape[1]
+        if self.cache is None:
+            ids = self.tokens[:, :total]
+            positions = self.position_ids[:, :total]
+        else:
+            ids = new_ids
+            positions = self.position_ids[:, total - n : total]
+        inputs: dict[str, Any] = {
+            "input_ids": ids.contiguous(),
+            "position_ids": positions.contiguous(),
+            "use_cache": self.cache is not None,
+            "return_dict": True,
+        }
+        if self.cache is not None:
+            inputs["past_key_values"] = self.cache
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask[:, :total]
+        if self._logits_to_keep:
+            inputs["logits_to_keep"] = keep
+        outputs = self.model(**inputs)
+        # Copy (and upcast) only the positions we need: the prefill's full logits can be large.
+        return outputs.logits[:, -keep:].to(dtype=torch.float32, copy=True)
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """
+        Runs the prompts and fills the cache.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(rows, prompt_length)`):
+                The (expanded) prompts.
+
+        Returns:
+            `torch.FloatTensor` of shape `(rows, vocab_size)`: next-token logits.
+        """
+        input_ids = input_ids.to(self.device)
+        if self.cache is None:
+            self.tokens = input_ids
+            return self._forward(input_ids, 1)[:, -1]
+        length = input_ids.shape[1]
+        chunk = self.prefill_chunk_size or length
+        logits = None
+        for start in range(0, length, chunk):
+            end = min(start + chunk, length)
+            logits = self._forward(input_ids[:, start:end], 1, upto=end)
+        return logits[:, -1]
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """
+        Appends one token per row and runs it.
+
+        Args:
+            tokens (`torch.LongTensor` of shape `(rows,)`):
+                The token each row appended.
+
+        Returns:
+            `torch.FloatTensor` of shape `(rows, vocab_size)`: next-token logits.
+        """
+        return self.verify(tokens.view(-1, 1))[:, -1]
+
+    def verify(self, candidates: torch.Tensor) -> torch.Tensor:
+        """
+        Appends `k` tokens per row and runs them in one forward.
+
+        Args:
+            candidates (`torch.LongTensor` of shape `(rows, k)`):
+                Tokens to append (e.g. the last accepted token followed by draft tokens).
+
+        Returns:
+            `torch.FloatTensor` of shape `(rows, k, vocab_size)`: the logits after each appended token.
+        """
+        candidates = candidates.to(self.device)
+        k = candidates.shape[1]
+        self._grow(k)
+        if self.cache is None:
+            self.tokens = torch.cat([self.tokens, candidates], dim=-1)
+        return self._forward(candidates, k)
+
+    def rollback(self, num_positions: int) -> None:
+        """
+        Forgets the last `num_positions` positions of every row (rejected draft tokens).
+
+        Args:
+            num_positions (`int`):
+                Positions to drop (>= 0).
+        """
+        if num_positions <= 0:
+            return
+        if self.cache is not None:
+            self.cache.crop(-num_positions)
+        else:
+            self.tokens = self.tokens[:, :-num_positions]
+        self.position_ids = self.position_ids[:, :-num_positions]
+        if self.attention_mask is not None:
+            self.attention_mask = self.attention_mask[:, :-num_positions]
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """
+        Replaces row `i` by a copy of row `rows[i]` (beam search parents).
+
+        Args:
+            rows (`torch.LongTensor` of shape `(rows,)`):
+                Source row of every row.
+        """
+        rows = rows.to(self.device).long()
+        if self.cache is not None:
+            self.cache.reorder_cache(rows)
+        else:
+            self.tokens = self.tokens.index_select(0, rows)
+        self.position_ids = self.position_ids.index_select(0, rows)
+        if self.attention_mask is not None:
+            self.attention_mask = self.attention_mask.index_select(0, rows)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """
+        Keeps only `rows` (in that order), e.g. when requests leave a shared batch.
+
+        Args:
+            rows (`torch.LongTensor` of shape `(kept_rows,)`):
+                Rows to keep.
+        """
+        rows = rows.to(self.device).long()
+        if self.cache is not None:
+            self.cache.batch_select_indices(rows)
+        else:
+            self.tokens = self.tokens.index_select(0, rows)
+        self.position_ids = self.position_ids.index_select(0, rows)
+        if self.attention_mask is not None:
+            self.attention_mask = self.attention_mask.index_select(0, rows)
+
+
+def _model_device(model: Any) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preparing a generation (config resolution, special tokens, lengths)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GenerationPlan:
+    """
+    Everything resolved before the first forward pass.
+
+    Args:
+        config (`GenerationConfig`):
+            The config with global defaults applied and the final `max_length` / `min_length`.
+        input_ids (`torch.LongTensor` of shape `(batch, input_len)`):
+            The prompts as given (on the model's device).
+        attention_mask (`torch.LongTensor` of shape `(batch, input_len)`):
+            Given or inferred mask (before dropping an all-ones mask).
+        expand (`int`):
+            Rows per prompt: `max(num_beams, num_return_sequences)`.
+        eos_token_ids (`list[int]`, *optional*):
+            EOS ids, or `None`.
+        pad_token_id (`int`, *optional*):
+            Pad id (`eos[0]` when unset).
+        max_length (`int`):
+            Final total length limit.
+        input_len (`int`):
+            Prompt length (padding included).
+        num_beams (`int`):
+            Beams per prompt.
+        do_sample (`bool`):
+            Sampling or beam-sample.
+    """
+
+    config: Any
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    expand: int
+    eos_token_ids: list[int] | None
+    pad_token_id: int | None
+    max_length: int
+    input_len: int
+    num_beams: int
+    do_sample: bool
+
+
+def _as_id_list(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.reshape(-1).tolist()]
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+# The field that selects each mode transformers 5 moved to Hub `custom_generate` recipes.
+_REMOVED_MODE_FIELDS = {
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: ("constraints", "force_words_ids"),
+    GenerationMode.GROUP_BEAM_SEARCH: ("num_beam_groups",),
+    GenerationMode.CONTRASTIVE_SEARCH: ("penalty_alpha",),
+    GenerationMode.DOLA_GENERATION: ("dola_layers",),
+}
+_REMOVED_MODE_NAMES = {
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: "constrained beam search",
+    GenerationMode.GROUP_BEAM_SEARCH: "group (diverse) beam search",
+    GenerationMode.CONTRASTIVE_SEARCH: "contrastive search",
+    GenerationMode.DOLA_GENERATION: "DoLa decoding",
+}
+
+
+def _check_mode(config: Any) -> None:
+    """Refuses the decoding modes transformers 5 removed from `generate()` (now Hub recipes).
+
+    `config` has the global defaults applied (contrastive search depends on the default `top_k=50`).
+    """
+    mode = config.get_generation_mode()
+    if mode in _REMOVED_MODE_FIELDS:
+        field = next(
+            (name for name in _REMOVED_MODE_FIELDS[mode] if getattr(config, name) is not None),
+            _REMOVED_MODE_FIELDS[mode][0],
+        )
+        raise UnsupportedModeError(
+            field,
+            f"{_REMOVED_MODE_NAMES[mode]} is not supported: transformers 5 moved it out of generate() to a "
+            f"Hub custom_generate recipe, and specwire does not run those; unset {field}",
+            getattr(config, field),
+        )
+    if (config.num_beams or 1) > 1 and config.low_memory:
+        raise UnsupportedModeError(
+            "low_memory",
+            "sequential (low_memory) beam search was removed in transformers 5; unset low_memory",
+            config.low_memory,
+        )
+    if config.token_healing:
+        raise UnsupportedModeError(
+            "token_healing",
+            "token healing is not supported by specwire; unset token_healing",
+            config.token_healing,
+        )
+
+
+def _check_config(config: Any) -> None:
+    """Raises on what transformers' `generate()` refuses from the config alone (`config.validate()`)."""
+    problems = errors(config.validate())
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise InvalidGenerationArgument.for_field(problems[0].field, problems[0].value, problems[0].message)
+    raise InvalidGenerationArgument(
+        "; ".join(f"{p.field}={p.value!r}: {p.message}" for p in problems),
+        [FieldProblem(p.field, p.value, p.message) for p in problems],
+    )
+
+
+def _check_values(config: Any) -> None:
+    """The config checks of transformers' `GenerationConfig.validate` that decide the loop's shape."""
+    num_beams, nrs = config.num_beams, config.num_return_sequences
+    if not isinstance(num_beams, int) or num_beams < 1:
+        raise InvalidGenerationArgument.for_field(
+            "num_beams", num_beams, "num_beams must be a positive integer"
+        )
+    if not isinstance(nrs, int) or nrs < 1:
+        raise InvalidGenerationArgument.for_field(
+            "num_return_sequences", nrs, "num_return_sequences must be a positive integer"
+        )
+    if nrs > 1 and num_beams == 1 and not config.do_sample:
+        raise InvalidGenerationArgument.for_field(
+            "num_return_sequences",
+            nrs,
+            "greedy decoding (do_sample != True, num_beams == 1) returns one sequence per prompt; "
+            "set do_sample=True or num_beams >= num_return_sequences",
+        )
+    if num_beams > 1 and nrs > num_beams:
+        raise InvalidGenerationArgument.for_field(
+            "num_return_sequences",
+            nrs,
+            f"num_return_sequences ({nrs}) has to be smaller or equal to num_beams ({num_beams})",
+        )
+    if config.early_stopping not in (True, False, "never"):
+        raise InvalidGenerationArgument.for_field(
+            "early_stopping", config.early_stopping, "early_stopping must be true, false or 'never'"
+        )
+    if config.max_new_tokens is not None and config.max_new_tokens <= 0:
+        raise InvalidGenerationArgument.for_field(
+            "max_new_tokens", config.max_new_tokens, "max_new_tokens must be greater than 0"
+        )
+
+
+def prepare_generation(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    config: Any,
+    max_position_embeddings: int | None = None,
+) -> GenerationPlan:
+    """
+    Resolves a merged config against the prompts the way transformers' `generate()` does before decoding.
+
+    Args:
+        model (`PreTrainedModel`):
+            The causal LM.
+        input_ids (`torch.LongTensor` of shape `(batch, input_len)`):
+            Left-padded prompts.
+        attention_mask (`torch.LongTensor` of shape `(batch, input_len)`, *optional*):
+            Prompt mask; inferred from the pad id when missing.
+        config (`GenerationConfig`):
+            Merged request/model config (unset fields allowed).
+        max_position_embeddings (`int`, *optional*):
+            Context length for the default-length cap; read from the model config when `None`.
+
+    Returns:
+        `GenerationPlan`
+
+    Raises:
+        `UnsupportedModeError`: a removed decoding mode is selected.
+        `ValueError` (`InvalidArgument`): inconsistent values, or `input_len >= max_length`.
+    """
+    if input_ids.dim() != 2:
+        raise InvalidGenerationArgument.for_field(
+            "input_ids", tuple(input_ids.shape), "input_ids must be 2-D [batch, length]"
+        )
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise InvalidGenerationArgument.for_field(
+            "attention_mask",
+            tuple(attention_mask.shape),
+            f"attention_mask must be 2-D with the shape of input_ids {tuple(input_ids.shape)}",
+        )
+    device = _model_device(model)
+    input_ids = input_ids.to(device)
+    # Whether a max_length was set anywhere (request or model config) decides the "20 new tokens" rule, so
+    # it must be read before the global default (max_length=20) fills the field.
+    has_default_max_length = config.max_length is None
+    resolved = config.with_defaults()
+    _check_mode(resolved)
+    _check_config(config)
+    config = resolved
+    _check_values(config)
+
+    # Special tokens: EOS is always a list; the pad id falls back to the first EOS id.
+    eos = _as_id_list(config.eos_token_id) or None  # an empty list means no EOS, as None does
+    pad = config.pad_token_id
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0] if pad else None
+    if pad is None and eos:
+        pad = eos[0]
+    pad = int(pad) if pad is not None else None
+
+    # Attention mask: inferred from padding only when the pad id is in the prompt and is not an EOS id.
+    if attention_mask is None:
+        can_infer = pad is not None and bool((input_ids == pad).any()) and (not eos or pad not in eos)
+        attention_mask = (
+            (input_ids != pad).long() if can_infer else torch.ones_like(input_ids, dtype=torch.long)
+        )
+    else:
+        attention_mask = attention_mask.to(device).long()
+
+    input_len = input_ids.shape[1]
+    if max_position_embeddings is None:
+        max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
+
+    # Lengths: max_new_tokens wins; with nothing set, 20 new tokens capped at the context length.
+    updates: dict[str, Any] = {}
+    if config.max_new_tokens is not None:
+        max_length = input_len + config.max_new_tokens
+    elif has_default_max_length:
+        max_length = input_len + DEFAULT_NEW_TOKENS
+        if max_position_embeddings is not None:
+            max_length = min(max_length, max_position_embeddings)
+    else:
+        max_length = config.max_length
+    updates["max_length"] = max_length
+    if config.min_new_tokens is not None:
+        updates["min_length"] = input_len + config.min_new_tokens
+    config = dataclasses.replace(config, **updates)
+
+    if input_len >= max_length:
+        raise InvalidGenerationArgument.for_field(
+            "max_length",
+            max_length,
+            f"the input length is {input_len}, but max_length is {max_length}: increase max_length or, "
+            "better, set max_new_tokens",
+        )
+    if config.min_length is not None and config.min_length > max_length:
+        warnings.warn(
+            f"Unfeasible length constraints: min_length ({config.min_length}) is larger than max_length "
+            f"({max_length}); generation stops at max_length.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    num_beams = int(config.num_beams)
+    return GenerationPlan(
+        config=config,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        expand=max(num_beams, int(config.num_return_sequences)),
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        max_length=int(max_length),
+        input_len=input_len,
+        num_beams=num_beams,
+        do_sample=bool(config.do_sample),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------
+
+
+def _reason_names() -> dict[int, str]:
+    return {
+        int(FinishReason.EOS): FINISH_EOS,
+        int(FinishReason.LENGTH): FINISH_LENGTH,
+        int(FinishReason.STOP_STRING): FINISH_STOP_STRING,
+        int(FinishReason.TIME): FINISH_TIME,
+    }
+
+
+class _StopCodes:
+    """Per-row finish reason codes from the stopping criteria, with EOS reported over length.
+
+    `StoppingCriteriaList.finish_reasons` names the first criterion in list order, and the max-length
+    criterion comes first; a row whose last token is an EOS id at the length limit is reported as "eos"
+    (the model chose to stop), as TGI and vLLM report it. Which rows stop is unchanged.
+    """
+
+    def __init__(self, criteria: Any, eos_token_ids: list[int] | None, device: torch.device):
+        self.criteria = criteria
+        self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device) if eos_token_ids else None
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any) -> torch.Tensor:
+        codes = self.criteria.finish_reasons(input_ids, scores).to(input_ids.device)  # [rows]
+        if self.eos is not None:
+            ended_on_eos = torch.isin(input_ids[:, -1], self.eos)
+            codes = torch.where((codes == FinishReason.LENGTH) & ended_on_eos, int(FinishReason.EOS), codes)
+        return codes
+
+
+def iter_generate(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    config: Any,
+    tokenizer: Any = None,
+    generator: torch.Generator | None = None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+    max_position_embeddings: int | None = None,
+) -> Generator[StepEvent, None, GenerationResult]:
+    """
+    Generates with transformers `generate()` semantics, one step at a time.
+
+    Validation, length resolution and the construction of processors and stopping criteria happen in this
+    call (errors raise here, before any forward pass; the `max_time` clock starts here); the returned
+    generator runs the model. Iterate it to get `StepEvent`s; its return value (`StopIteration.value`,
+    or `yield from`) is the `GenerationResult`. Stop iterating (or `close()` it) to cancel: nothing runs
+    past the current step.
+
+    Args:
+        model (`PreTrainedModel`):
+            A transformers decoder-only causal LM (e.g. `LoadedModel.model`).
+        input_ids (`torch.LongTensor` of shape `(batch, input_len)`):
+            Left-padded prompts.
+        attention_mask (`torch.LongTensor` of shape `(batch, input_len)`, *optional*):
+            0 on padding; inferred from `pad_token_id` when missing (see module docstring).
+        config (`GenerationConfig`):
+            Merged request > model config; unset fields get transformers' global defaults.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*):
+            Needed for `stop_strings`.
+        generator (`torch.Generator`, *optional*):
+            Randomness for sampling, on the model's device. Defaults to one seeded with `config.seed`
+            (or from OS entropy when no seed is set); the global RNG is never used.
+        negative_prompt_ids (`torch.LongTensor` of shape `(batch, neg_len)`, *optional*):
+            Negative prompt for classifier-free guidance (`guidance_scale`).
+        negative_prompt_attention_mask (`torch.LongTensor` of shape `(batch, neg_len)`, *optional*):
+            Its mask.
+        max_position_embeddings (`int`, *optional*):
+            Context length for the default-length cap; read from the model config when `None`.
+
+    Returns:
+        `Generator[StepEvent, None, GenerationResult]`
+
+    Raises:
+        `UnsupportedModeError`: group/constrained beam search, contrastive search, DoLa, low_memory beams,
+            token healing.
+        `ValueError`: invalid combinations (see `prepare_generation`), or `stop_strings` without a tokenizer.
+    """
+    plan = prepare_generation(
+        model, input_ids, attention_mask, config=config, max_position_embeddings=max_position_embeddings
+    )
+    config = plan.config
+    if config.stop_strings is not None and tokenizer is None:
+        raise InvalidGenerationArgument.for_field(
+            "stop_strings", config.stop_strings, "stop_strings need the model's tokenizer to be passed"
+        )
+    device = plan.input_ids.device
+    expanded_ids = plan.input_ids.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.input_ids
+    expanded_mask = (
+        plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
+    )
+    rows = RowBatch(
+        model,
+        attention_mask=expanded_mask,
+        prompt_length=plan.input_len,
+        rows=expanded_ids.shape[0],
+        use_cache=bool(config.use_cache),
+        prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
+    )
+    vocab_size = int(model.config.get_text_config().vocab_size)
+    if max_position_embeddings is None:
+        max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
+    processors = build_logits_processors(
+        config,
+        input_len=plan.input_len,
+        vocab_size=vocab_size,
+        eos_token_ids=plan.eos_token_ids,
+        num_beams=plan.num_beams,
+        prompt_ids=plan.input_ids,
+        prompt_pad_lengths=rows.padding_lengths,
+        model=model,
+        negative_prompt_ids=negative_prompt_ids,
+        negative_prompt_attention_mask=negative_prompt_attention_mask,
+    )
+    criteria = build_stopping_criteria(
+        config,
+        max_length=plan.max_length,
+        eos_token_ids=plan.eos_token_ids,
+        tokenizer=tokenizer,
+        max_position_embeddings=max_position_embeddings,
+    )
+    if plan.do_sample and generator is None:
+        generator = make_generator(config.seed, device)
+    if generator is not None and generator.device.type != device.type:
+        raise InvalidGenerationArgument.for_field(
+            "generator",
+            str(generator.device),
+            f"the generator must live on the model's device ({device}); "
+            f"create it with torch.Generator(device={str(device)!r})",
+        )
+    stop_codes = _StopCodes(criteria, plan.eos_token_ids, device)
+    if plan.num_beams > 1:
+        return _beam_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
+    return _sample_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
+
+
+def generate(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    config: Any,
+    tokenizer: Any = None,
+    generator: torch.Generator | None = None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+    max_position_embeddings: int | None = None,
+) -> GenerationResult:
+    """
+    Runs `iter_generate` to the end and returns its `GenerationResult`.
+
+    Args:
+        model, input_ids, attention_mask, config, tokenizer, generator, negative_prompt_ids,
+        negative_prompt_attention_mask, max_position_embeddings: as for `iter_generate`.
+
+    Returns:
+        `GenerationResult`
+    """
+    steps = iter_generate(
+        model,
+        input_ids,
+        attention_mask,
+        config=config,
+        tokenizer=tokenizer,
+        generator=generator,
+        negative_prompt_ids=negative_prompt_ids,
+        negative_prompt_attention_mask=negative_prompt_attention_mask,
+        max_position_embeddings=max_position_embeddings,
+    )
+    return drain(steps)
+
+
+def drain(steps: Iterator[StepEvent]) -> GenerationResult:
+    """
+    Consumes a step generator and returns its result.
+
+    Args:
+        steps (`Generator[StepEvent, None, GenerationResult]`):
+            What `iter_generate` returned.
+
+    Returns:
+        `GenerationResult`
+    """
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def _outputs_wanted(config: Any) -> tuple[bool, bool, bool]:
+    """(return_dict, keep scores, keep logits), as transformers' flags combine."""
+    return_dict = bool(config.return_dict_in_generate)
+    return return_dict, return_dict and bool(config.output_scores), return_dict and bool(config.output_logits)
+
+
+def _sample_loop(
+    plan: GenerationPlan,
+    rows: RowBatch,
+    input_ids: torch.Tensor,
+    processors: Any,
+    stop_codes: _StopCodes,
+    generator: torch.Generator | None,
+) -> Generator[StepEvent, None, GenerationResult]:
+    """Greedy and multinomial sampling over `rows` (one row per returned sequence)."""
+    config = plan.config
+    return_dict, keep_scores, keep_logits = _outputs_wanted(config)
+    names = _reason_names()
+    scores: tuple[torch.Tensor, ...] | None = () if keep_scores else None
+    raw_logits: tuple[torch.Tensor, ...] | None = () if keep_logits else None
+    num_rows = input_ids.shape[0]
+    device = input_ids.device
+    running = torch.ones(num_rows, dtype=torch.bool, device=device)
+    reason_codes = torch.zeros(num_rows, dtype=torch.long, device=device)
+    # Only an EOS criterion turns finished rows into padding (transformers' `has_eos_stopping_criteria`).
+    pad_finished = plan.eos_token_ids is not None and plan.pad_token_id is not None
+    pad = torch.tensor(plan.pad_token_id if pad_finished else 0, device=device)
+
+    logits = rows.prefill(input_ids)  # [rows, V]
+    step = 0
+    while True:
+        with torch.no_grad():
+            next_scores = processors(input_ids, logits)  # [rows, V]
+            if keep_scores:
+                scores += (next_scores,)
+            if keep_logits:
+                raw_logits += (logits,)
+            tokens = select_tokens(next_scores, do_sample=plan.do_sample, generator=generator)  # [rows]
+            if pad_finished:
+                tokens = torch.where(running, tokens, pad)
+            input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
+            codes = stop_codes(input_ids, scores)  # [rows] FinishReason codes, 0 = running
+            stopped = codes != 0
+            newly = running & stopped
+            reason_codes = torch.where(newly, codes, reason_codes)
+            was_running = running
+            running = running & ~stopped
+
+        # One device-to-host copy per step for everything the event needs.
+        host = torch.stack([tokens, was_running.long(), newly.long(), codes, running.long()]).tolist()
+        token_list, was_list, newly_list, codes_list, running_list = host
+        done = not any(running_list)
+        yield StepEvent(
+            step=step,
+            tokens=[[token_list[r]] if was_list[r] else [] for r in range(num_rows)],
+            finish_reasons=[
+                names.get(codes_list[r], FINISH_LENGTH) if newly_list[r] else None for r in range(num_rows)
+            ],
+            final=done,
+        )
+        if done:
+            break
+        step += 1
+        logits = rows.decode(tokens)
+
+    finish = [names.get(code, FINISH_LENGTH) for code in reason_codes.tolist()]
+    return GenerationResult(
+        sequences=input_ids,
+        scores=scores if return_dict else None,
+        logits=raw_logits if return_dict else None,
+        finish_reasons=finish,
+        prompt_length=plan.input_len,
+    )
+
+
+def _beam_fill_value(eos: list[int] | None, pad: int | None) -> int:
+    # transformers computes `pad_token_id or eos_token_id[0]` on a tensor pad id: pad id 0 is falsy there,
+    # so it fills with eos[0]; without EOS ids it fills with -1 even when a pad id exists.
+    if eos is None:
+        return -1
+    return pad if pad else eos[0]
+
+
+def _beam_loop(
+    plan: GenerationPlan,
+    rows: RowBatch,
+    input_ids: torch.Tensor,
+    processors: Any,
+    stop_codes: _StopCodes,
+    generator: torch.Generator | None,
+) -> Generator[StepEvent, None, GenerationResult]:
+    """Beam search and beam-sample over `rows` (`batch * num_beams`)."""
+    config = plan.config
+    return_dict, keep_scores, keep_logits = _outputs_wanted(config)
+    names = _reason_names()
+    scores: tuple[torch.Tensor, ...] | None = () if keep_scores else None
+    raw_logits: tuple[torch.Tensor, ...] | None = () if keep_logits else None
+    search = BeamSearch(
+        input_ids,
+        num_beams=plan.num_beams,
+        max_length=plan.max_length,
+        num_eos=len(plan.eos_token_ids or []),
+        length_penalty=float(config.length_penalty),
+        early_stopping=config.early_stopping,
+        do_sample=plan.do_sample,
+        fill_value=_beam_fill_value(plan.eos_token_ids, plan.pad_token_id),
+    )
+    nrs = int(config.num_return_sequences)
+    out_rows = search.batch_size * nrs
+
+    logits = rows.prefill(input_ids)  # [batch * num_beams, V]
+    sequences = input_ids
+    step = 0
+    while True:
+        with torch.no_grad():
+            log_probs = torch.log_softmax(logits, dim=-1)
+            log_probs = processors(sequences, log_probs)  # [batch * num_beams, V]
+            if keep_logits:
+                raw_logits += (logits,)
+            if keep_scores:
+                scores += (log_probs,)
+            # The criteria see the scores recorded so far, as in transformers.
+            parents = search.step(  # [batch * num_beams] parent row of every new running row
+                log_probs, lambda candidates, recorded=scores: stop_codes(candidates, recorded), generator
+            )
+        if search.done:
+            break
+        yield StepEvent(step=step, tokens=[[] for _ in range(out_rows)], finish_reasons=[None] * out_rows)
+        step += 1
+        rows.reorder(parents)
+        sequences = search.running_sequences()
+        logits = rows.decode(search.last_tokens())
+
+    final = search.finalize(nrs)
+    finish = [names.get(code, FINISH_LENGTH) for code in final.reason_codes.tolist()]
+    prompt_length = plan.input_len
+    generated = final.sequences[:, prompt_length:]
+    used = (final.beam_indices != -1).sum(dim=1).tolist()
+    yield StepEvent(
+        step=step,
+        tokens=[generated[r, : used[r]].tolist() for r in range(out_rows)],
+        finish_reasons=finish,
+        final=True,
+    )
+    return GenerationResult(
+        sequences=final.sequences,
+        scores=scores if return_dict else None,
+        logits=raw_logits if return_dict else None,
+        beam_indices=final.beam_indices if return_dict else None,
+        sequences_scores=final.sequences_scores if keep_scores else None,
+        finish_reasons=finish,
+        prompt_length=prompt_length,
+    )
+
+
+__all__ = [
+    "DEFAULT_NEW_TOKENS",
+    "GenerationPlan",
+    "GenerationResult",
+    "InvalidGenerationArgument",
+    "RowBatch",
+    "StepEvent",
+    "UnsupportedModeError",
+    "compute_transition_scores",
+    "drain",
+    "generate",
+    "iter_generate",
+    "prepare_generation",
+]
