@@ -1,0 +1,168 @@
+"""Transport security and a shared bearer token, configured by environment (as the Helm chart sets it).
+
+- `SPECWIRE_TLS_CERT_FILE` + `SPECWIRE_TLS_KEY_FILE`: servers listen with TLS; clients verify the
+  server against `SPECWIRE_TLS_CA_FILE` (or the system roots). When the CA is given to a server it
+  also requires client certificates (mutual TLS between the services).
+- `SPECWIRE_AUTH_TOKEN`: servers refuse calls without `authorization: Bearer <token>` with
+  UNAUTHENTICATED (health checks and reflection stay open so probes and grpcurl work); clients send it.
+
+Unset variables mean plaintext and no token: the local default.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_credentials(env: Mapping[str, str] = os.environ) -> grpc.ServerCredentials | None:
+    """TLS credentials for a server, or None for plaintext."""
+    cert, key = env.get("SPECWIRE_TLS_CERT_FILE"), env.get("SPECWIRE_TLS_KEY_FILE")
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ValueError("set both SPECWIRE_TLS_CERT_FILE and SPECWIRE_TLS_KEY_FILE, or neither")
+    ca = _read(env.get("SPECWIRE_TLS_CA_FILE"))
+    return grpc.ssl_server_credentials(
+        [(_read(key), _read(cert))], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def channel_credentials(env: Mapping[str, str] = os.environ) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a client (with our certificate for mutual TLS when we have one), or None."""
+    ca = env.get("SPECWIRE_TLS_CA_FILE")
+    cert, key = env.get("SPECWIRE_TLS_CERT_FILE"), env.get("SPECWIRE_TLS_KEY_FILE")
+    if not ca and not cert:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca), private_key=_read(key) if cert else None, certificate_chain=_read(cert)
+    )
+
+
+def auth_metadata(env: Mapping[str, str] = os.environ) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying the shared token, if one is configured."""
+    token = env.get("SPECWIRE_AUTH_TOKEN")
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class _TokenPlugin(grpc.AuthMetadataPlugin):
+    def __init__(self, metadata: tuple[tuple[str, str], ...]):
+        self.metadata = metadata
+
+    def __call__(self, context, callback) -> None:
+        callback(self.metadata, None)
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the token to every call on a plaintext channel (call credentials need TLS)."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]):
+        self.metadata = metadata
+
+    def _details(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self.metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+def secure_channel(address: str, options: list[tuple[str, Any]] | None = None, *, aio: bool = False,
+                   env: Mapping[str, str] = os.environ):
+    """A client channel to `address` honouring the TLS and token settings (sync or grpc.aio)."""
+    options = list(options or [])
+    if address.startswith("dns:///"):
+        # Spread per-request streams over every replica behind a headless Service.
+        options.append(("grpc.lb_policy_name", "round_robin"))
+    tls = channel_credentials(env)
+    metadata = auth_metadata(env)
+    module = grpc.aio if aio else grpc
+    if tls is not None:
+        if metadata:
+            tls = grpc.composite_channel_credentials(tls, grpc.metadata_call_credentials(_TokenPlugin(metadata)))
+        return module.secure_channel(address, tls, options=options)
+    if aio:
+        interceptors = [_AioTokenInterceptor(metadata)] if metadata else None
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    channel = grpc.insecure_channel(address, options=options)
+    return grpc.intercept_channel(channel, _TokenInterceptor(metadata)) if metadata else channel
+
+
+class _AioTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                           grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, metadata: tuple[tuple[str, str], ...]):
+        self.metadata = metadata
+
+    def _details(self, details):
+        metadata = grpc.aio.Metadata(*(tuple(details.metadata or ()) + self.metadata))
+        return details._replace(metadata=metadata)
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without the shared bearer token (health and reflection stay open)."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(OPEN_SERVICES):
+            return await continuation(handler_call_details)
+        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode(), self.expected):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        return None if handler is None else _unauthenticated(handler)
+
+
+def _unauthenticated(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    message = "missing or wrong bearer token: send `authorization: Bearer <SPECWIRE_AUTH_TOKEN>` metadata"
+
+    async def deny(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def deny_stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream, handler.request_deserializer, handler.response_serializer)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer, handler.response_serializer)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+
+
+def server_interceptors(env: Mapping[str, str] = os.environ) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptors the security settings ask for."""
+    token = env.get("SPECWIRE_AUTH_TOKEN")
+    return [TokenAuthInterceptor(token)] if token else []
