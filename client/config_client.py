@@ -1,0 +1,312 @@
+"""Clients of the config registry: `ConfigClient` (blocking) and `AsyncConfigClient` (asyncio).
+
+Both take a config as our `GenerationConfig`, a `transformers.GenerationConfig` or a plain dict,
+return `ConfigRecord`s, and raise `SpecwireRpcError` (with `.code()` and `.violations`) on failure.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from client.errors import SpecwireRpcError, Violation
+from specwire.config.v1 import config_service_pb2 as pb
+from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
+from specwire.config.v1 import generation_config_pb2
+from specwire.generation.config import GenerationConfig
+from specwire.security import secure_channel
+from specwire.wire.generation_config import config_from_proto, dict_to_proto
+
+
+@dataclass
+class ConfigRecord:
+    """One stored version of a named config."""
+
+    name: str
+    version: int
+    config: GenerationConfig
+    tags: list[str] = field(default_factory=list)
+    warnings: list[Violation] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    latest_version: int = 0
+    created_at: float = 0.0
+
+    @classmethod
+    def from_proto(cls, record: pb.ConfigRecord) -> ConfigRecord:
+        return cls(
+            name=record.name,
+            version=record.version,
+            config=config_from_proto(record.config),
+            tags=list(record.tags),
+            warnings=[Violation.from_proto(w) for w in record.warnings],
+            labels=dict(record.labels),
+            latest_version=record.latest_version,
+            created_at=record.create_time.ToNanoseconds() / 1e9,
+        )
+
+
+@dataclass
+class ValidationResult:
+    """What ValidateConfig said: `valid` and every violation (errors and warnings)."""
+
+    valid: bool
+    violations: list[Violation]
+
+
+def config_to_wire(config: Any) -> generation_config_pb2.GenerationConfig:
+    """Our GenerationConfig, a transformers GenerationConfig, a dict, or a proto, as the wire message."""
+    if isinstance(config, generation_config_pb2.GenerationConfig):
+        return config
+    if config is None:
+        return generation_config_pb2.GenerationConfig()
+    if isinstance(config, dict):
+        return dict_to_proto(GenerationConfig.from_dict(config).to_dict())
+    if isinstance(config, GenerationConfig):
+        return dict_to_proto(config.to_dict())
+    if type(config).__name__ == "GenerationConfig" and hasattr(config, "to_diff_dict"):
+        return dict_to_proto(GenerationConfig.from_transformers(config).to_dict())
+    raise TypeError(
+        f"config must be a specwire or transformers GenerationConfig or a dict, not {type(config).__name__}"
+    )
+
+
+def _wrap_errors(method):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except grpc.RpcError as exc:
+            raise SpecwireRpcError.from_rpc_error(exc) from None
+
+    return wrapper
+
+
+def _wrap_async_errors(method):
+    @functools.wraps(method)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await method(*args, **kwargs)
+        except grpc.RpcError as exc:
+            raise SpecwireRpcError.from_rpc_error(exc) from None
+
+    return wrapper
+
+
+class _Requests:
+    """Request builders shared by the blocking and asyncio clients."""
+
+    @staticmethod
+    def create(name, config, labels=None):
+        return pb.CreateConfigRequest(name=name, config=config_to_wire(config), labels=labels or {})
+
+    @staticmethod
+    def update(name, config, expected_version=None, labels=None):
+        return pb.UpdateConfigRequest(
+            name=name, config=config_to_wire(config), expected_version=expected_version, labels=labels or {}
+        )
+
+    @staticmethod
+    def import_from_hub(repo_id, revision="main", filename="generation_config.json", name=None, labels=None):
+        return pb.ImportConfigRequest(
+            name=name or "",
+            hub=pb.HubSource(repo_id=repo_id, revision=revision, filename=filename),
+            labels=labels or {},
+        )
+
+    @staticmethod
+    def import_json(text, name, labels=None):
+        return pb.ImportConfigRequest(name=name, json=text, labels=labels or {})
+
+
+class ConfigClient:
+    """Blocking client of `specwire.config.v1.ConfigService`.
+
+    Args:
+        address (`str`): `host:port` of the config service.
+        timeout (`float`, defaults to 30.0): per-call deadline in seconds.
+        channel (`grpc.Channel`, *optional*): an existing channel to use instead of `address`.
+    """
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 30.0, channel: grpc.Channel | None = None):
+        self._own_channel = channel is None
+        self.channel = channel or secure_channel(address)
+        self.stub = pb_grpc.ConfigServiceStub(self.channel)
+        self.timeout = timeout
+
+    def close(self) -> None:
+        if self._own_channel:
+            self.channel.close()
+
+    def __enter__(self) -> ConfigClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @_wrap_errors
+    def create(self, name: str, config: Any, labels: dict[str, str] | None = None) -> ConfigRecord:
+        """Store `config` as version 1 of `name`."""
+        response = self.stub.CreateConfig(_Requests.create(name, config, labels), timeout=self.timeout)
+        return ConfigRecord.from_proto(response.record)
+
+    @_wrap_errors
+    def get(self, ref: str) -> ConfigRecord:
+        """Read `name` (latest), `name@VERSION` or `name:TAG`."""
+        return ConfigRecord.from_proto(self.stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout).record)
+
+    @_wrap_errors
+    def update(
+        self, name: str, config: Any, expected_version: int | None = None, labels: dict[str, str] | None = None
+    ) -> ConfigRecord:
+        """Store a new version; with `expected_version`, fail with ABORTED if someone else updated first."""
+        response = self.stub.UpdateConfig(_Requests.update(name, config, expected_version, labels), timeout=self.timeout)
+        return ConfigRecord.from_proto(response.record)
+
+    @_wrap_errors
+    def list_page(self, prefix: str = "", page_size: int = 0, page_token: str = "") -> tuple[list[ConfigRecord], str]:
+        """One page of the latest versions, by name, and the next page's token ("" on the last)."""
+        request = pb.ListConfigsRequest(prefix=prefix, page_size=page_size, page_token=page_token)
+        response = self.stub.ListConfigs(request, timeout=self.timeout)
+        return [ConfigRecord.from_proto(r) for r in response.records], response.next_page_token
+
+    def iter(self, prefix: str = "", page_size: int = 0) -> Iterator[ConfigRecord]:
+        """Every latest version whose name starts with `prefix`, fetching page by page."""
+        token = ""
+        while True:
+            records, token = self.list_page(prefix, page_size, token)
+            yield from records
+            if not token:
+                return
+
+    def list(self, prefix: str = "") -> list[ConfigRecord]:
+        """All latest versions whose name starts with `prefix`, by name."""
+        return list(self.iter(prefix))
+
+    @_wrap_errors
+    def delete(self, name: str, expected_version: int | None = None) -> int:
+        """Delete `name` with all its versions; returns how many versions were deleted."""
+        request = pb.DeleteConfigRequest(name=name, expected_version=expected_version)
+        return self.stub.DeleteConfig(request, timeout=self.timeout).deleted_versions
+
+    @_wrap_errors
+    def set_tag(self, name: str, tag: str, version: int) -> ConfigRecord:
+        """Point `name:tag` at `version`."""
+        request = pb.SetTagRequest(name=name, tag=tag, version=version)
+        return ConfigRecord.from_proto(self.stub.SetTag(request, timeout=self.timeout).record)
+
+    @_wrap_errors
+    def validate(self, config: Any, strict: bool = False) -> ValidationResult:
+        """Check a config without storing it."""
+        request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict)
+        response = self.stub.ValidateConfig(request, timeout=self.timeout)
+        return ValidationResult(response.valid, [Violation.from_proto(v) for v in response.violations])
+
+    @_wrap_errors
+    def import_from_hub(
+        self, repo_id: str, revision: str = "main", filename: str = "generation_config.json", name: str | None = None
+    ) -> ConfigRecord:
+        """Import a Hub repo's generation_config.json (through huggingface_hub on the server)."""
+        request = _Requests.import_from_hub(repo_id, revision, filename, name)
+        return ConfigRecord.from_proto(self.stub.ImportConfig(request, timeout=self.timeout).record)
+
+    @_wrap_errors
+    def import_json(self, text: str, name: str, labels: dict[str, str] | None = None) -> ConfigRecord:
+        """Import `generation_config.json` text as `name` (a new config or a new version)."""
+        request = _Requests.import_json(text, name, labels)
+        return ConfigRecord.from_proto(self.stub.ImportConfig(request, timeout=self.timeout).record)
+
+    @_wrap_errors
+    def export(self, ref: str) -> str:
+        """`generation_config.json` text of a version, loadable by transformers."""
+        return self.stub.ExportConfig(pb.ExportConfigRequest(ref=ref), timeout=self.timeout).json
+
+
+class AsyncConfigClient:
+    """asyncio client of `specwire.config.v1.ConfigService`; same methods as `ConfigClient`, awaitable.
+
+    Args:
+        address (`str`): `host:port` of the config service.
+        timeout (`float`, defaults to 30.0): per-call deadline in seconds.
+    """
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 30.0):
+        self.channel = secure_channel(address, aio=True)
+        self.stub = pb_grpc.ConfigServiceStub(self.channel)
+        self.timeout = timeout
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncConfigClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @_wrap_async_errors
+    async def create(self, name: str, config: Any, labels: dict[str, str] | None = None) -> ConfigRecord:
+        response = await self.stub.CreateConfig(_Requests.create(name, config, labels), timeout=self.timeout)
+        return ConfigRecord.from_proto(response.record)
+
+    @_wrap_async_errors
+    async def get(self, ref: str) -> ConfigRecord:
+        response = await self.stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout)
+        return ConfigRecord.from_proto(response.record)
+
+    @_wrap_async_errors
+    async def update(
+        self, name: str, config: Any, expected_version: int | None = None, labels: dict[str, str] | None = None
+    ) -> ConfigRecord:
+        request = _Requests.update(name, config, expected_version, labels)
+        return ConfigRecord.from_proto((await self.stub.UpdateConfig(request, timeout=self.timeout)).record)
+
+    @_wrap_async_errors
+    async def list_page(
+        self, prefix: str = "", page_size: int = 0, page_token: str = ""
+    ) -> tuple[list[ConfigRecord], str]:
+        request = pb.ListConfigsRequest(prefix=prefix, page_size=page_size, page_token=page_token)
+        response = await self.stub.ListConfigs(request, timeout=self.timeout)
+        return [ConfigRecord.from_proto(r) for r in response.records], response.next_page_token
+
+    async def list(self, prefix: str = "") -> list[ConfigRecord]:
+        records, token = await self.list_page(prefix)
+        while token:
+            page, token = await self.list_page(prefix, 0, token)
+            records += page
+        return records
+
+    @_wrap_async_errors
+    async def delete(self, name: str, expected_version: int | None = None) -> int:
+        request = pb.DeleteConfigRequest(name=name, expected_version=expected_version)
+        return (await self.stub.DeleteConfig(request, timeout=self.timeout)).deleted_versions
+
+    @_wrap_async_errors
+    async def set_tag(self, name: str, tag: str, version: int) -> ConfigRecord:
+        request = pb.SetTagRequest(name=name, tag=tag, version=version)
+        return ConfigRecord.from_proto((await self.stub.SetTag(request, timeout=self.timeout)).record)
+
+    @_wrap_async_errors
+    async def validate(self, config: Any, strict: bool = False) -> ValidationResult:
+        request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict)
+        response = await self.stub.ValidateConfig(request, timeout=self.timeout)
+        return ValidationResult(response.valid, [Violation.from_proto(v) for v in response.violations])
+
+    @_wrap_async_errors
+    async def import_from_hub(
+        self, repo_id: str, revision: str = "main", filename: str = "generation_config.json", name: str | None = None
+    ) -> ConfigRecord:
+        request = _Requests.import_from_hub(repo_id, revision, filename, name)
+        return ConfigRecord.from_proto((await self.stub.ImportConfig(request, timeout=self.timeout)).record)
+
+    @_wrap_async_errors
+    async def import_json(self, text: str, name: str, labels: dict[str, str] | None = None) -> ConfigRecord:
+        request = _Requests.import_json(text, name, labels)
+        return ConfigRecord.from_proto((await self.stub.ImportConfig(request, timeout=self.timeout)).record)
+
+    @_wrap_async_errors
+    async def export(self, ref: str) -> str:
+        return (await self.stub.ExportConfig(pb.ExportConfigRequest(ref=ref), timeout=self.timeout)).json

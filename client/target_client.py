@@ -1,0 +1,296 @@
+"""Clients of the target service: `TargetClient` (blocking) and `AsyncTargetClient` (asyncio).
+
+`generate()` mirrors `model.generate()`: `input_ids`/`attention_mask` as tensors or nested lists (or
+`text`), GenerationConfig fields as keyword arguments, and an output with transformers' field names
+(`sequences`, `scores`, `logits`, `beam_indices`, `sequences_scores`) as torch tensors, plus `text`,
+`finish_reasons` and `speculation`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from client.config_client import config_to_wire
+from client.errors import SpecwireRpcError, Violation
+from specwire.common.v1 import common_pb2
+from specwire.security import secure_channel
+from specwire.generation.outputs import compute_transition_scores as _compute_transition_scores
+from specwire.target.v1 import target_service_pb2 as pb
+from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
+from specwire.wire.common import FINISH_REASON_NAMES
+from specwire.wire.generation_config import config_from_proto
+from specwire.wire.tensors import tensor_from_proto
+
+PROPOSERS = {
+    None: pb.PROPOSER_UNSPECIFIED,
+    "none": pb.PROPOSER_NONE,
+    "prompt_lookup": pb.PROPOSER_PROMPT_LOOKUP,
+    "draft_model": pb.PROPOSER_DRAFT_MODEL,
+}
+PROPOSER_NAMES = {v: k or "unspecified" for k, v in PROPOSERS.items()}
+
+
+@dataclass
+class SpeculationStats:
+    """Speculative decoding statistics of one request."""
+
+    proposer: str = "none"
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    accepted_by_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    fallback_reason: str = ""
+
+    @classmethod
+    def from_proto(cls, message: pb.SpeculationStats) -> SpeculationStats:
+        return cls(
+            proposer=PROPOSER_NAMES.get(message.proposer, "unspecified"),
+            rounds=message.rounds,
+            drafted_tokens=message.drafted_tokens,
+            accepted_tokens=message.accepted_tokens,
+            acceptance_rate=message.acceptance_rate,
+            accepted_by_position=list(message.accepted_by_position),
+            draft_seconds=message.draft_seconds,
+            verify_seconds=message.verify_seconds,
+            fallback_reason=message.fallback_reason,
+        )
+
+
+@dataclass
+class GenerateOutput:
+    """A generation's output with transformers' field names (torch tensors) plus text and reasons."""
+
+    sequences: torch.Tensor  # [rows, T]
+    text: list[str]
+    finish_reasons: list[str]
+    scores: tuple[torch.Tensor, ...] | None = None  # steps x [rows (x beams), vocab]
+    logits: tuple[torch.Tensor, ...] | None = None
+    beam_indices: torch.Tensor | None = None  # [rows, generated]
+    sequences_scores: torch.Tensor | None = None  # [rows]
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    config_name: str = ""
+    config_version: int = 0
+    model_id: str = ""
+    warnings: list[Violation] = field(default_factory=list)
+
+    @classmethod
+    def from_proto(cls, response: pb.GenerateResponse) -> GenerateOutput:
+        def tensor(name: str) -> torch.Tensor | None:
+            return tensor_from_proto(getattr(response, name)) if response.HasField(name) else None
+
+        def steps(name: str) -> tuple[torch.Tensor, ...] | None:
+            stacked = tensor(name)
+            return None if stacked is None else tuple(stacked.unbind(0))
+
+        return cls(
+            sequences=torch.tensor([list(s.token_ids) for s in response.sequences], dtype=torch.long),
+            text=[s.text for s in response.sequences],
+            finish_reasons=[FINISH_REASON_NAMES.get(s.finish_reason, "unspecified") for s in response.sequences],
+            scores=steps("scores"),
+            logits=steps("logits"),
+            beam_indices=None if not response.HasField("beam_indices") else tensor("beam_indices").long(),
+            sequences_scores=tensor("sequences_scores"),
+            speculation=SpeculationStats.from_proto(response.speculation),
+            config_name=response.config.name,
+            config_version=response.config.version,
+            model_id=response.model_id,
+            warnings=[Violation.from_proto(w) for w in response.warnings],
+        )
+
+
+@dataclass
+class StreamDelta:
+    """Tokens and text one output row gained in one step."""
+
+    row: int
+    token_ids: list[int]
+    text: str
+
+
+def _rows(value: Any) -> list[list[int]] | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if value and isinstance(value[0], int):
+        value = [value]
+    return [list(map(int, row)) for row in value]
+
+
+def build_request(
+    request_type,
+    input_ids=None,
+    *,
+    text=None,
+    attention_mask=None,
+    generation_config=None,
+    apply_chat_template: bool = False,
+    negative_prompt_ids=None,
+    proposer: str | None = None,
+    request_id: str = "",
+    **kwargs,
+):
+    """A GenerateRequest / GenerateStreamRequest from `generate()`-style arguments."""
+    if (input_ids is None) == (text is None):
+        raise ValueError("pass exactly one of input_ids and text")
+    if proposer not in PROPOSERS:
+        raise ValueError(f"proposer must be one of {sorted(k for k in PROPOSERS if k)}, not {proposer!r}")
+    request = request_type(apply_chat_template=apply_chat_template, proposer=PROPOSERS[proposer], request_id=request_id)
+    if text is not None:
+        for item in [text] if isinstance(text, str) else text:
+            request.prompts.add(text=item)
+    else:
+        masks = _rows(attention_mask) or []
+        for i, row in enumerate(_rows(input_ids)):
+            prompt = request.prompts.add(token_ids=common_pb2.TokenSequence(ids=row))
+            if masks:
+                prompt.attention_mask.extend(masks[i])
+    if isinstance(generation_config, str):
+        request.config_ref = generation_config
+    elif generation_config is not None:
+        request.config.CopyFrom(config_to_wire(generation_config))
+    if kwargs:
+        request.overrides.CopyFrom(config_to_wire(dict(kwargs)))
+    if negative_prompt_ids is not None:
+        request.negative_prompt.token_ids.ids.extend(_rows(negative_prompt_ids)[0])
+    return request
+
+
+def _deltas(message: pb.TokenDelta) -> list[StreamDelta]:
+    return [StreamDelta(r.row, list(r.token_ids), r.text) for r in message.rows]
+
+
+def _wrap_errors(method):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except grpc.RpcError as exc:
+            raise SpecwireRpcError.from_rpc_error(exc) from None
+
+    return wrapper
+
+
+class TargetClient:
+    """Blocking client of `specwire.target.v1.TargetService`.
+
+    Args:
+        address (`str`): `host:port` of the target service.
+        timeout (`float`, *optional*): per-call deadline in seconds (None: no deadline).
+    """
+
+    def __init__(self, address: str = "127.0.0.1:50052", timeout: float | None = None):
+        self.channel = secure_channel(address, [("grpc.max_receive_message_length", 256 * 1024 * 1024)])
+        self.stub = pb_grpc.TargetServiceStub(self.channel)
+        self.timeout = timeout
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> TargetClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @_wrap_errors
+    def generate(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs) -> GenerateOutput:
+        """Like `model.generate()`. `generation_config` may be ours, transformers', a dict or a registry
+        reference (`name`, `name@3`, `name:prod`); keyword arguments are GenerationConfig fields that win
+        over it. Also: `apply_chat_template`, `negative_prompt_ids`, `proposer`, `request_id`."""
+        request = build_request(pb.GenerateRequest, input_ids, text=text, attention_mask=attention_mask,
+                                generation_config=generation_config, **kwargs)
+        return GenerateOutput.from_proto(self.stub.Generate(request, timeout=self.timeout))
+
+    def stream(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None,
+               **kwargs) -> Iterator[StreamDelta | GenerateOutput]:
+        """Yield `StreamDelta`s as tokens are produced, then the final `GenerateOutput`.
+        Breaking out of the loop cancels the request on the server."""
+        request = build_request(pb.GenerateStreamRequest, input_ids, text=text, attention_mask=attention_mask,
+                                generation_config=generation_config, **kwargs)
+        call = self.stub.GenerateStream(request, timeout=self.timeout)
+        try:
+            for message in call:
+                if message.HasField("final"):
+                    yield GenerateOutput.from_proto(message.final)
+                else:
+                    yield from _deltas(message.delta)
+        except grpc.RpcError as exc:
+            raise SpecwireRpcError.from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    @_wrap_errors
+    def model_info(self) -> pb.GetModelInfoResponse:
+        """The served model's id, vocabulary, special tokens and generation config."""
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+
+    def model_generation_config(self):
+        """The served model's generation_config.json as our GenerationConfig."""
+        return config_from_proto(self.model_info().generation_config)
+
+    @staticmethod
+    def compute_transition_scores(sequences, scores, beam_indices=None, normalize_logits: bool = False):
+        """Same as transformers' `model.compute_transition_scores`."""
+        return _compute_transition_scores(sequences, scores, beam_indices, normalize_logits)
+
+
+class AsyncTargetClient:
+    """asyncio client of `specwire.target.v1.TargetService`; same methods as `TargetClient`, awaitable."""
+
+    def __init__(self, address: str = "127.0.0.1:50052", timeout: float | None = None):
+        self.channel = secure_channel(address, [("grpc.max_receive_message_length", 256 * 1024 * 1024)], aio=True)
+        self.stub = pb_grpc.TargetServiceStub(self.channel)
+        self.timeout = timeout
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncTargetClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def generate(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None,
+                       **kwargs) -> GenerateOutput:
+        request = build_request(pb.GenerateRequest, input_ids, text=text, attention_mask=attention_mask,
+                                generation_config=generation_config, **kwargs)
+        try:
+            return GenerateOutput.from_proto(await self.stub.Generate(request, timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise SpecwireRpcError.from_rpc_error(exc) from None
+
+    async def stream(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None,
+                     **kwargs) -> AsyncIterator[StreamDelta | GenerateOutput]:
+        request = build_request(pb.GenerateStreamRequest, input_ids, text=text, attention_mask=attention_mask,
+                                generation_config=generation_config, **kwargs)
+        call = self.stub.GenerateStream(request, timeout=self.timeout)
+        try:
+            async for message in call:
+                if message.HasField("final"):
+                    yield GenerateOutput.from_proto(message.final)
+                else:
+                    for delta in _deltas(message.delta):
+                        yield delta
+        except grpc.RpcError as exc:
+            raise SpecwireRpcError.from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def model_info(self) -> pb.GetModelInfoResponse:
+        try:
+            return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise SpecwireRpcError.from_rpc_error(exc) from None
+
+    compute_transition_scores = staticmethod(TargetClient.compute_transition_scores)

@@ -1,0 +1,177 @@
+"""`specwire.target.v1.TargetService`: Generate, GenerateStream and GetModelInfo."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import torch
+
+from specwire.generation.outputs import GenerationResult, StepEvent
+from specwire.generation.speculative_loop import SpeculationStats
+from specwire.models import LoadedModel
+from specwire.serving import handles_errors
+from specwire.target.v1 import target_service_pb2 as pb
+from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
+from specwire.wire.common import FINISH_REASONS, violation_to_proto
+from specwire.wire.generation_config import config_to_proto
+from specwire.wire.tensors import tensor_to_proto
+from target_service.config_resolver import ConfigResolver
+from target_service.drafting import PROPOSER_NAMES, DraftPolicy
+from target_service.engine import Engine
+from target_service.requests import GenerationJob, build_job
+
+log = logging.getLogger("specwire.target_service")
+
+PROPOSERS = {name: value for value, name in PROPOSER_NAMES.items()}
+
+
+class TextDeltas:
+    """Incremental detokenization per output row: emit only text that is complete UTF-8."""
+
+    def __init__(self, tokenizer, rows: int):
+        self.tokenizer = tokenizer
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.text: list[str] = [""] * rows
+
+    def add(self, row: int, token_ids: list[int]) -> str:
+        self.tokens[row].extend(token_ids)
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.tokens[row], skip_special_tokens=True)
+        # A trailing U+FFFD is a multi-byte character cut in half: wait for its other bytes.
+        if text.endswith("\ufffd") or not text.startswith(self.text[row]):
+            return ""
+        delta, self.text[row] = text[len(self.text[row]):], text
+        return delta
+
+    def flush(self, row: int, final_text: str) -> str:
+        """Text still held back when the row ended (a character that never completed)."""
+        if not final_text.startswith(self.text[row]):
+            return ""
+        rest, self.text[row] = final_text[len(self.text[row]):], final_text
+        return rest
+
+
+def speculation_to_proto(stats: SpeculationStats) -> pb.SpeculationStats:
+    return pb.SpeculationStats(
+        proposer=PROPOSERS.get(stats.proposer, pb.PROPOSER_UNSPECIFIED),
+        rounds=stats.rounds,
+        drafted_tokens=stats.drafted_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        acceptance_rate=stats.acceptance_rate,
+        accepted_by_position=stats.accepted_by_position,
+        draft_seconds=stats.draft_seconds,
+        verify_seconds=stats.verify_seconds,
+        fallback_reason=stats.fallback_reason,
+    )
+
+
+def response_from_result(result: GenerationResult, job: GenerationJob, loaded: LoadedModel) -> pb.GenerateResponse:
+    """The wire form of a finished generation."""
+    prompt_length = job.input_ids.shape[1]
+    sequences = []
+    for row, ids in enumerate(result.sequences.tolist()):
+        generated = ids[prompt_length:]
+        text = loaded.tokenizer.decode(generated, skip_special_tokens=True) if loaded.tokenizer is not None else ""
+        sequences.append(
+            pb.GeneratedSequence(
+                token_ids=ids,
+                prompt_length=prompt_length,
+                text=text,
+                finish_reason=FINISH_REASONS.get(result.finish_reasons[row], 0),
+            )
+        )
+    response = pb.GenerateResponse(
+        sequences=sequences,
+        model_id=loaded.model_id,
+        warnings=[violation_to_proto(w) for w in job.warnings],
+        speculation=speculation_to_proto(job.speculation),
+    )
+    if result.scores is not None:
+        response.scores.CopyFrom(tensor_to_proto(torch.stack(result.scores).float()))
+    if result.logits is not None:
+        response.logits.CopyFrom(tensor_to_proto(torch.stack(result.logits).float()))
+    if result.beam_indices is not None:
+        response.beam_indices.CopyFrom(tensor_to_proto(result.beam_indices.to(torch.int32)))
+    if result.sequences_scores is not None:
+        response.sequences_scores.CopyFrom(tensor_to_proto(result.sequences_scores.float()))
+    if job.resolved is not None:
+        response.config.name = job.resolved.name
+        response.config.version = job.resolved.version
+    return response
+
+
+class TargetServicer(pb_grpc.TargetServiceServicer):
+    """The target service over one loaded model.
+
+    Args:
+        loaded (`LoadedModel`): the served model.
+        resolver (`ConfigResolver`): registry lookups for `config_ref`.
+        drafting (`DraftPolicy`, *optional*): speculation settings (draft service, default proposer).
+    """
+
+    def __init__(self, loaded: LoadedModel, resolver: ConfigResolver, drafting: DraftPolicy | None = None):
+        self.loaded = loaded
+        self.resolver = resolver
+        self.engine = Engine(loaded, drafting)
+
+    async def _run(self, request, context) -> AsyncIterator[tuple[GenerationJob, StepEvent | GenerationResult]]:
+        job = await build_job(request, self.loaded, self.resolver)
+        started = time.perf_counter()
+        async for item in self.engine.run(job):
+            yield job, item
+        rows = job.input_ids.shape[0]
+        log.info("request %s: %d row(s) in %.3fs", job.request_id or "-", rows, time.perf_counter() - started)
+
+    @handles_errors
+    async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
+        async for job, item in self._run(request, context):
+            if isinstance(item, GenerationResult):
+                return response_from_result(item, job, self.loaded)
+        raise RuntimeError("decoding loop ended without a result")
+
+    @handles_errors
+    async def GenerateStream(self, request: pb.GenerateStreamRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
+        deltas: TextDeltas | None = None
+        async for job, item in self._run(request, context):
+            if isinstance(item, GenerationResult):
+                final = response_from_result(item, job, self.loaded)
+                if deltas is not None:
+                    rest = [pb.RowDelta(row=row, text=deltas.flush(row, seq.text))
+                            for row, seq in enumerate(final.sequences)]
+                    rest = [r for r in rest if r.text]
+                    if rest:
+                        yield pb.GenerateStreamResponse(delta=pb.TokenDelta(rows=rest))
+                yield pb.GenerateStreamResponse(final=final)
+                return
+            if deltas is None:
+                deltas = TextDeltas(self.loaded.tokenizer, len(item.tokens))
+            rows = [
+                pb.RowDelta(row=row, token_ids=tokens, text=deltas.add(row, tokens))
+                for row, tokens in enumerate(item.tokens)
+                if tokens
+            ]
+            if rows:
+                yield pb.GenerateStreamResponse(delta=pb.TokenDelta(rows=rows))
+
+    @handles_errors
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
+        loaded = self.loaded
+        config = loaded.generation_config
+        eos = config.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return pb.GetModelInfoResponse(
+            model_id=loaded.model_id,
+            vocab_size=loaded.vocab_size,
+            bos_token_id=config.bos_token_id,
+            eos_token_ids=eos_ids,
+            pad_token_id=config.pad_token_id,
+            max_position_embeddings=loaded.max_position_embeddings or 0,
+            generation_config=config_to_proto(config),
+            device=str(loaded.device),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            architecture=type(loaded.model).__name__,
+        )
+
