@@ -1,0 +1,50 @@
+"""`draft-service`: proposes speculative tokens for target services.
+
+Usage: draft-service --host 127.0.0.1 --port 50053 [--model M] [--device D] [--dtype T]
+
+Prompt lookup is always available; `--model` adds a draft model (`default-int8` is the embedded
+SmolLM2 quantized to int8, a realistic CPU draft).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from draft_service.service import DraftServicer
+from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
+from specwire.models import load_model
+from specwire.serving import GrpcServer, ServiceBinding, setup_logging
+
+SERVICE_NAME = "specwire.draft.v1.DraftService"
+
+
+def build_server(draft_model=None, host: str = "127.0.0.1", port: int = 0, grace: float = 10.0) -> GrpcServer:
+    """A ready-to-start draft server (prompt lookup, plus `draft_model` if given)."""
+    servicer = DraftServicer(draft_model)
+    # Streams are long-lived: a bounded connection age lets targets find replicas added by a scale-up.
+    options = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 60_000)]
+    return GrpcServer([ServiceBinding(pb_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],
+                      host=host, port=port, grace=grace, options=options)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="draft-service", description="specwire draft (speculation) service")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50053, help="port to bind, 0 for any free one (default 50053)")
+    parser.add_argument("--model", default=None,
+                        help="draft model: 'default-int8', 'default', a folder, a .gguf file or a Hub id "
+                             "(omit for prompt lookup only)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds open streams get on SIGTERM")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    draft_model = load_model(args.model, device=args.device, dtype=args.dtype) if args.model else None
+    server = build_server(draft_model, args.host, args.port, args.grace)
+    asyncio.run(server.serve_until_signal())
+
+
+if __name__ == "__main__":
+    main()

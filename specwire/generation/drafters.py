@@ -1,0 +1,242 @@
+"""Drafters: per-request sessions that propose speculative tokens for every row.
+
+A drafter is the state one generation request keeps on the draft side: each row's tokens so far
+and, for a draft model, each row's KV cache. The target drives it in rounds:
+
+1. `propose(num_tokens)` returns up to `num_tokens` draft tokens per row (fewer when the draft
+   stops early: an EOS, the confidence threshold, or no prompt-lookup match), plus the draft's
+   probabilities of them when the target samples (rejection sampling needs `q`).
+2. The target verifies; `feedback(num_accepted, appended)` tells the drafter, per row, how many
+   of its tokens were accepted and which tokens the target appended after them (the correction or
+   bonus token). The drafter rolls its cache back to the accepted prefix; it never re-encodes it.
+
+Rows are independent: each accepts its own number of tokens (batch > 1, `num_return_sequences` > 1).
+The draft service serves these sessions over a gRPC stream; the target can also run them in-process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from specwire.generation.prompt_lookup import banned_fn_from_processors, prompt_lookup_candidates
+from specwire.generation.schedules import ConfidenceStop
+
+__all__ = ["Drafter", "ModelDrafter", "PromptLookupDrafter", "Proposal"]
+
+
+@dataclass
+class Proposal:
+    """One block of draft tokens.
+
+    Args:
+        tokens (`list[list[int]]`): per row, the proposed tokens (possibly none).
+        probs (`list[torch.FloatTensor | None]`): per row, the draft's processed probabilities of shape
+            `(len(tokens[row]), vocab)` when the session returns them, else `None`.
+    """
+
+    tokens: list[list[int]]
+    probs: list[torch.Tensor | None]
+
+
+class Drafter(Protocol):
+    """A per-request drafting session (in-process or behind the draft service)."""
+
+    def propose(self, num_tokens: int) -> Proposal: ...
+
+    def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _eos_list(config: Any) -> list[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _draft_processors(config: Any, prompt: list[int], vocab_size: int, model: Any = None):
+    """The request's logits processors as the draft applies them.
+
+    Like transformers' assistant, the draft uses the target's processors except the length ones
+    (min length is the target's business: a draft that may stop early only loses acceptance), and
+    without classifier-free guidance (it would need the target's unconditional pass).
+    """
+    from specwire.generation.processors import build_logits_processors
+
+    draft_config = dataclasses.replace(
+        config.with_defaults() if hasattr(config, "with_defaults") else config,
+        min_length=0,
+        min_new_tokens=None,
+        guidance_scale=None,
+        forced_eos_token_id=None,
+    )
+    return build_logits_processors(
+        draft_config,
+        input_len=len(prompt),
+        vocab_size=vocab_size,
+        eos_token_ids=_eos_list(draft_config) or None,
+        num_beams=1,
+        prompt_ids=torch.tensor([prompt], dtype=torch.long),
+        model=model,
+    )
+
+
+class PromptLookupDrafter:
+    """Prompt lookup with transformers' matching rule, per row (see `prompt_lookup`).
+
+    Args:
+        rows (`list[list[int]]`): each row's tokens so far (prompt without padding).
+        config (`GenerationConfig`): the request's effective config (`max_matching_ngram_size`,
+            `eos_token_id`, and the processors used for transformers' banned-token check).
+        vocab_size (`int`): the target model's vocabulary size.
+    """
+
+    def __init__(self, rows: list[list[int]], config: Any, vocab_size: int):
+        self.rows = [list(r) for r in rows]
+        self.finished = [False] * len(rows)
+        self.ngram = config.max_matching_ngram_size
+        self.eos = _eos_list(config)
+        processors = [_draft_processors(config, r, vocab_size) for r in rows]
+        self.banned_fn = banned_fn_from_processors(processors, vocab_size)
+        self._last: list[list[int]] = [[] for _ in rows]
+
+    def propose(self, num_tokens: int) -> Proposal:
+        tokens: list[list[int]] = []
+        for i, row in enumerate(self.rows):
+            if self.finished[i] or num_tokens <= 0:
+                tokens.append([])
+                continue
+            candidates, lengths = prompt_lookup_candidates(
+                torch.tensor([row], dtype=torch.long),
+                num_tokens,
+                # The target bounds the draft length by its own max_length; no second bound here.
+                max_length=len(row) + num_tokens + 1,
+                max_matching_ngram_size=self.ngram,
+                eos_token_ids=self.eos or None,
+                banned_fn=lambda _row, prefix, cand, i=i: self.banned_fn(i, prefix, cand),
+            )
+            tokens.append(candidates[0, : int(lengths[0])].tolist())
+        self._last = tokens
+        return Proposal(tokens, [None] * len(tokens))
+
+    def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
+        for i, (n, extra) in enumerate(zip(num_accepted, appended, strict=True)):
+            self.rows[i] += self._last[i][:n] + list(extra)
+            self.finished[i] = self.finished[i] or finished[i]
+
+    def close(self) -> None:
+        self.rows = []
+
+
+class _RowCache:
+    """One row's draft state: tokens so far, and how many of them the KV cache holds."""
+
+    def __init__(self, tokens: list[int], cache: Any):
+        self.tokens = tokens
+        self.cache = cache
+        self.cached = 0  # tokens[:cached] are in the cache
+        self.drafted: list[int] = []
+
+
+class ModelDrafter:
+    """Drafts with a causal LM, one KV cache per row, rolled back to the accepted prefix each round.
+
+    Args:
+        model (`PreTrainedModel`): the draft model; it must share the target's tokenizer.
+        rows (`list[list[int]]`): each row's tokens so far (prompt without padding).
+        config (`GenerationConfig`): the request's effective config: `do_sample`, the processors and
+            warpers, `assistant_confidence_threshold`, `eos_token_id`.
+        vocab_size (`int`): the target's vocabulary size (draft probabilities are cut or padded to it).
+        return_probs (`bool`): return the draft's probabilities (the target samples).
+        generator (`torch.Generator`, *optional*): randomness of the draft's own sampling.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        rows: list[list[int]],
+        config: Any,
+        vocab_size: int,
+        return_probs: bool = False,
+        generator: torch.Generator | None = None,
+    ):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.vocab_size = vocab_size
+        self.do_sample = bool(config.do_sample)
+        self.return_probs = return_probs
+        self.generator = generator
+        self.eos = set(_eos_list(config))
+        self.confidence = ConfidenceStop.from_config(config)
+        self.processors = [_draft_processors(config, r, vocab_size) for r in rows]
+        self.device = next(model.parameters()).device
+        text_config = model.config.get_text_config(decoder=True)
+        self.rows = [_RowCache(list(r), DynamicCache(config=text_config)) for r in rows]
+        self.finished = [False] * len(rows)
+
+    def _next_scores(self, row: _RowCache, new_tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=row.cache, use_cache=True)
+        row.cached += len(new_tokens)
+        return out.logits[:, -1, :].float()  # [1, draft_vocab]
+
+    def _fit_vocab(self, scores: torch.Tensor) -> torch.Tensor:
+        # A draft's head may be wider or narrower than the target's vocabulary (padding rows).
+        width = scores.shape[-1]
+        if width > self.vocab_size:
+            return scores[:, : self.vocab_size]
+        if width < self.vocab_size:
+            pad = torch.full((1, self.vocab_size - width), float("-inf"), device=scores.device)
+            return torch.cat([scores, pad], dim=-1)
+        return scores
+
+    @torch.inference_mode()
+    def propose(self, num_tokens: int) -> Proposal:
+        tokens: list[list[int]] = []
+        probs: list[torch.Tensor | None] = []
+        for i, row in enumerate(self.rows):
+            drafted: list[int] = []
+            row_probs: list[torch.Tensor] = []
+            if not self.finished[i]:
+                new = row.tokens[row.cached:]
+                for _ in range(num_tokens):
+                    scores = self._fit_vocab(self._next_scores(row, new))
+                    context = torch.tensor([row.tokens + drafted], dtype=torch.long, device=self.device)
+                    scores = self.processors[i](context, scores)  # [1, vocab]
+                    if self.do_sample:
+                        q = scores.softmax(-1)
+                        token = int(torch.multinomial(q, 1, generator=self.generator))
+                        row_probs.append(q[0])
+                    else:
+                        token = int(scores.argmax(-1))
+                        if self.return_probs:
+                            row_probs.append(scores.softmax(-1)[0])
+                    drafted.append(token)
+                    if token in self.eos or bool(self.confidence(torch.tensor([token]), scores)[0]):
+                        break
+                    new = [token]
+            row.drafted = drafted
+            tokens.append(drafted)
+            probs.append(torch.stack(row_probs).cpu() if row_probs and self.return_probs else None)
+        return Proposal(tokens, probs)
+
+    def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
+        for i, (n, extra) in enumerate(zip(num_accepted, appended, strict=True)):
+            row = self.rows[i]
+            kept = len(row.tokens) + n
+            row.tokens += row.drafted[:n] + list(extra)
+            # The cache holds the old tokens plus all drafted tokens but the last; keep the accepted ones.
+            if row.cached > kept:
+                row.cache.crop(kept - row.cached)  # transformers 5 crops by a negative count
+                row.cached = kept
+            row.drafted = []
+            self.finished[i] = self.finished[i] or finished[i]
+
+    def close(self) -> None:
+        self.rows = []

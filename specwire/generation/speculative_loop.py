@@ -1,0 +1,464 @@
+"""Speculative decoding: rounds of draft, verify in one target forward, accept per row.
+
+Each round, every row asks the drafter for up to `k` tokens (`DraftSchedule` per row, bounded by
+`max_length`), the target runs `[last token, drafts...]` for all rows in one forward
+(`RaggedRows.verify`), the request's processors are applied at each candidate position with that
+position's own prefix, and each row accepts its longest agreeing prefix (greedy), or by rejection
+sampling with the draft's probabilities (Leviathan et al., arXiv 2211.17192), or by the target's
+own samples when the drafter gives none (prompt lookup while sampling). The row then gains the
+accepted drafts plus one target token (the correction, or the bonus token when all were
+accepted), cut at the first stopping criterion inside the block (EOS, max length, stop strings,
+max time). Rows advance by different amounts; `RaggedRows` crops the KV positions every row
+rejected and masks the rest, so the batch stays one forward per round.
+
+Output equals plain decoding: greedy tokens are identical (the target's argmax decides every
+token), and `scores`/`logits` hold one entry per generated position, computed from the same
+prefix as in plain decoding. Rows that finished early are fed the pad token like plain decoding
+feeds them, so their scores match too. When the drafter fails (unreachable, too slow, died), the
+loop finishes with empty drafts, which is plain decoding, and records why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specwire.generation.decoding import GenerationPlan, RowBatch
+from specwire.generation.drafters import Drafter, Proposal
+from specwire.generation.outputs import FINISH_LENGTH, GenerationResult, StepEvent
+from specwire.generation.schedules import DraftSchedule
+from specwire.generation.speculative import greedy_accept, rejection_sample, sampled_accept_without_draft_probs
+
+__all__ = ["DraftFailure", "RaggedRows", "SpeculationStats", "speculative_loop"]
+
+
+class DraftFailure(RuntimeError):
+    """The drafter cannot continue (unreachable, past its deadline, or its stream died)."""
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did for one request (summed over rows and rounds)."""
+
+    proposer: str = "none"
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    fallback_reason: str = ""
+    # One entry per round with a draft: (rows, asked, drafted, accepted, draft_s, verify_s), for tracing.
+    round_log: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+class RaggedRows(RowBatch):
+    """A `RowBatch` whose rows advance by different numbers of tokens per round.
+
+    `verify(candidates, valid)` appends a block per row where only `valid` slots are real tokens.
+    `discard(physical, real)` drops each row's rejected slots: the slots every row rejects are
+    cropped from the cache; the rest are masked out of attention (holes), and each row's next
+    position continues from its own real length. A single row never needs holes.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.next_position = self.position_ids[:, -1] + 1  # [rows]
+
+    def _grow(self, n: int, valid: torch.Tensor | None = None) -> None:
+        rows = self.position_ids.shape[0]
+        if valid is None:
+            valid = torch.ones((rows, n), dtype=torch.long, device=self.device)
+        valid = valid.long()
+        offsets = valid.cumsum(-1) - valid  # position of each slot = next + real slots before it
+        self.position_ids = torch.cat([self.position_ids, self.next_position[:, None] + offsets], dim=-1)
+        self.next_position = self.next_position + valid.sum(-1)
+        if self.attention_mask is None and not bool(valid.all()):
+            self.attention_mask = torch.ones(
+                (rows, self.position_ids.shape[1] - n), dtype=torch.long, device=self.device
+            )
+        if self.attention_mask is not None:
+            self.attention_mask = torch.cat([self.attention_mask, valid], dim=-1)
+
+    def verify(self, candidates: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a block per row (`valid` marks real slots) and return the logits `[rows, k, vocab]`."""
+        candidates = candidates.to(self.device)
+        k = candidates.shape[1]
+        self._grow(k, None if valid is None else valid.to(self.device))
+        return self._forward(candidates, k)
+
+    def discard(self, physical: torch.Tensor, real: torch.Tensor) -> None:
+        """Drop each row's last `physical[row]` slots, of which `real[row]` were real tokens."""
+        self.next_position = self.next_position - real.to(self.device)
+        common = int(physical.min())
+        if common > 0:
+            super().rollback(common)
+        rest = (physical - common).tolist()
+        if any(rest):
+            total = self.position_ids.shape[1]
+            if self.attention_mask is None:
+                self.attention_mask = torch.ones(
+                    (self.position_ids.shape[0], total), dtype=torch.long, device=self.device
+                )
+            for row, n in enumerate(rest):
+                if n:
+                    self.attention_mask[row, total - n:] = 0
+
+
+@dataclass
+class _Row:
+    prompt: torch.Tensor  # [input_len] (left padded as in the batch)
+    generated: list[int]
+    processors: Any
+    criteria: Any
+    schedule: DraftSchedule
+    finished: bool = False
+    reason: str | None = None
+    finish_length: int | None = None
+    scores: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    def ids(self, extra: list[int] | None = None) -> torch.Tensor:
+        tail = self.generated + (extra or [])
+        return torch.cat([self.prompt, self.prompt.new_tensor(tail)])[None]  # [1, len]
+
+
+def speculative_loop(
+    plan: GenerationPlan,
+    rows: RaggedRows,
+    input_ids: torch.Tensor,
+    row_processors: list[Any],
+    row_stop_codes: list[Callable[[torch.Tensor, Any], torch.Tensor]],
+    generator: torch.Generator | None,
+    open_drafter: Callable[[list[list[int]]], Drafter],
+    stats: SpeculationStats,
+    reason_names: dict[int, str],
+    draft_length: int | None = None,
+) -> Generator[StepEvent, None, GenerationResult]:
+    """Greedy or sampling with speculative rounds (see the module docstring).
+
+    Args:
+        plan (`GenerationPlan`): the resolved generation (lengths, special tokens, sampling).
+        rows (`RaggedRows`): the model-side state of the expanded rows.
+        input_ids (`torch.LongTensor` of shape `(rows, input_len)`): expanded, left-padded prompts.
+        row_processors (`list`): each row's logits processors (built for a batch of one).
+        row_stop_codes (`list`): each row's stopping check, `(ids [1, len], scores) -> codes [1]`.
+        generator (`torch.Generator`, *optional*): the request's randomness (sampling).
+        open_drafter (`Callable`): opens the drafting session for the rows' tokens so far
+            (prompt without padding, plus the first generated token); may raise `DraftFailure`.
+        stats (`SpeculationStats`): filled in as the rounds go.
+        reason_names (`dict`): finish-reason code -> name.
+        draft_length (`int`, *optional*): a constant draft length (prompt lookup) instead of the
+            config's `num_assistant_tokens` schedule.
+    """
+    config = plan.config
+    keep_scores = bool(config.return_dict_in_generate and config.output_scores)
+    keep_logits = bool(config.return_dict_in_generate and config.output_logits)
+    num_rows, input_len = input_ids.shape
+    pad_finished = plan.eos_token_ids is not None and plan.pad_token_id is not None
+    pad = plan.pad_token_id if pad_finished else None
+    def schedule() -> DraftSchedule:
+        if draft_length is not None:
+            return DraftSchedule(draft_length, "constant")
+        return DraftSchedule.from_config(config)
+
+    state = [_Row(input_ids[r], [], row_processors[r], row_stop_codes[r], schedule()) for r in range(num_rows)]
+    mask = plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
+
+    def finish(row: _Row, code: int) -> str:
+        row.finished, row.reason = True, reason_names.get(code, FINISH_LENGTH)
+        row.finish_length = len(row.generated)
+        return row.reason
+
+    # Step 0: the first token comes from the prefill's logits, as in plain decoding.
+    logits = rows.prefill(input_ids)  # [rows, V]
+    tokens, reasons = [], []
+    for r, row in enumerate(state):
+        scores = row.processors(row.ids(), logits[r : r + 1])[0]
+        token = _greedy_or_sample(plan, scores, generator)
+        row.generated.append(token)
+        row.scores.append(scores)
+        row.logits.append(logits[r])
+        code = int(row.criteria(row.ids(), scores[None])[0])
+        tokens.append([token])
+        reasons.append(finish(row, code) if code else None)
+    yield StepEvent(step=0, tokens=tokens, finish_reasons=reasons, final=all(r.finished for r in state))
+
+    drafter: Drafter | None = None
+    try:
+        started = time.perf_counter()
+        drafter = open_drafter([_unpadded(row, mask[r]) for r, row in enumerate(state)])
+        stats.draft_seconds += time.perf_counter() - started
+    except DraftFailure as exc:
+        stats.fallback_reason = f"draft unavailable: {exc}"
+
+    step = 1
+    while not _done(state):
+        # 1. Draft lengths per row, bounded so the block (drafts + 1) fits under max_length.
+        room = [plan.max_length - input_len - len(row.generated) for row in state]
+        want = [0 if row.finished else max(min(row.schedule.num_assistant_tokens, room[r] - 1), 0)
+                for r, row in enumerate(state)]
+        asked = max(want)
+        proposal = Proposal([[] for _ in state], [None] * num_rows)
+        draft_s = 0.0
+        if drafter is not None and asked > 0:
+            started = time.perf_counter()
+            try:
+                proposal = drafter.propose(asked)
+            except DraftFailure as exc:
+                stats.fallback_reason = f"draft failed mid-request: {exc}"
+                drafter = _close(drafter)
+            draft_s = time.perf_counter() - started
+            stats.draft_seconds += draft_s
+        drafts = [list(proposal.tokens[r][: want[r]]) for r in range(num_rows)]
+        # Finished rows are fed the pad token, as plain decoding feeds them (their scores stay exact).
+        catch_up = max(row.finish_length for row in state) if all(row.finished for row in state) else 0
+        forced = [
+            [pad] * max(min(max(asked, catch_up - len(row.generated) - 1), room[r] - 1), 0)
+            if row.finished and pad is not None else []
+            for r, row in enumerate(state)
+        ]
+        blocks = [drafts[r] or forced[r] for r in range(num_rows)]
+        k = max(len(b) for b in blocks)
+
+        # 2. One target forward over [last token, block] for every row.
+        candidates = torch.full((num_rows, k + 1), pad if pad is not None else 0, dtype=torch.long)
+        valid = torch.zeros((num_rows, k + 1), dtype=torch.long)
+        for r, row in enumerate(state):
+            block = [row.generated[-1], *blocks[r]]
+            candidates[r, : len(block)] = torch.tensor(block)
+            valid[r, : len(block)] = 1
+        started = time.perf_counter()
+        logits = rows.verify(candidates, valid)  # [rows, k + 1, V]
+
+        # 3. Processors at every position with its own prefix, acceptance, and the stopping cut.
+        emitted_per_row, accepted_per_row, events = [], [], []
+        for r, row in enumerate(state):
+            block = blocks[r]
+            scores = torch.stack([row.processors(row.ids(block[:j]), logits[r : r + 1, j])[0]
+                                  for j in range(len(block) + 1)])  # [len(block) + 1, V]
+            if row.finished:
+                emitted, n_acc = [*block, pad if pad is not None else _greedy_or_sample(plan, scores[-1], generator)], 0
+            else:
+                emitted, n_acc = _accept(plan, block, proposal.probs[r], scores, generator)
+            start = len(row.generated)
+            was_finished = row.finished
+            if not was_finished:
+                for j in range(1, len(emitted) + 1):
+                    code = int(row.criteria(row.ids(emitted[:j]), scores[j - 1 : j])[0])
+                    if code:
+                        emitted, n_acc = emitted[:j], min(n_acc, j - 1)
+                        row.generated += emitted
+                        finish(row, code)
+                        break
+                else:
+                    row.generated += emitted
+            else:
+                row.generated += emitted
+            row.scores += list(scores[: len(emitted)])
+            row.logits += list(logits[r, : len(emitted)])
+            emitted_per_row.append(emitted)
+            accepted_per_row.append(min(n_acc, len(drafts[r])))
+            # What the caller sees: real tokens up to the finish, and the reason once.
+            end = row.finish_length if row.finish_length is not None else len(row.generated)
+            events.append((emitted[: max(end - start, 0)] if not was_finished else [],
+                           row.reason if row.finished and not was_finished else None))
+        verify_s = time.perf_counter() - started
+        stats.verify_seconds += verify_s
+
+        # 4. Forget what was not kept: slots after the accepted drafts (the last emitted token is
+        # the next round's input, not yet in the cache).
+        kept = [len(e) for e in emitted_per_row]
+        rows.discard(torch.tensor([k + 1 - n for n in kept]),
+                     torch.tensor([len(blocks[r]) + 1 - kept[r] for r in range(num_rows)]))
+
+        # 5. Schedules, statistics and the drafter's feedback.
+        drafted_now = sum(len(d) for d in drafts)
+        for r, row in enumerate(state):
+            if drafts[r]:
+                row.schedule.update(accepted_per_row[r], len(drafts[r]))
+                for position in range(accepted_per_row[r]):
+                    if position == len(stats.accepted_by_position):
+                        stats.accepted_by_position.append(0)
+                    stats.accepted_by_position[position] += 1
+        if drafted_now:
+            accepted_now = sum(accepted_per_row)
+            stats.rounds += 1
+            stats.drafted_tokens += drafted_now
+            stats.accepted_tokens += accepted_now
+            stats.round_log.append((num_rows, asked, drafted_now, accepted_now, draft_s, verify_s))
+        if drafter is not None:
+            appended = [emitted_per_row[r][accepted_per_row[r]:] for r in range(num_rows)]
+            try:
+                drafter.feedback(accepted_per_row, appended, [row.finished for row in state])
+            except DraftFailure as exc:
+                stats.fallback_reason = f"draft failed mid-request: {exc}"
+                drafter = _close(drafter)
+
+        yield StepEvent(step=step, tokens=[e[0] for e in events], finish_reasons=[e[1] for e in events],
+                        final=_done(state))
+        step += 1
+
+    if drafter is not None:
+        _close(drafter)
+    return _result(plan, state, input_ids, keep_scores, keep_logits, pad)
+
+
+def _accept(plan, block, draft_probs, scores, generator) -> tuple[list[int], int]:
+    """Acceptance for one row: (emitted tokens, accepted drafts)."""
+    k = len(block)
+    drafts = torch.tensor([block], dtype=torch.long)  # [1, k]
+    lengths = torch.tensor([k])
+    if not plan.do_sample:
+        result = greedy_accept(drafts, lengths, scores[None])
+    elif draft_probs is not None and k:
+        q = draft_probs[:k].to(scores.device)[None]
+        result = rejection_sample(drafts, lengths, q, scores.softmax(-1)[None], generator)
+    else:
+        result = sampled_accept_without_draft_probs(drafts, lengths, scores.softmax(-1)[None], generator)
+    n = int(result.num_emitted[0])
+    return result.emitted[0, :n].tolist(), int(result.num_accepted[0])
+
+
+def _greedy_or_sample(plan, scores: torch.Tensor, generator) -> int:
+    if plan.do_sample:
+        return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+    return int(scores.argmax(-1))
+
+
+def _unpadded(row: _Row, mask: torch.Tensor | None) -> list[int]:
+    prompt = row.prompt if mask is None else row.prompt[mask.bool()]
+    return prompt.tolist() + row.generated
+
+
+def _done(state: list[_Row]) -> bool:
+    """Plain decoding stops when every row finished; later-finishing rows define the length."""
+    if not all(row.finished for row in state):
+        return False
+    length = max(row.finish_length for row in state)
+    return all(len(row.generated) >= length for row in state)
+
+
+def _close(drafter: Drafter) -> None:
+    try:
+        drafter.close()
+    except Exception:  # noqa: BLE001 - a broken drafter must not break the request
+        pass
+    return None
+
+
+def _result(plan, state, input_ids, keep_scores, keep_logits, pad) -> GenerationResult:
+    length = max(row.finish_length for row in state)
+    sequences = torch.stack([
+        torch.cat([row.prompt, row.prompt.new_tensor(row.generated[:length])]) for row in state
+    ])
+    scores = logits = None
+    if keep_scores:
+        scores = tuple(torch.stack([row.scores[t] for row in state]) for t in range(length))
+    if keep_logits:
+        logits = tuple(torch.stack([row.logits[t] for row in state]) for t in range(length))
+    if not plan.config.return_dict_in_generate:
+        scores = logits = None
+    return GenerationResult(
+        sequences=sequences,
+        scores=scores,
+        logits=logits,
+        finish_reasons=[row.reason or FINISH_LENGTH for row in state],
+        prompt_length=input_ids.shape[1],
+    )
+
+
+def speculation_blocker(plan: GenerationPlan, negative_prompt_ids: Any = None) -> str:
+    """Why this generation cannot speculate ("" when it can); it then runs plain decoding."""
+    config = plan.config
+    if plan.num_beams > 1:
+        return "beam search runs without speculation (plain beam search)"
+    if not config.use_cache:
+        return "speculation needs use_cache=True"
+    if config.guidance_scale is not None and config.guidance_scale != 1:
+        return "classifier-free guidance (guidance_scale) needs one target step at a time"
+    return ""
+
+
+def iter_speculative(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    config: Any,
+    open_drafter: Callable[[list[list[int]], Any], Drafter],
+    stats: SpeculationStats,
+    tokenizer: Any = None,
+    generator: torch.Generator | None = None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+    max_position_embeddings: int | None = None,
+    draft_length: int | None = None,
+) -> Generator[StepEvent, None, GenerationResult]:
+    """`iter_generate` with speculative rounds when the request allows it, else plain decoding.
+
+    Same arguments and result as `specwire.generation.decoding.iter_generate`, plus:
+
+    Args:
+        open_drafter (`Callable[[list[list[int]], GenerationConfig], Drafter]`): opens the drafting
+            session for the rows (prompt tokens without padding) and the resolved config; may raise
+            `DraftFailure`, which falls back to plain decoding.
+        stats (`SpeculationStats`): receives the request's speculation statistics and fallback reason.
+        draft_length (`int`, *optional*): constant draft length (prompt lookup) instead of the schedule.
+    """
+    from specwire.generation.decoding import (
+        InvalidGenerationArgument,
+        _reason_names,
+        _StopCodes,
+        iter_generate,
+        prepare_generation,
+    )
+    from specwire.generation.processors import build_logits_processors
+    from specwire.generation.sampling import make_generator
+    from specwire.generation.stopping import build_stopping_criteria
+
+    plan = prepare_generation(model, input_ids, attention_mask, config=config,
+                              max_position_embeddings=max_position_embeddings)
+    blocker = speculation_blocker(plan, negative_prompt_ids)
+    if blocker:
+        stats.fallback_reason = blocker
+        return iter_generate(model, input_ids, attention_mask, config=config, tokenizer=tokenizer,
+                             generator=generator, negative_prompt_ids=negative_prompt_ids,
+                             negative_prompt_attention_mask=negative_prompt_attention_mask,
+                             max_position_embeddings=max_position_embeddings)
+    config = plan.config
+    if config.stop_strings is not None and tokenizer is None:
+        raise InvalidGenerationArgument.for_field(
+            "stop_strings", config.stop_strings, "stop_strings need the model's tokenizer to be passed"
+        )
+    expanded = plan.input_ids.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.input_ids
+    mask = plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
+    rows = RaggedRows(model, attention_mask=mask, prompt_length=plan.input_len, rows=expanded.shape[0],
+                      use_cache=True, prefill_chunk_size=getattr(config, "prefill_chunk_size", None))
+    vocab_size = int(model.config.get_text_config().vocab_size)
+    if max_position_embeddings is None:
+        max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
+    pad_lengths = rows.padding_lengths
+    row_processors, row_stops = [], []
+    for r in range(expanded.shape[0]):
+        prompt = plan.input_ids[r // plan.expand : r // plan.expand + 1]
+        row_processors.append(build_logits_processors(
+            config, input_len=plan.input_len, vocab_size=vocab_size, eos_token_ids=plan.eos_token_ids,
+            num_beams=1, prompt_ids=prompt,
+            prompt_pad_lengths=None if pad_lengths is None else pad_lengths[r : r + 1], model=model,
+        ))
+        criteria = build_stopping_criteria(config, max_length=plan.max_length, eos_token_ids=plan.eos_token_ids,
+                                           tokenizer=tokenizer, max_position_embeddings=max_position_embeddings)
+        row_stops.append(_StopCodes(criteria, plan.eos_token_ids, expanded.device))
+    if plan.do_sample and generator is None:
+        generator = make_generator(getattr(config, "seed", None), expanded.device)
+    return speculative_loop(plan, rows, expanded, row_processors, row_stops, generator,
+                            lambda tokens: open_drafter(tokens, config), stats, _reason_names(), draft_length)

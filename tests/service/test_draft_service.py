@@ -1,0 +1,158 @@
+"""DraftService on a real grpc.aio server: prompt lookup and draft-model sessions over one
+bidirectional stream per request, rollback on feedback, and its error codes."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import grpc
+import pytest
+import torch
+import transformers
+
+from draft_service.__main__ import build_server
+from specwire.common.v1 import common_pb2
+from specwire.draft.v1 import draft_service_pb2 as pb
+from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
+from specwire.models import load_model
+from specwire.wire.generation_config import dict_to_proto
+from specwire.wire.tensors import tensor_from_proto
+from tests.servers import threaded_server
+
+
+@pytest.fixture(scope="module")
+def draft_loaded(tiny_draft_dir):
+    return load_model(str(tiny_draft_dir), progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(draft_loaded):
+    with threaded_server(lambda: build_server(draft_loaded)) as running:
+        yield running
+
+
+class Stream:
+    """A lockstep DraftService stream driven from a test: send one message, read one answer."""
+
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.requests: queue.Queue = queue.Queue()
+        self.responses = pb_grpc.DraftServiceStub(self.channel).Draft(iter(self.requests.get, None), timeout=60)
+
+    def send(self, message: pb.DraftRequest) -> pb.DraftResponse:
+        self.requests.put(message)
+        return next(self.responses)
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.channel.close()
+
+
+def start(rows, method, config=None, num_tokens=4, vocab_size=378, return_probs=False) -> pb.DraftRequest:
+    return pb.DraftRequest(start=pb.DraftStart(
+        rows=[common_pb2.TokenSequence(ids=r) for r in rows], method=method,
+        config=dict_to_proto(config or {"eos_token_id": 2}), num_tokens=num_tokens,
+        vocab_size=vocab_size, return_probs=return_probs))
+
+
+def feedback(accepted, appended, num_tokens=4, finished=None) -> pb.DraftRequest:
+    finished = finished or [False] * len(accepted)
+    return pb.DraftRequest(feedback=pb.DraftFeedback(num_tokens=num_tokens, rows=[
+        pb.RowFeedback(num_accepted=n, appended_ids=a, finished=f) for n, a, f in zip(accepted, appended, finished)]))
+
+
+def test_prompt_lookup_session_follows_accepted_tokens(server):
+    stream = Stream(server.address)
+    rows = [[10, 11, 12, 13, 14, 10, 11], [7, 8, 9]]
+    first = stream.send(start(rows, pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=3))
+    # Row 0 ends with the bigram (10, 11), first seen at position 0: propose what followed it.
+    assert list(first.rows[0].token_ids) == [12, 13, 14]
+    assert list(first.rows[1].token_ids) == []
+    # The target accepted 2 of row 0's tokens and appended 99; row 1 got 9 appended.
+    second = stream.send(feedback([2, 0], [[99], [9]], num_tokens=3))
+    # Row 0 is now ... 10 11 12 13 99: no earlier (13, 99) or (99,) -> nothing; row 1 ends (9, 9)/(9,) -> [9].
+    assert list(second.rows[0].token_ids) == []
+    assert list(second.rows[1].token_ids) == [9]
+    stream.close()
+
+
+def test_model_session_matches_greedy_of_the_draft_model(server, tiny_draft_dir):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_draft_dir).eval()
+    prompt = [5, 6, 7, 8, 9]
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
+    stream = Stream(server.address)
+    config = {"eos_token_id": 2, "assistant_confidence_threshold": 0.0}
+    first = stream.send(start([prompt], pb.DRAFT_METHOD_MODEL, config, num_tokens=4))
+    drafted = list(first.rows[0].token_ids)
+    assert drafted == expected[:len(drafted)] and drafted
+    # Accept two tokens, then a correction different from the third: the draft must continue from it,
+    # with its cache rolled back (a full re-encode of the new prefix must agree).
+    correction = (drafted[2] + 1) % 378 if len(drafted) > 2 else 42
+    second = stream.send(feedback([2], [[correction]], num_tokens=3))
+    new_prefix = prompt + drafted[:2] + [correction]
+    want = reference.generate(torch.tensor([new_prefix]), max_new_tokens=3, do_sample=False)[0, len(new_prefix):]
+    assert list(second.rows[0].token_ids) == want.tolist()[:len(second.rows[0].token_ids)]
+    stream.close()
+
+
+def test_model_session_returns_probabilities_when_sampling(server):
+    stream = Stream(server.address)
+    config = {"eos_token_id": 2, "do_sample": True, "top_k": 20, "seed": 3, "assistant_confidence_threshold": 0.0}
+    reply = stream.send(start([[5, 6, 7]], pb.DRAFT_METHOD_MODEL, config, num_tokens=3, return_probs=True))
+    tokens = list(reply.rows[0].token_ids)
+    probs = tensor_from_proto(reply.rows[0].probs)
+    assert probs.shape == (len(tokens), 378)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(tokens)))
+    assert ((probs > 0).sum(-1) <= 20).all()  # the request's top_k reached the draft
+    assert all(probs[i, t] > 0 for i, t in enumerate(tokens))
+    stream.close()
+
+
+@pytest.mark.parametrize(
+    "messages, code",
+    [
+        ([feedback([0], [[1]])], grpc.StatusCode.FAILED_PRECONDITION),
+        ([start([[1, 2]], pb.DRAFT_METHOD_UNSPECIFIED)], grpc.StatusCode.INVALID_ARGUMENT),
+        ([start([[1, 999]], pb.DRAFT_METHOD_PROMPT_LOOKUP)], grpc.StatusCode.INVALID_ARGUMENT),
+        ([start([[]], pb.DRAFT_METHOD_PROMPT_LOOKUP)], grpc.StatusCode.INVALID_ARGUMENT),
+        ([start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=1000)], grpc.StatusCode.INVALID_ARGUMENT),
+        ([start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP), feedback([5], [[1]])], grpc.StatusCode.INVALID_ARGUMENT),
+        ([start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP), feedback([0, 0], [[1], [1]])], grpc.StatusCode.INVALID_ARGUMENT),
+        ([start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP), start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP)],
+         grpc.StatusCode.FAILED_PRECONDITION),
+    ],
+)
+def test_bad_streams_get_the_right_status(server, messages, code):
+    stream = Stream(server.address)
+    with pytest.raises(grpc.RpcError) as info:
+        for message in messages:
+            stream.send(message)
+    assert info.value.code() == code
+    stream.close()
+
+
+def test_prompt_lookup_only_server_refuses_model_drafting():
+    with threaded_server(lambda: build_server(None)) as running:
+        stream = Stream(running.address)
+        with pytest.raises(grpc.RpcError) as info:
+            stream.send(start([[1, 2]], pb.DRAFT_METHOD_MODEL))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        stream.close()
+
+
+def test_sessions_are_independent_under_concurrency(server):
+    results = {}
+
+    def run(i):
+        stream = Stream(server.address)
+        rows = [[i, i + 1, i + 2, i, i + 1]]
+        results[i] = list(stream.send(start(rows, pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=2)).rows[0].token_ids)
+        stream.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(10, 30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {i: [i + 2, i] for i in range(10, 30)}
