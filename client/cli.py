@@ -1,9 +1,10 @@
 """`specwire`: the command line.
 
-  specwire demo ["prompt"]        start every service locally, generate, print text and stats, stop
+  specwire demo ["prompt"]        start every service locally, generate with speculation, print text and stats, stop
   specwire serve                  start every service locally with the embedded model until Ctrl-C
   specwire generate "prompt"      generate through a running target service
   specwire config ...             the config registry: create/get/list/update/delete/tag/validate/import/export
+  specwire stats --prometheus URL speculative acceptance per proposer and config (optionally a PNG)
 """
 
 from __future__ import annotations
@@ -133,16 +134,21 @@ def _print_stats(output) -> None:
     if output is None:
         return
     s = output.speculation
-    print(f"-- finish: {', '.join(output.finish_reasons)} | model: {output.model_id}", file=sys.stderr)
-    line = (f"-- speculation: proposer={s.proposer} rounds={s.rounds} drafted={s.drafted_tokens} "
-            f"accepted={s.accepted_tokens} acceptance_rate={s.acceptance_rate:.2f}")
+    print(f"-- finish: {', '.join(output.finish_reasons)} | model: {output.model_id}")
+    mean_length = 1 + s.accepted_tokens / s.rounds if s.rounds else 1.0
+    print(f"-- speculation: proposer={s.proposer} rounds={s.rounds} drafted={s.drafted_tokens} "
+          f"accepted={s.accepted_tokens} acceptance_rate={s.acceptance_rate:.2f} "
+          f"mean_acceptance_length={mean_length:.2f}")
+    if s.rounds:
+        print(f"-- accepted by draft position: {s.accepted_by_position} | draft {s.draft_seconds:.2f}s, "
+              f"verify {s.verify_seconds:.2f}s")
     if s.fallback_reason:
-        line += f" ({s.fallback_reason})"
-    print(line, file=sys.stderr)
+        print(f"-- fell back to plain decoding: {s.fallback_reason}")
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", *args], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def _spawn(args: list[str], drop: tuple[str, ...] = ()) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return subprocess.Popen([sys.executable, "-m", *args], env={**env, "PYTHONUNBUFFERED": "1"})
 
 
 def _wait_healthy(address: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
@@ -167,26 +173,35 @@ def _wait_healthy(address: str, process: subprocess.Popen, timeout: float = 600.
 
 
 class LocalStack:
-    """Config and target services as child processes on loopback (what `serve` and `demo` run)."""
+    """Config, draft and target services as child processes on loopback (what `serve` and `demo` run)."""
 
     def __init__(self, args):
         self.args = args
         self.processes: list[subprocess.Popen] = []
         self.config_address = f"{args.host}:{args.config_port}"
+        self.draft_address = f"{args.host}:{args.draft_port}"
         self.target_address = f"{args.host}:{args.target_port}"
 
     def __enter__(self) -> LocalStack:
         a = self.args
         print(f"starting config-service on {self.config_address} (registry {a.db})", file=sys.stderr)
-        config = _spawn(["config_service", "--host", a.host, "--port", str(a.config_port), "--db", a.db])
-        self.processes.append(config)
+        # SPECWIRE_PROMETHEUS_PORT goes to the target only (its speculation metrics): servers can't share a port.
+        config = _spawn(["config_service", "--host", a.host, "--port", str(a.config_port), "--db", a.db],
+                        drop=("SPECWIRE_PROMETHEUS_PORT",))
+        draft_model = [] if a.draft_model == "none" else ["--model", a.draft_model]
+        print(f"starting draft-service on {self.draft_address} (prompt lookup"
+              f"{'' if a.draft_model == 'none' else ', draft model ' + a.draft_model})", file=sys.stderr)
+        draft = _spawn(["draft_service", "--host", a.host, "--port", str(a.draft_port), *draft_model],
+                       drop=("SPECWIRE_PROMETHEUS_PORT",))
         print(f"starting target-service on {self.target_address} (model {a.model}; loading takes a while)",
               file=sys.stderr)
         target = _spawn(["target_service", "--host", a.host, "--port", str(a.target_port), "--model", a.model,
-                         "--config-address", self.config_address, "--device", a.device, "--dtype", a.dtype])
-        self.processes.append(target)
+                         "--config-address", self.config_address, "--draft-address", self.draft_address,
+                         "--device", a.device, "--dtype", a.dtype])
+        self.processes += [config, draft, target]
         try:
             _wait_healthy(self.config_address, config)
+            _wait_healthy(self.draft_address, draft)
             _wait_healthy(self.target_address, target)
         except BaseException:
             self.__exit__(None, None, None)
@@ -230,10 +245,11 @@ def _demo_command(args) -> int:
                 record = registry.create("demo-greedy", {"max_new_tokens": args.max_new_tokens, "do_sample": False})
                 print(f"stored config {record.name}@{record.version} in the registry", file=sys.stderr)
             prompt = args.prompt or DEFAULT_PROMPT
-            print(f"\nprompt: {prompt}\n", file=sys.stderr)
+            proposer = "prompt_lookup" if args.draft_model == "none" else "draft_model"
+            print(f"\nprompt: {prompt}\n(speculation: {proposer})\n", file=sys.stderr)
             gen_args = argparse.Namespace(address=stack.target_address, timeout=None, prompt=[prompt],
                                           config="demo-greedy", set=args.set, stream=True, as_json=False,
-                                          no_chat=False, proposer=None)
+                                          no_chat=False, proposer=proposer)
             return _generate_command(gen_args)
 
 
@@ -246,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--config-port", type=int, default=50051)
         p.add_argument("--target-port", type=int, default=50052)
+        p.add_argument("--draft-port", type=int, default=50053)
+        p.add_argument("--draft-model", default="default-int8",
+                       help="draft service model ('none' = prompt lookup only; default: the embedded model in int8)")
         p.add_argument("--device", default="cpu")
         p.add_argument("--dtype", default="float32")
 
@@ -317,18 +336,28 @@ def build_parser() -> argparse.ArgumentParser:
     json_flag(p)
     p = cfg_sub.add_parser("export", help="print a version as generation_config.json")
     p.add_argument("ref")
+
+    from client.stats import add_parser as add_stats_parser
+
+    add_stats_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from client.errors import SpecwireRpcError
+    from specwire.telemetry import get_tracer, setup_telemetry
 
+    if args.command == "stats":
+        from client.stats import stats_command
+
+        return stats_command(args)
+    # OTEL_* tracing of the client's calls; the scrape port is for servers, not for the CLI.
+    setup_telemetry("specwire-cli", env={k: v for k, v in os.environ.items() if k != "SPECWIRE_PROMETHEUS_PORT"})
     try:
-        if args.command == "config":
-            return _config_command(args)
-        if args.command == "generate":
-            return _generate_command(args)
+        if args.command in ("config", "generate"):
+            with get_tracer().start_as_current_span(f"specwire {args.command}"):  # the trace's root
+                return _config_command(args) if args.command == "config" else _generate_command(args)
         if args.command == "serve":
             return _serve_command(args)
         if args.command == "demo":

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from specwire.errors import FieldProblem, InvalidArgument, Unimplemented
-from specwire.generation.config import GenerationConfig, GenerationMode, merge
+from specwire.generation.config import GenerationConfig, merge
 from specwire.generation.speculative_loop import SpeculationStats
 from specwire.models import LoadedModel
 from specwire.target.v1 import target_service_pb2 as pb
@@ -23,13 +23,6 @@ from target_service.config_resolver import ConfigResolver, ResolvedConfig
 
 MAX_BATCH_SIZE = 64
 
-# Modes transformers 5 moved to Hub `custom_generate` repos, with the field that selects each.
-DROPPED_MODES = {
-    GenerationMode.GROUP_BEAM_SEARCH: "num_beam_groups",
-    GenerationMode.CONSTRAINED_BEAM_SEARCH: "constraints",
-    GenerationMode.CONTRASTIVE_SEARCH: "penalty_alpha",
-    GenerationMode.DOLA_GENERATION: "dola_layers",
-}
 # Drafting methods that need the target's hidden states every round: not servable by a separate
 # draft service, and not implemented in-process either.
 UNSERVED_FIELDS = ("use_mtp", "assistant_early_exit", "speculation_type")
@@ -86,13 +79,8 @@ async def effective_config(
     if errors:
         summary = "; ".join(f"{p.field}={p.value!r}: {p.message}" for p in errors)
         raise InvalidArgument(f"invalid generation config: {summary}", errors)
-    mode = merged.get_generation_mode()
-    if mode in DROPPED_MODES:
-        name = DROPPED_MODES[mode]
-        raise Unimplemented(
-            f"config.{name}={getattr(merged, name)!r} selects {mode.value}, which transformers 5 removed from "
-            "the library (it lives in a Hub custom_generate repo); specwire does not serve it yet: unset the field"
-        )
+    # Modes transformers 5 removed (group/constrained beams, contrastive, DoLa) are refused by the
+    # decoding loop itself with UNIMPLEMENTED, naming the field.
     for name in UNSERVED_FIELDS:
         if getattr(merged, name) not in (None, False):
             raise Unimplemented(f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it")

@@ -93,6 +93,9 @@ class UnsupportedModeError(InvalidGenerationArgument):
             The field's value.
     """
 
+    # A mode we do not run is not the caller's mistake in form: the servers answer UNIMPLEMENTED.
+    code = "UNIMPLEMENTED"
+
     def __init__(self, field: str, message: str, value: Any = None):
         self.field = field
         self.value = value

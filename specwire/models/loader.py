@@ -17,11 +17,13 @@ generation. Failures raise `ModelLoadError` with what was tried and how to fix i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -387,7 +389,8 @@ def load_model(
 
     Args:
         name (`str`):
-            `"default"` (the embedded SmolLM2-135M-Instruct GGUF), a path to a `.gguf` file, a local folder
+            `"default"` (the embedded SmolLM2-135M-Instruct GGUF), `"default-int8"` (the same with its linear
+            layers quantized to int8, a realistic CPU draft model), a path to a `.gguf` file, a local folder
             (config + safetensors + tokenizer), or a Hub repo id (through `huggingface_hub`, offline from its
             cache when `HF_HUB_OFFLINE=1`).
         device (`str` or `torch.device`, *optional*, defaults to `"cpu"`):
@@ -406,6 +409,8 @@ def load_model(
         `ModelLoadError`: the name cannot be resolved or the files cannot be loaded; the message lists what
             was tried and how to fix it.
     """
+    if name == DEFAULT_INT8_NAME:
+        return _load_int8_default(device=device, progress=progress)
     report = _Progress(progress)
     tried: list[str] = []
     try:
@@ -443,6 +448,26 @@ def load_model(
         source=str(source.folder / source.gguf_file) if source.gguf_file else str(source.folder),
         load_seconds=elapsed,
     )
+
+
+DEFAULT_INT8_NAME = "default-int8"
+
+
+def _load_int8_default(device: str | torch.device, progress: bool) -> LoadedModel:
+    """The embedded model with dynamic int8 linear layers (weights int8, activations quantized per call)."""
+    if resolve_device(device).type != "cpu":
+        raise ModelLoadError(DEFAULT_INT8_NAME, "dynamic int8 quantization runs on the CPU only",
+                             hint="use 'default' with --dtype bfloat16 on a GPU")
+    loaded = load_model("default", device="cpu", dtype="float32", progress=progress)
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        # torch marks its quantized tensor constructors deprecated; dynamic quantization still works.
+        warnings.simplefilter("ignore")
+        from torch.ao.quantization import quantize_dynamic
+
+        model = quantize_dynamic(loaded.model, {torch.nn.Linear}, dtype=torch.qint8)
+    _Progress(progress)(f"quantized the linear layers to int8 in {time.perf_counter() - started:.1f}s")
+    return dataclasses.replace(loaded, model=model, model_id=f"{loaded.model_id} int8")
 
 
 def _load_from_source(
