@@ -25,3 +25,27 @@ def tiny_draft_dir(tmp_path_factory):
     from tests.tiny_models import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), seed=1, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded default model (`load_model("default")`): SmolLM2-135M-Instruct, dequantized from GGUF.
+
+    Its `.model` is a transformers `LlamaForCausalLM`, so the same object also serves as the reference
+    (`smollm.model.generate(...)`): loading the GGUF a second time would double the fixture's cost.
+    """
+    from specwire.models import load_model
+
+    return load_model("default", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_int8(smollm):
+    """The embedded model with int8 linear layers: what `load_model("default-int8")` returns.
+
+    Quantized from the session's `smollm` (a copy: `quantize_int8` leaves its input untouched), so
+    the GGUF is not loaded a second time.
+    """
+    from specwire.models import quantize_int8
+
+    return quantize_int8(smollm, progress=False)

@@ -454,18 +454,27 @@ DEFAULT_INT8_NAME = "default-int8"
 
 
 def _load_int8_default(device: str | torch.device, progress: bool) -> LoadedModel:
-    """The embedded model with dynamic int8 linear layers (weights int8, activations quantized per call)."""
     if resolve_device(device).type != "cpu":
         raise ModelLoadError(DEFAULT_INT8_NAME, "dynamic int8 quantization runs on the CPU only",
                              hint="use 'default' with --dtype bfloat16 on a GPU")
-    loaded = load_model("default", device="cpu", dtype="float32", progress=progress)
+    return quantize_int8(load_model("default", device="cpu", dtype="float32", progress=progress), progress=progress)
+
+
+def quantize_int8(loaded: LoadedModel, progress: bool = True) -> LoadedModel:
+    """A copy of a float32 CPU model with dynamic int8 linear layers (int8 weights, activations
+    quantized per call): a realistic CPU draft model. The input is left untouched.
+
+    Args:
+        loaded (`LoadedModel`): a model loaded on the CPU in float32.
+        progress (`bool`, *optional*, defaults to `True`): write a progress line to stderr.
+    """
     started = time.perf_counter()
     with warnings.catch_warnings():
         # torch marks its quantized tensor constructors deprecated; dynamic quantization still works.
         warnings.simplefilter("ignore")
         from torch.ao.quantization import quantize_dynamic
 
-        model = quantize_dynamic(loaded.model, {torch.nn.Linear}, dtype=torch.qint8)
+        model = quantize_dynamic(loaded.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=False)
     _Progress(progress)(f"quantized the linear layers to int8 in {time.perf_counter() - started:.1f}s")
     return dataclasses.replace(loaded, model=model, model_id=f"{loaded.model_id} int8")
 

