@@ -454,7 +454,11 @@ DEFAULT_INT8_NAME = "default-int8"
 
 
 def _load_int8_default(device: str | torch.device, progress: bool) -> LoadedModel:
-    if resolve_device(device).type != "cpu":
+    try:
+        torch_device = resolve_device(device)
+    except ValueError as error:
+        raise ModelLoadError(DEFAULT_INT8_NAME, str(error)) from error
+    if torch_device.type != "cpu":
         raise ModelLoadError(DEFAULT_INT8_NAME, "dynamic int8 quantization runs on the CPU only",
                              hint="use 'default' with --dtype bfloat16 on a GPU")
     return quantize_int8(load_model("default", device="cpu", dtype="float32", progress=progress), progress=progress)
