@@ -249,7 +249,7 @@ def _demo_command(args) -> int:
             print(f"\nprompt: {prompt}\n(speculation: {proposer})\n", file=sys.stderr)
             gen_args = argparse.Namespace(address=stack.target_address, timeout=None, prompt=[prompt],
                                           config="demo-greedy", set=args.set, stream=True, as_json=False,
-                                          no_chat=False, proposer=proposer)
+                                          no_chat=args.no_chat, proposer=proposer)
             return _generate_command(gen_args)
 
 
@@ -272,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("prompt", nargs="?", default=None)
     demo.add_argument("--db", default=None, help="registry file (default: a temporary one)")
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--no-chat", action="store_true", help="send the prompt as plain text (models without a chat template)")
     demo.add_argument("--set", action="append", metavar="KEY=VALUE", help="GenerationConfig override")
     stack_options(demo)
 
