@@ -6,14 +6,13 @@ return `ConfigRecord`s, and raise `SpecwireRpcError` (with `.code()` and `.viola
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from client.errors import SpecwireRpcError, Violation
+from client.errors import Violation, raises_rpc_errors
 from specwire.config.v1 import config_service_pb2 as pb
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.config.v1 import generation_config_pb2
@@ -74,28 +73,6 @@ def config_to_wire(config: Any) -> generation_config_pb2.GenerationConfig:
     )
 
 
-def _wrap_errors(method):
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        try:
-            return method(*args, **kwargs)
-        except grpc.RpcError as exc:
-            raise SpecwireRpcError.from_rpc_error(exc) from None
-
-    return wrapper
-
-
-def _wrap_async_errors(method):
-    @functools.wraps(method)
-    async def wrapper(*args, **kwargs):
-        try:
-            return await method(*args, **kwargs)
-        except grpc.RpcError as exc:
-            raise SpecwireRpcError.from_rpc_error(exc) from None
-
-    return wrapper
-
-
 class _Requests:
     """Request builders shared by the blocking and asyncio clients."""
 
@@ -147,18 +124,18 @@ class ConfigClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @_wrap_errors
+    @raises_rpc_errors
     def create(self, name: str, config: Any, labels: dict[str, str] | None = None) -> ConfigRecord:
         """Store `config` as version 1 of `name`."""
         response = self.stub.CreateConfig(_Requests.create(name, config, labels), timeout=self.timeout)
         return ConfigRecord.from_proto(response.record)
 
-    @_wrap_errors
+    @raises_rpc_errors
     def get(self, ref: str) -> ConfigRecord:
         """Read `name` (latest), `name@VERSION` or `name:TAG`."""
         return ConfigRecord.from_proto(self.stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout).record)
 
-    @_wrap_errors
+    @raises_rpc_errors
     def update(
         self, name: str, config: Any, expected_version: int | None = None, labels: dict[str, str] | None = None
     ) -> ConfigRecord:
@@ -166,7 +143,7 @@ class ConfigClient:
         response = self.stub.UpdateConfig(_Requests.update(name, config, expected_version, labels), timeout=self.timeout)
         return ConfigRecord.from_proto(response.record)
 
-    @_wrap_errors
+    @raises_rpc_errors
     def list_page(self, prefix: str = "", page_size: int = 0, page_token: str = "") -> tuple[list[ConfigRecord], str]:
         """One page of the latest versions, by name, and the next page's token ("" on the last)."""
         request = pb.ListConfigsRequest(prefix=prefix, page_size=page_size, page_token=page_token)
@@ -186,26 +163,26 @@ class ConfigClient:
         """All latest versions whose name starts with `prefix`, by name."""
         return list(self.iter(prefix))
 
-    @_wrap_errors
+    @raises_rpc_errors
     def delete(self, name: str, expected_version: int | None = None) -> int:
         """Delete `name` with all its versions; returns how many versions were deleted."""
         request = pb.DeleteConfigRequest(name=name, expected_version=expected_version)
         return self.stub.DeleteConfig(request, timeout=self.timeout).deleted_versions
 
-    @_wrap_errors
+    @raises_rpc_errors
     def set_tag(self, name: str, tag: str, version: int) -> ConfigRecord:
         """Point `name:tag` at `version`."""
         request = pb.SetTagRequest(name=name, tag=tag, version=version)
         return ConfigRecord.from_proto(self.stub.SetTag(request, timeout=self.timeout).record)
 
-    @_wrap_errors
+    @raises_rpc_errors
     def validate(self, config: Any, strict: bool = False) -> ValidationResult:
         """Check a config without storing it."""
         request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict)
         response = self.stub.ValidateConfig(request, timeout=self.timeout)
         return ValidationResult(response.valid, [Violation.from_proto(v) for v in response.violations])
 
-    @_wrap_errors
+    @raises_rpc_errors
     def import_from_hub(
         self, repo_id: str, revision: str = "main", filename: str = "generation_config.json", name: str | None = None
     ) -> ConfigRecord:
@@ -213,13 +190,13 @@ class ConfigClient:
         request = _Requests.import_from_hub(repo_id, revision, filename, name)
         return ConfigRecord.from_proto(self.stub.ImportConfig(request, timeout=self.timeout).record)
 
-    @_wrap_errors
+    @raises_rpc_errors
     def import_json(self, text: str, name: str, labels: dict[str, str] | None = None) -> ConfigRecord:
         """Import `generation_config.json` text as `name` (a new config or a new version)."""
         request = _Requests.import_json(text, name, labels)
         return ConfigRecord.from_proto(self.stub.ImportConfig(request, timeout=self.timeout).record)
 
-    @_wrap_errors
+    @raises_rpc_errors
     def export(self, ref: str) -> str:
         """`generation_config.json` text of a version, loadable by transformers."""
         return self.stub.ExportConfig(pb.ExportConfigRequest(ref=ref), timeout=self.timeout).json
@@ -247,24 +224,24 @@ class AsyncConfigClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    @_wrap_async_errors
+    @raises_rpc_errors
     async def create(self, name: str, config: Any, labels: dict[str, str] | None = None) -> ConfigRecord:
         response = await self.stub.CreateConfig(_Requests.create(name, config, labels), timeout=self.timeout)
         return ConfigRecord.from_proto(response.record)
 
-    @_wrap_async_errors
+    @raises_rpc_errors
     async def get(self, ref: str) -> ConfigRecord:
         response = await self.stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout)
         return ConfigRecord.from_proto(response.record)
 
-    @_wrap_async_errors
+    @raises_rpc_errors
     async def update(
         self, name: str, config: Any, expected_version: int | None = None, labels: dict[str, str] | None = None
     ) -> ConfigRecord:
         request = _Requests.update(name, config, expected_version, labels)
         return ConfigRecord.from_proto((await self.stub.UpdateConfig(request, timeout=self.timeout)).record)
 
-    @_wrap_async_errors
+    @raises_rpc_errors
     async def list_page(
         self, prefix: str = "", page_size: int = 0, page_token: str = ""
     ) -> tuple[list[ConfigRecord], str]:
@@ -279,34 +256,34 @@ class AsyncConfigClient:
             records += page
         return records
 
-    @_wrap_async_errors
+    @raises_rpc_errors
     async def delete(self, name: str, expected_version: int | None = None) -> int:
         request = pb.DeleteConfigRequest(name=name, expected_version=expected_version)
         return (await self.stub.DeleteConfig(request, timeout=self.timeout)).deleted_versions
 
-    @_wrap_async_errors
+    @raises_rpc_errors
     async def set_tag(self, name: str, tag: str, version: int) -> ConfigRecord:
         request = pb.SetTagRequest(name=name, tag=tag, version=version)
         return ConfigRecord.from_proto((await self.stub.SetTag(request, timeout=self.timeout)).record)
 
-    @_wrap_async_errors
+    @raises_rpc_errors
     async def validate(self, config: Any, strict: bool = False) -> ValidationResult:
         request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict)
         response = await self.stub.ValidateConfig(request, timeout=self.timeout)
         return ValidationResult(response.valid, [Violation.from_proto(v) for v in response.violations])
 
-    @_wrap_async_errors
+    @raises_rpc_errors
     async def import_from_hub(
         self, repo_id: str, revision: str = "main", filename: str = "generation_config.json", name: str | None = None
     ) -> ConfigRecord:
         request = _Requests.import_from_hub(repo_id, revision, filename, name)
         return ConfigRecord.from_proto((await self.stub.ImportConfig(request, timeout=self.timeout)).record)
 
-    @_wrap_async_errors
+    @raises_rpc_errors
     async def import_json(self, text: str, name: str, labels: dict[str, str] | None = None) -> ConfigRecord:
         request = _Requests.import_json(text, name, labels)
         return ConfigRecord.from_proto((await self.stub.ImportConfig(request, timeout=self.timeout)).record)
 
-    @_wrap_async_errors
+    @raises_rpc_errors
     async def export(self, ref: str) -> str:
         return (await self.stub.ExportConfig(pb.ExportConfigRequest(ref=ref), timeout=self.timeout)).json

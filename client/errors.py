@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import grpc
@@ -71,3 +73,26 @@ class SpecwireRpcError(Exception):
             elif key == RETRY_AFTER_KEY:
                 retry_after = float(value)
         return cls(error.code(), error.details() or "", violations, retry_after)
+
+
+def raises_rpc_errors(method):
+    """Decorate a client method (sync or async) so a failed RPC raises `SpecwireRpcError`."""
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def async_wrapper(*args, **kwargs):
+            try:
+                return await method(*args, **kwargs)
+            except grpc.RpcError as exc:
+                raise SpecwireRpcError.from_rpc_error(exc) from None
+
+        return async_wrapper
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except grpc.RpcError as exc:
+            raise SpecwireRpcError.from_rpc_error(exc) from None
+
+    return wrapper

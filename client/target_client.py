@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +16,7 @@ import grpc
 import torch
 
 from client.config_client import config_to_wire
-from client.errors import SpecwireRpcError, Violation
+from client.errors import SpecwireRpcError, Violation, raises_rpc_errors
 from specwire.common.v1 import common_pb2
 from specwire.security import secure_channel
 from specwire.generation.outputs import compute_transition_scores as _compute_transition_scores
@@ -169,17 +168,6 @@ def _deltas(message: pb.TokenDelta) -> list[StreamDelta]:
     return [StreamDelta(r.row, list(r.token_ids), r.text) for r in message.rows]
 
 
-def _wrap_errors(method):
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        try:
-            return method(*args, **kwargs)
-        except grpc.RpcError as exc:
-            raise SpecwireRpcError.from_rpc_error(exc) from None
-
-    return wrapper
-
-
 class TargetClient:
     """Blocking client of `specwire.target.v1.TargetService`.
 
@@ -202,7 +190,7 @@ class TargetClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @_wrap_errors
+    @raises_rpc_errors
     def generate(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs) -> GenerateOutput:
         """Like `model.generate()`. `generation_config` may be ours, transformers', a dict or a registry
         reference (`name`, `name@3`, `name:prod`); keyword arguments are GenerationConfig fields that win
@@ -229,7 +217,7 @@ class TargetClient:
         finally:
             call.cancel()
 
-    @_wrap_errors
+    @raises_rpc_errors
     def model_info(self) -> pb.GetModelInfoResponse:
         """The served model's id, vocabulary, special tokens and generation config."""
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
@@ -261,14 +249,12 @@ class AsyncTargetClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    @raises_rpc_errors
     async def generate(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None,
                        **kwargs) -> GenerateOutput:
         request = build_request(pb.GenerateRequest, input_ids, text=text, attention_mask=attention_mask,
                                 generation_config=generation_config, **kwargs)
-        try:
-            return GenerateOutput.from_proto(await self.stub.Generate(request, timeout=self.timeout))
-        except grpc.RpcError as exc:
-            raise SpecwireRpcError.from_rpc_error(exc) from None
+        return GenerateOutput.from_proto(await self.stub.Generate(request, timeout=self.timeout))
 
     async def stream(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None,
                      **kwargs) -> AsyncIterator[StreamDelta | GenerateOutput]:
@@ -287,10 +273,8 @@ class AsyncTargetClient:
         finally:
             call.cancel()
 
+    @raises_rpc_errors
     async def model_info(self) -> pb.GetModelInfoResponse:
-        try:
-            return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise SpecwireRpcError.from_rpc_error(exc) from None
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
 
     compute_transition_scores = staticmethod(TargetClient.compute_transition_scores)
