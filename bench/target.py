@@ -1,0 +1,54 @@
+"""The specwire side: timed requests to the target service through `client.TargetClient`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench.reference import Run
+
+
+def speculation_unavailable(output: Any) -> str | None:
+    """Why a request that asked for speculation ran plain decoding, or None when it speculated."""
+    stats = output.speculation
+    if stats.fallback_reason:
+        return stats.fallback_reason
+    if stats.proposer in ("none", "unspecified") or stats.rounds == 0:
+        return f"the target answered proposer={stats.proposer} with {stats.rounds} speculative rounds"
+    return None
+
+
+class Specwire:
+    """Timed calls to a running target service (one channel, reused)."""
+
+    def __init__(self, address: str):
+        from client import TargetClient
+
+        self.address = address
+        self.client = TargetClient(address)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def generate(self, prompt: list[int], **kwargs) -> tuple[Run, Any]:
+        """One unary Generate; returns the timing and the client's `GenerateOutput`."""
+        started = time.perf_counter()
+        output = self.client.generate(input_ids=[prompt], **kwargs)
+        seconds = time.perf_counter() - started
+        sequence = output.sequences[0].tolist()
+        return Run(seconds, len(sequence) - len(prompt), sequence), output
+
+    def stream(self, prompt: list[int], **kwargs) -> tuple[Run, Any]:
+        """One GenerateStream; `Run.ttft` is the time to the first token delta."""
+        started = time.perf_counter()
+        first = None
+        final = None
+        for item in self.client.stream(input_ids=[prompt], **kwargs):
+            if hasattr(item, "row"):
+                if first is None and item.token_ids:
+                    first = time.perf_counter() - started
+            else:
+                final = item
+        seconds = time.perf_counter() - started
+        sequence = final.sequences[0].tolist()
+        return Run(seconds, len(sequence) - len(prompt), sequence, first), final
