@@ -13,6 +13,7 @@ from config_service.service import ConfigServicer
 from config_service.storage import ConfigStore
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.serving import GrpcServer, ServiceBinding, setup_logging
+from specwire.telemetry import setup_telemetry
 
 SERVICE_NAME = "specwire.config.v1.ConfigService"
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    setup_telemetry("specwire-config")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     server = build_server(args.db, args.host, args.port, args.grace)
     logging.getLogger("specwire.config_service").info("registry database: %s", args.db)
     asyncio.run(server.serve_until_signal())

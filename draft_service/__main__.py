@@ -15,6 +15,7 @@ from draft_service.service import DraftServicer
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.models import load_model
 from specwire.serving import GrpcServer, ServiceBinding, setup_logging
+from specwire.telemetry import setup_telemetry
 
 SERVICE_NAME = "specwire.draft.v1.DraftService"
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    setup_telemetry("specwire-draft")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     draft_model = load_model(args.model, device=args.device, dtype=args.dtype) if args.model else None
     server = build_server(draft_model, args.host, args.port, args.grace)
     asyncio.run(server.serve_until_signal())

@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 
+from specwire import telemetry
+
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -96,16 +98,21 @@ def secure_channel(address: str, options: list[tuple[str, Any]] | None = None, *
         options.append(("grpc.lb_policy_name", "round_robin"))
     tls = channel_credentials(env)
     metadata = auth_metadata(env)
-    module = grpc.aio if aio else grpc
+    # OpenTelemetry's client interceptors (client spans, W3C trace context) when telemetry is set up.
+    traced = telemetry.aio_client_interceptors() if aio else []
     if tls is not None:
         if metadata:
             tls = grpc.composite_channel_credentials(tls, grpc.metadata_call_credentials(_TokenPlugin(metadata)))
-        return module.secure_channel(address, tls, options=options)
+        if aio:
+            return grpc.aio.secure_channel(address, tls, options=options, interceptors=traced or None)
+        return telemetry.instrument_channel(grpc.secure_channel(address, tls, options=options))
     if aio:
-        interceptors = [_AioTokenInterceptor(metadata)] if metadata else None
-        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+        interceptors = [*traced, *([_AioTokenInterceptor(metadata)] if metadata else [])]
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors or None)
     channel = grpc.insecure_channel(address, options=options)
-    return grpc.intercept_channel(channel, _TokenInterceptor(metadata)) if metadata else channel
+    if metadata:
+        channel = grpc.intercept_channel(channel, _TokenInterceptor(metadata))
+    return telemetry.instrument_channel(channel)
 
 
 class _AioTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,

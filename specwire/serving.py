@@ -24,6 +24,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specwire import telemetry
 from specwire.errors import SpecwireError
 from specwire.security import server_credentials, server_interceptors
 from specwire.wire.common import violation_to_proto
@@ -113,6 +114,8 @@ class GrpcServer:
         port (`int`): port to bind; 0 picks a free one (see `.port` after `start()`).
         grace (`float`, defaults to 10.0): seconds in-flight calls get to finish on stop.
         options (`list`, *optional*): extra grpc channel options (message sizes, keepalive, ...).
+        interceptors (`list`, *optional*): extra `grpc.aio.ServerInterceptor`s. When telemetry is set up
+            (`specwire.telemetry`), OpenTelemetry's `aio_server_interceptor` runs before them.
     """
 
     def __init__(
@@ -141,7 +144,9 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Bind, start serving and mark every service SERVING. Returns the bound port."""
-        server = grpc.aio.server(options=self.options, interceptors=[*self.interceptors, *server_interceptors()])
+        # Tracing first (outermost), so refused and failed calls are traced too; none when telemetry is off.
+        interceptors = [*telemetry.server_interceptors(), *self.interceptors, *server_interceptors()]
+        server = grpc.aio.server(options=self.options, interceptors=interceptors)
         for binding in self.bindings:
             binding.add_to_server(binding.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

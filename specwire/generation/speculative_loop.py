@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,11 +33,25 @@ from specwire.generation.outputs import FINISH_LENGTH, GenerationResult, StepEve
 from specwire.generation.schedules import DraftSchedule
 from specwire.generation.speculative import greedy_accept, rejection_sample, sampled_accept_without_draft_probs
 
-__all__ = ["DraftFailure", "RaggedRows", "SpeculationStats", "speculative_loop"]
+__all__ = ["DraftFailure", "RaggedRows", "RoundRecord", "SpeculationStats", "speculative_loop"]
 
 
 class DraftFailure(RuntimeError):
     """The drafter cannot continue (unreachable, past its deadline, or its stream died)."""
+
+
+class RoundRecord(NamedTuple):
+    """One speculative round, for tracing: one span each (`start_ns`/`end_ns` are `time.time_ns()`)."""
+
+    rows: int
+    asked: int
+    drafted: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+    start_ns: int = 0
+    end_ns: int = 0
+    drafted_rows: int = 0  # rows that got a non-empty draft: the round's number of drafts
 
 
 @dataclass
@@ -52,8 +66,9 @@ class SpeculationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     fallback_reason: str = ""
-    # One entry per round with a draft: (rows, asked, drafted, accepted, draft_s, verify_s), for tracing.
-    round_log: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)
+    # One entry per round with a draft: (rows, asked, drafted, accepted, draft_s, verify_s, start_ns,
+    # end_ns, drafted_rows), for tracing.
+    round_log: list[RoundRecord] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -202,6 +217,7 @@ def speculative_loop(
 
     step = 1
     while not _done(state):
+        round_start_ns = time.time_ns()
         # 1. Draft lengths per row, bounded so the block (drafts + 1) fits under max_length.
         room = [plan.max_length - input_len - len(row.generated) for row in state]
         want = [0 if row.finished else max(min(row.schedule.num_assistant_tokens, room[r] - 1), 0)
@@ -294,7 +310,8 @@ def speculative_loop(
             stats.rounds += 1
             stats.drafted_tokens += drafted_now
             stats.accepted_tokens += accepted_now
-            stats.round_log.append((num_rows, asked, drafted_now, accepted_now, draft_s, verify_s))
+            stats.round_log.append(RoundRecord(num_rows, asked, drafted_now, accepted_now, draft_s, verify_s,
+                                               round_start_ns, time.time_ns(), sum(1 for d in drafts if d)))
         if drafter is not None:
             appended = [emitted_per_row[r][accepted_per_row[r]:] for r in range(num_rows)]
             try:
@@ -402,6 +419,7 @@ def iter_speculative(
     negative_prompt_attention_mask: torch.Tensor | None = None,
     max_position_embeddings: int | None = None,
     draft_length: int | None = None,
+    rows_factory: Callable[..., Any] | None = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """`iter_generate` with speculative rounds when the request allows it, else plain decoding.
 
@@ -413,6 +431,8 @@ def iter_speculative(
             `DraftFailure`, which falls back to plain decoding.
         stats (`SpeculationStats`): receives the request's speculation statistics and fallback reason.
         draft_length (`int`, *optional*): constant draft length (prompt lookup) instead of the schedule.
+        rows_factory (`Callable`, *optional*): builds the model-side state instead of `RaggedRows`
+            (it must support `verify(candidates, valid)` and `discard`); passed on to plain decoding.
     """
     from specwire.generation.decoding import (
         InvalidGenerationArgument,
@@ -433,7 +453,7 @@ def iter_speculative(
         return iter_generate(model, input_ids, attention_mask, config=config, tokenizer=tokenizer,
                              generator=generator, negative_prompt_ids=negative_prompt_ids,
                              negative_prompt_attention_mask=negative_prompt_attention_mask,
-                             max_position_embeddings=max_position_embeddings)
+                             max_position_embeddings=max_position_embeddings, rows_factory=rows_factory)
     config = plan.config
     if config.stop_strings is not None and tokenizer is None:
         raise InvalidGenerationArgument.for_field(
@@ -441,7 +461,7 @@ def iter_speculative(
         )
     expanded = plan.input_ids.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.input_ids
     mask = plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
-    rows = RaggedRows(model, attention_mask=mask, prompt_length=plan.input_len, rows=expanded.shape[0],
+    rows = (rows_factory or RaggedRows)(model, attention_mask=mask, prompt_length=plan.input_len, rows=expanded.shape[0],
                       use_cache=True, prefill_chunk_size=getattr(config, "prefill_chunk_size", None))
     vocab_size = int(model.config.get_text_config().vocab_size)
     if max_position_embeddings is None:

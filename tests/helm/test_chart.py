@@ -686,6 +686,7 @@ def test_prometheus_port_and_service_monitor(renders):
     r = renders["gpu-cluster"]
     for c in COMPONENTS:
         assert r.settings(c)["SPECWIRE_PROMETHEUS_PORT"] == "9464"
+        assert r.settings(c)["SPECWIRE_PROMETHEUS_HOST"] == "0.0.0.0"  # the servers bind loopback by default
         assert {"name": "metrics", "containerPort": 9464, "protocol": "TCP"} in r.container(c)["ports"]
         assert "metrics" in {p["name"] for p in r.get("Service", c)["spec"]["ports"]}
     (sm,) = r.all("ServiceMonitor")

@@ -167,6 +167,8 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- end -}}
 {{- if $root.Values.metrics.enabled -}}
 {{- $_ := set $s "SPECWIRE_PROMETHEUS_PORT" (toString $root.Values.metrics.port) -}}
+{{- /* The scrape endpoint binds loopback unless told otherwise: Prometheus scrapes from another pod. */ -}}
+{{- $_ := set $s "SPECWIRE_PROMETHEUS_HOST" "0.0.0.0" -}}
 {{- end -}}
 {{- if $root.Values.tls.enabled -}}
 {{- $_ := set $s "SPECWIRE_TLS_CERT_FILE" "/etc/specwire/tls/tls.crt" -}}
