@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 from specwire.models import load_model
 from specwire.serving import GrpcServer, ServiceBinding, setup_logging
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
+from specwire.telemetry import setup_telemetry
 from target_service.config_resolver import ConfigResolver
 from target_service.drafting import DraftPolicy
+from target_service.scheduler import SCHEDULERS, SchedulerOptions
 from target_service.service import TargetServicer
 
 SERVICE_NAME = "specwire.target.v1.TargetService"
+# The scheduler when none is given; SPECWIRE_TARGET_SCHEDULER overrides it (deployments, and running
+# the whole test suite against the batched scheduler).
+DEFAULT_SCHEDULER = os.environ.get("SPECWIRE_TARGET_SCHEDULER", "batched")
 
 
 def build_server(
@@ -26,9 +32,15 @@ def build_server(
     port: int = 0,
     grace: float = 30.0,
     drafting: DraftPolicy | None = None,
+    scheduler: str = DEFAULT_SCHEDULER,
+    scheduler_options: SchedulerOptions | None = None,
 ) -> GrpcServer:
-    """A ready-to-start target server over an already loaded model."""
-    servicer = TargetServicer(loaded, ConfigResolver(config_address), drafting)
+    """A ready-to-start target server over an already loaded model.
+
+    `scheduler` is `"sequential"` (one request per forward) or `"batched"` (requests share forwards;
+    `scheduler_options` sets its limits), see `target_service.scheduler`.
+    """
+    servicer = TargetServicer(loaded, ConfigResolver(config_address), drafting, scheduler, scheduler_options)
     return GrpcServer([ServiceBinding(pb_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
                       host=host, port=port, grace=grace)
 
@@ -49,12 +61,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument("--scheduler", default=DEFAULT_SCHEDULER, choices=list(SCHEDULERS),
+                        help=f"batched: one forward per step for all running requests; sequential: one request "
+                             f"per forward (default {DEFAULT_SCHEDULER})")
+    defaults = SchedulerOptions()
+    parser.add_argument("--max-batch-rows", type=int, default=defaults.max_batch_rows,
+                        help="batched: rows (KV slots) running at once")
+    parser.add_argument("--max-tokens-per-step", type=int, default=defaults.max_tokens_per_step,
+                        help="batched: tokens per forward (prefills are chunked to fit)")
+    parser.add_argument("--max-queued", type=int, default=defaults.max_queued,
+                        help="batched: requests waiting for a slot before RESOURCE_EXHAUSTED")
+    parser.add_argument("--slot-tokens", type=int, default=None,
+                        help="batched: positions per KV slot (default min(context, 2048); longer requests run alone)")
+    parser.add_argument("--kv-cache-mb", type=float, default=defaults.kv_cache_mb,
+                        help="batched: memory budget of the KV slots")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     drafting = DraftPolicy(args.draft_address, args.default_proposer, args.draft_timeout)
-    server = build_server(loaded, args.config_address, args.host, args.port, args.grace, drafting)
+    options = SchedulerOptions(max_batch_rows=args.max_batch_rows, max_tokens_per_step=args.max_tokens_per_step,
+                               max_queued=args.max_queued, slot_tokens=args.slot_tokens, kv_cache_mb=args.kv_cache_mb)
+    server = build_server(loaded, args.config_address, args.host, args.port, args.grace, drafting,
+                          args.scheduler, options)
     asyncio.run(server.serve_until_signal())
 
 

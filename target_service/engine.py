@@ -6,13 +6,16 @@ step by step (the forward passes never race on the model) and each request keeps
 checks for cancellation: a cancelled or timed-out request stops consuming compute within one
 step, and its generator is closed on the worker so its cache is freed.
 
-The scheduler of a later stage can replace this one-request-per-step policy by batching steps of
-several requests (the decoding loop is already shaped as steps over rows).
+With `scheduler="batched"`, requests the slot cache can serve go to `BatchScheduler`
+(`target_service/scheduler.py`): one packed forward per step for all of them. The rest (the
+sequential lane: no cache, classifier-free guidance, over-long or over-wide requests) keep this
+one-request-per-step path, under the same model lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -26,6 +29,7 @@ from specwire.generation.speculative_loop import iter_speculative
 from specwire.models import LoadedModel
 from target_service.drafting import DraftPolicy
 from target_service.requests import GenerationJob
+from target_service.scheduler import SCHEDULERS, BatchScheduler, SchedulerOptions
 
 log = logging.getLogger("specwire.target_service.engine")
 
@@ -37,20 +41,40 @@ class Engine:
 
     Args:
         loaded (`LoadedModel`): the model, tokenizer and the model's generation config.
+        drafting (`DraftPolicy`, *optional*): speculation settings.
+        scheduler (`str`, defaults to `"sequential"`): `"sequential"` (one request per forward) or
+            `"batched"` (shared packed forwards, see `target_service.scheduler`).
+        scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
     """
 
-    def __init__(self, loaded: LoadedModel, drafting: DraftPolicy | None = None):
+    def __init__(self, loaded: LoadedModel, drafting: DraftPolicy | None = None, scheduler: str = "sequential",
+                 scheduler_options: SchedulerOptions | None = None):
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         self.loaded = loaded
         self.drafting = drafting or DraftPolicy()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specwire-model")
         self.active = 0  # requests between their first and last step
-        self.steps_run = 0  # model steps executed, over all requests (observability and tests)
+        self._lane_steps = 0
         self._lock = threading.Lock()
+        self.model_lock = threading.Lock()  # every forward of the model holds it
+        self.scheduler = scheduler
+        self.batcher: BatchScheduler | None = None
+        if scheduler == "batched":
+            self.batcher = BatchScheduler(loaded.model, self._start, self.model_lock, scheduler_options,
+                                          loaded.max_position_embeddings)
+
+    @property
+    def steps_run(self) -> int:
+        """Model steps executed, over all requests (observability and tests)."""
+        return self._lane_steps + (self.batcher.forwards if self.batcher is not None else 0)
 
     def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
-    def _start(self, job: GenerationJob):
+    def _start(self, job: GenerationJob, rows_factory=None):
         generator = None
         if job.config.seed is not None:
             generator = torch.Generator(device=self.loaded.model.device).manual_seed(job.config.seed)
@@ -62,6 +86,7 @@ class Engine:
             negative_prompt_ids=job.negative_prompt_ids,
             negative_prompt_attention_mask=job.negative_prompt_attention_mask,
             max_position_embeddings=self.loaded.max_position_embeddings,
+            rows_factory=rows_factory,
         )
         input_ids = job.input_ids.to(device)
         mask = None if job.attention_mask is None else job.attention_mask.to(device)
@@ -78,23 +103,41 @@ class Engine:
         )
 
     def _step(self, steps):
-        self.steps_run += 1  # only the worker thread writes it
+        self._lane_steps += 1  # only the worker thread writes it
         try:
-            return next(steps)
+            with self.model_lock:
+                return next(steps)
         except StopIteration as stop:
             return _DONE, stop.value
 
     async def run(self, job: GenerationJob) -> AsyncIterator[StepEvent | GenerationResult]:
         """Yield the job's step events, then its `GenerationResult`."""
+        if self.batcher is not None and self.batcher.enabled:
+            lane, plan = self.batcher.lane_reason(job)  # invalid requests raise here
+            if not lane:
+                with self._lock:
+                    self.active += 1
+                try:
+                    async for item in self.batcher.run(job, plan):
+                        yield item
+                finally:
+                    with self._lock:
+                        self.active -= 1
+                return
+            log.debug("request %s runs in the sequential lane: %s", job.request_id or "-", lane)
         loop = asyncio.get_running_loop()
+        # run_in_executor does not carry contextvars: the worker runs each call inside the request's
+        # context, so the draft stream's client span is a child of the request's span (tracing).
+        context = contextvars.copy_context()
         # Validation, length resolution and processor construction run here (errors raise here),
         # on the worker: building stop-string tables for a large vocabulary takes a moment.
-        steps = await loop.run_in_executor(self.executor, _in_inference_mode, self._start, job)
+        steps = await loop.run_in_executor(self.executor, context.run, _in_inference_mode, self._start, job)
         with self._lock:
             self.active += 1
         try:
             while True:
-                item = await loop.run_in_executor(self.executor, _in_inference_mode, self._step, steps)
+                item = await loop.run_in_executor(self.executor, context.run, _in_inference_mode, self._step,
+                                                  steps)
                 if isinstance(item, tuple) and item and item[0] is _DONE:
                     yield item[1]
                     return

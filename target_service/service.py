@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import torch
 
+from specwire import telemetry
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.speculative_loop import SpeculationStats
 from specwire.models import LoadedModel
@@ -20,7 +22,9 @@ from specwire.wire.tensors import tensor_to_proto
 from target_service.config_resolver import ConfigResolver
 from target_service.drafting import PROPOSER_NAMES, DraftPolicy
 from target_service.engine import Engine
+from target_service.observability import RequestObserver, SpecDecodeMetrics
 from target_service.requests import GenerationJob, build_job
+from target_service.scheduler import SchedulerOptions
 
 log = logging.getLogger("specwire.target_service")
 
@@ -110,51 +114,62 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         loaded (`LoadedModel`): the served model.
         resolver (`ConfigResolver`): registry lookups for `config_ref`.
         drafting (`DraftPolicy`, *optional*): speculation settings (draft service, default proposer).
+        scheduler (`str`, defaults to `"sequential"`): `"sequential"` or `"batched"` (see `Engine`).
+        scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
     """
 
-    def __init__(self, loaded: LoadedModel, resolver: ConfigResolver, drafting: DraftPolicy | None = None):
+    def __init__(self, loaded: LoadedModel, resolver: ConfigResolver, drafting: DraftPolicy | None = None,
+                 scheduler: str = "sequential", scheduler_options: SchedulerOptions | None = None):
         self.loaded = loaded
         self.resolver = resolver
-        self.engine = Engine(loaded, drafting)
+        self.engine = Engine(loaded, drafting, scheduler, scheduler_options)
+        self.metrics = SpecDecodeMetrics(telemetry.get_meter())
 
-    async def _run(self, request, context) -> AsyncIterator[tuple[GenerationJob, StepEvent | GenerationResult]]:
-        job = await build_job(request, self.loaded, self.resolver)
-        started = time.perf_counter()
-        async for item in self.engine.run(job):
-            yield job, item
+    async def _run(self, request, context, rpc: str = "Generate"
+                   ) -> AsyncIterator[tuple[GenerationJob, StepEvent | GenerationResult]]:
+        # The request's span (config lookup and draft stream are its children), round spans, metrics.
+        with RequestObserver(self.metrics, self.loaded.model_id, rpc, request) as observed:
+            job = await build_job(request, self.loaded, self.resolver)
+            observed.job_ready(job)
+            started = time.perf_counter()
+            async for item in self.engine.run(job):
+                observed.item(item)
+                yield job, item
         rows = job.input_ids.shape[0]
         log.info("request %s: %d row(s) in %.3fs", job.request_id or "-", rows, time.perf_counter() - started)
 
     @handles_errors
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        async for job, item in self._run(request, context):
-            if isinstance(item, GenerationResult):
-                return response_from_result(item, job, self.loaded)
+        async with aclosing(self._run(request, context)) as items:  # closed here, in this task
+            async for job, item in items:
+                if isinstance(item, GenerationResult):
+                    return response_from_result(item, job, self.loaded)
         raise RuntimeError("decoding loop ended without a result")
 
     @handles_errors
     async def GenerateStream(self, request: pb.GenerateStreamRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
         deltas: TextDeltas | None = None
-        async for job, item in self._run(request, context):
-            if isinstance(item, GenerationResult):
-                final = response_from_result(item, job, self.loaded)
-                if deltas is not None:
-                    rest = [pb.RowDelta(row=row, text=deltas.flush(row, seq.text))
-                            for row, seq in enumerate(final.sequences)]
-                    rest = [r for r in rest if r.text]
-                    if rest:
-                        yield pb.GenerateStreamResponse(delta=pb.TokenDelta(rows=rest))
-                yield pb.GenerateStreamResponse(final=final)
-                return
-            if deltas is None:
-                deltas = TextDeltas(self.loaded.tokenizer, len(item.tokens))
-            rows = [
-                pb.RowDelta(row=row, token_ids=tokens, text=deltas.add(row, tokens))
-                for row, tokens in enumerate(item.tokens)
-                if tokens
-            ]
-            if rows:
-                yield pb.GenerateStreamResponse(delta=pb.TokenDelta(rows=rows))
+        async with aclosing(self._run(request, context, "GenerateStream")) as items:
+            async for job, item in items:
+                if isinstance(item, GenerationResult):
+                    final = response_from_result(item, job, self.loaded)
+                    if deltas is not None:
+                        rest = [pb.RowDelta(row=row, text=deltas.flush(row, seq.text))
+                                for row, seq in enumerate(final.sequences)]
+                        rest = [r for r in rest if r.text]
+                        if rest:
+                            yield pb.GenerateStreamResponse(delta=pb.TokenDelta(rows=rest))
+                    yield pb.GenerateStreamResponse(final=final)
+                    return
+                if deltas is None:
+                    deltas = TextDeltas(self.loaded.tokenizer, len(item.tokens))
+                rows = [
+                    pb.RowDelta(row=row, token_ids=tokens, text=deltas.add(row, tokens))
+                    for row, tokens in enumerate(item.tokens)
+                    if tokens
+                ]
+                if rows:
+                    yield pb.GenerateStreamResponse(delta=pb.TokenDelta(rows=rows))
 
     @handles_errors
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
@@ -648,6 +648,7 @@ def iter_generate(
     negative_prompt_ids: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
     max_position_embeddings: int | None = None,
+    rows_factory: Callable[..., Any] | None = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """
     Generates with transformers `generate()` semantics, one step at a time.
@@ -678,6 +679,9 @@ def iter_generate(
             Its mask.
         max_position_embeddings (`int`, *optional*):
             Context length for the default-length cap; read from the model config when `None`.
+        rows_factory (`Callable`, *optional*):
+            Builds the model-side state instead of `RowBatch` (same constructor arguments and methods),
+            e.g. the target service's slot-cache rows that share one forward with other requests.
 
     Returns:
         `Generator[StepEvent, None, GenerationResult]`
@@ -700,7 +704,7 @@ def iter_generate(
     expanded_mask = (
         plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
     )
-    rows = RowBatch(
+    rows = (rows_factory or RowBatch)(
         model,
         attention_mask=expanded_mask,
         prompt_length=plan.input_len,

@@ -1,0 +1,487 @@
+"""Batched scheduling: one model forward per step for every running request.
+
+Design. Each request keeps its own decoding loop, unchanged (`iter_generate` / `iter_speculative`:
+processors resolved once, its own `torch.Generator`, beam search, speculative acceptance), running
+in its own thread. Only the model forward is shared: the loop's model-side state is a
+`SlotRows` (`specwire.generation.slot_cache`) whose `prefill`/`decode`/`verify` post a `SlotWork`
+to this scheduler and block until its logits are back. The scheduler thread gathers the pending
+work of every running request, runs ONE packed forward over all of it (decode rows give 1 token,
+verify rows their own block length, rows with no draft just 1, new requests' prefills share the same
+forward up to the token budget, chunked when longer) and hands each request its logits.
+
+Because every request samples with its own generator and applies its own processors to its own
+rows, a seeded request gives the same tokens whatever its neighbours; only float noise of a wider
+matrix product differs from running alone (see the slot cache's docstring).
+
+KV cache. A `SlotKVCache` with `max_batch_rows` slots of `slot_tokens` positions each, allocated at
+start-up (the memory budget, `kv_cache_mb`, caps the slot count). A request takes one slot per row
+when admitted and gives them back when it ends; nobody else's cache moves.
+
+Admission and fairness.
+- A request is admitted when its rows fit in the free slots, in arrival order (strict FIFO: a large
+  request at the head of the queue is not overtaken by small ones, so it cannot starve). Up to
+  `max_queued` requests wait; beyond that the request fails with RESOURCE_EXHAUSTED and a
+  `retry-after-s` hint (an estimate of when the first running request ends).
+- Every running request with pending work is in every forward, so a long request advances one step
+  per forward however many short ones come and go. Prefills get the rest of `max_tokens_per_step`
+  (at least `min_prefill_tokens`) and are chunked, in admission order, so a long prompt does not stall
+  the running requests.
+- Stragglers: the forward starts when every running request has posted its work, or after a
+  gather window (a fraction of the last forward's time), so a request waiting on its draft service
+  joins the next forward instead of holding up the others.
+- Cancellation and deadlines: the RPC's coroutine ending marks its request cancelled; before the
+  next forward the scheduler frees its slots and wakes its thread, which stops (within one step).
+
+The sequential lane. Requests the slot cache cannot serve run the per-request path of `Engine`
+(one request per forward, with a `DynamicCache`), one step at a time under the same model lock:
+`use_cache=False`, classifier-free guidance (its processor runs its own forward), prompts with
+padding that is not left padding, more rows than slots, longer than a slot, or a model
+`slot_support` refuses (checked once at start-up with a probe against `RowBatch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import torch
+
+from specwire.errors import ResourceExhausted
+from specwire.generation.decoding import RowBatch, prepare_generation
+from specwire.generation.outputs import GenerationResult, StepEvent
+from specwire.generation.slot_cache import (
+    SlotKVCache,
+    SlotRows,
+    SlotWork,
+    execute,
+    install_slot_attention,
+    slot_support,
+)
+
+log = logging.getLogger("specwire.target_service.scheduler")
+
+SCHEDULERS = ("sequential", "batched")
+
+
+@dataclasses.dataclass
+class SchedulerOptions:
+    """
+    Limits of the batched scheduler.
+
+    Args:
+        max_batch_rows (`int`, defaults to 16):
+            Rows (KV slots) running at once; a request takes `batch * max(num_beams, num_return_sequences)`.
+        max_tokens_per_step (`int`, defaults to 256):
+            Tokens per forward; prefills are chunked to fit (decode and verify rows are never cut).
+        max_queued (`int`, defaults to 64):
+            Requests waiting for slots before RESOURCE_EXHAUSTED.
+        slot_tokens (`int`, *optional*):
+            Positions per slot (prompt + new tokens); defaults to `min(max_position_embeddings, 2048)`.
+            Longer requests run in the sequential lane.
+        kv_cache_mb (`float`, defaults to 2048):
+            Memory budget of the slot cache; the slot count is reduced to fit.
+        gather_fraction (`float`, defaults to 0.5):
+            How long (as a fraction of the last forward's time) a forward waits for running requests
+            still preparing their next step.
+        min_prefill_tokens (`int`, defaults to 32):
+            Prefill tokens every forward runs when some are waiting, even past the token budget.
+    """
+
+    max_batch_rows: int = 16
+    max_tokens_per_step: int = 256
+    max_queued: int = 64
+    slot_tokens: int | None = None
+    kv_cache_mb: float = 2048.0
+    gather_fraction: float = 0.5
+    min_prefill_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_rows", "max_tokens_per_step", "min_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if self.slot_tokens is not None and self.slot_tokens < 2:
+            raise ValueError(f"slot_tokens must be >= 2, got {self.slot_tokens}")
+
+
+class RequestCancelled(Exception):
+    """Raised inside a request's thread when its RPC went away (cancelled, deadline exceeded)."""
+
+
+class _Request:
+    """One request in the batched path."""
+
+    def __init__(self, job: Any, rows: int, max_new_tokens: int, loop: asyncio.AbstractEventLoop, seq: int):
+        self.job = job
+        self.rows = rows
+        self.max_new_tokens = max_new_tokens
+        self.loop = loop
+        self.seq = seq
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.slots: list[int] = []
+        self.work: SlotWork | None = None
+        self.failure: BaseException | None = None
+        self.in_cycle = False  # has posted work before: the gather window waits for it
+        self.ready_since = 0.0
+        self.steps = 0
+        self.cancelled = False
+        self.cancelled_at_forward: int | None = None
+        self.freed_at_forward: int | None = None
+        self.finished = False
+        self.context: contextvars.Context | None = None
+
+    def post(self, kind: str, value: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the server's loop is gone (shutdown): nobody is listening
+            pass
+
+
+class BatchScheduler:
+    """
+    Runs the model steps of many requests as shared packed forwards (see the module docstring).
+
+    Args:
+        model (`PreTrainedModel`): the served model.
+        start (`Callable`): `start(job, rows_factory) -> step generator` (the engine's loop factory).
+        model_lock (`threading.Lock`): held during every forward of this model.
+        options (`SchedulerOptions`, *optional*): limits.
+        max_position_embeddings (`int`, *optional*): the model's context length.
+    """
+
+    def __init__(self, model: Any, start: Callable[..., Any], model_lock: threading.Lock,
+                 options: SchedulerOptions | None = None, max_position_embeddings: int | None = None):
+        self.model = model
+        self.start = start
+        self.model_lock = model_lock
+        self.options = options or SchedulerOptions()
+        self.max_position_embeddings = max_position_embeddings
+        self.cond = threading.Condition()
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.forwards = 0  # packed forwards run (observability and tests)
+        self.tokens_run = 0
+        self.rows_peak = 0
+        self.shared_forwards = 0  # forwards that ran the work of two requests or more
+        self.forward_seconds = 0.0  # time in forwards, and between them (requests' own work, gathering)
+        self.gather_seconds = 0.0
+        self.requests_peak = 0  # most requests in one forward
+        # (forward count when cancelled, when its slots were freed) of the last cancelled requests.
+        self.cancellations: deque[tuple[int, int]] = deque(maxlen=64)
+        self._seq = 0
+        self._forward_ema = 0.0
+        self._last_forward_end = time.perf_counter()
+        self._closed = False
+        self.cache: SlotKVCache | None = None
+        self.unsupported = slot_support(model)
+        if not self.unsupported:
+            self._build_cache()
+        if self.cache is not None:
+            self.thread = threading.Thread(target=self._loop, name="specwire-scheduler", daemon=True)
+            self.thread.start()
+        else:
+            log.warning("batched scheduler disabled, serving every request sequentially: %s", self.unsupported)
+
+    # -- set-up -------------------------------------------------------------------------------------
+
+    def _build_cache(self) -> None:
+        options = self.options
+        context = self.max_position_embeddings or 2048
+        slot_tokens = options.slot_tokens or min(context, 2048)
+        per_slot = SlotKVCache.bytes_per_slot(self.model, slot_tokens)
+        slots = min(options.max_batch_rows, int(options.kv_cache_mb * 2**20 // per_slot))
+        if slots < 1:
+            self.unsupported = f"kv_cache_mb={options.kv_cache_mb} holds no slot of {slot_tokens} tokens"
+            return
+        with self.model_lock, torch.inference_mode():
+            install_slot_attention(self.model)
+            problem = self._probe()
+            if problem:
+                self.unsupported = problem
+                return
+            self.cache = SlotKVCache(self.model, slots, slot_tokens)
+        log.info("batched scheduler: %d slots x %d tokens (%.0f MiB)", slots, slot_tokens, slots * per_slot / 2**20)
+
+    def _probe(self) -> str:
+        """Packed forwards must give what `RowBatch` gives on this model (else: serve sequentially)."""
+        cache = SlotKVCache(self.model, 3, 16)
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        ids = (torch.arange(8).view(2, 4) * 7 + 3) % vocab
+        ids = ids.to(cache.device)
+        reference = RowBatch(self.model, attention_mask=None, prompt_length=4, rows=2)
+        rows = SlotRows(lambda work: execute(self.model, cache, [work]), cache.release, [1, 2],
+                        attention_mask=None, prompt_length=4, rows=2, device=cache.device)
+        try:
+            pairs = [(reference.prefill(ids), rows.prefill(ids))]
+            step = ids[:, :2]
+            pairs.append((reference.verify(step), rows.verify(step)))
+        except Exception as exc:  # noqa: BLE001 - any failure means: not supported
+            return f"packed forward failed: {type(exc).__name__}: {exc}"
+        for want, got in pairs:
+            if want.shape != got.shape or not torch.allclose(want, got, rtol=1e-3, atol=1e-3):
+                return "packed forwards do not reproduce this model's logits"
+        return ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.cache is not None
+
+    # -- routing and the async side ----------------------------------------------------------------
+
+    def lane_reason(self, job: Any) -> tuple[str, Any]:
+        """Why `job` runs in the sequential lane ("" when it is batched), and its resolved plan."""
+        if self.cache is None:
+            return self.unsupported or "batched scheduler disabled", None
+        plan = prepare_generation(self.model, job.input_ids, job.attention_mask, config=job.config,
+                                  max_position_embeddings=self.max_position_embeddings)
+        config = plan.config
+        rows = plan.input_ids.shape[0] * plan.expand
+        if not config.use_cache:
+            return "use_cache=False", plan
+        if config.guidance_scale is not None and config.guidance_scale != 1:
+            return "classifier-free guidance", plan
+        if rows > self.cache.num_slots:
+            return f"{rows} rows > {self.cache.num_slots} slots", plan
+        if plan.max_length > self.cache.slot_tokens:
+            return f"max_length {plan.max_length} > {self.cache.slot_tokens} slot tokens", plan
+        mask = plan.attention_mask
+        # Only left padding can be skipped: a 0 after a 1 changes what the reference computes.
+        if bool((mask[:, 1:] < mask[:, :-1]).any()):
+            return "padding that is not left padding", plan
+        return "", plan
+
+    async def run(self, job: Any, plan: Any) -> AsyncIterator[StepEvent | GenerationResult]:
+        """Admit `job`, yield its step events, then its `GenerationResult`."""
+        loop = asyncio.get_running_loop()
+        rows = plan.input_ids.shape[0] * plan.expand
+        with self.cond:
+            self._seq += 1
+            request = _Request(job, rows, plan.max_length - plan.input_len, loop, self._seq)
+            # The request's thread runs in the RPC's context (tracing spans, telemetry).
+            request.context = contextvars.copy_context()
+            if self.waiting or not self._try_start(request):
+                if len(self.waiting) >= self.options.max_queued:
+                    raise ResourceExhausted(
+                        f"the target service is at capacity: {len(self.running)} requests running, "
+                        f"{len(self.waiting)} queued (--max-queued {self.options.max_queued}); retry later",
+                        retry_after_s=self._retry_hint(),
+                    )
+                self.waiting.append(request)
+        try:
+            while True:
+                kind, value = await request.events.get()
+                if kind == "error":
+                    raise value
+                yield value
+                if kind == "result":
+                    return
+        finally:
+            self.cancel(request)
+
+    def _retry_hint(self) -> float:
+        """Seconds until the first running request should end (a hint, not a promise)."""
+        step = self._forward_ema or 0.05
+        remaining = min((r.max_new_tokens - r.steps for r in self.running), default=1)
+        return float(min(max(step * max(remaining, 1), 0.05), 60.0))
+
+    def cancel(self, request: _Request) -> None:
+        """The request's RPC ended: drop it from the queue or free its slots before the next forward."""
+        with self.cond:
+            if request.finished:
+                return
+            if request in self.waiting:
+                self.waiting.remove(request)
+                request.finished = True
+                return
+            request.cancelled = True
+            request.cancelled_at_forward = self.forwards
+            self.cond.notify_all()
+
+    # -- admission (under self.cond) ----------------------------------------------------------------
+
+    def _try_start(self, request: _Request) -> bool:
+        slots = self.cache.allocate(request.rows)
+        if slots is None:
+            return False
+        request.slots = slots
+        self.running.append(request)
+        self.rows_peak = max(self.rows_peak, sum(len(r.slots) for r in self.running))
+        thread = threading.Thread(target=self._drive, args=(request,), daemon=True,
+                                  name=f"specwire-request-{request.seq}")
+        thread.start()
+        return True
+
+    def _admit_waiting(self) -> None:
+        while self.waiting and self._try_start(self.waiting[0]):
+            self.waiting.popleft()
+
+    def _free(self, request: _Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.cache.release(request.slots)
+        request.slots = []
+        request.finished = True
+        request.freed_at_forward = self.forwards
+        if request.cancelled_at_forward is not None:
+            self.cancellations.append((request.cancelled_at_forward, request.freed_at_forward))
+        self.cond.notify_all()
+
+    # -- a request's thread ---------------------------------------------------------------------------
+
+    def _drive(self, request: _Request) -> None:
+        request.context.run(self._drive_in_context, request)
+
+    def _drive_in_context(self, request: _Request) -> None:
+        # The loop's own work is small per-row tensor ops; a second OpenMP team per request thread
+        # would only spin against the forward's threads (this sets this thread's count only).
+        torch.set_num_threads(1)
+        steps = None
+        try:
+            with torch.inference_mode():
+                steps = self.start(request.job, lambda *args, **kwargs: self._rows(request, *args, **kwargs))
+                while True:
+                    try:
+                        item = next(steps)
+                    except StopIteration as stop:
+                        request.post("result", stop.value)
+                        return
+                    request.post("event", item)
+        except RequestCancelled:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller's coroutine
+            request.post("error", exc)
+        finally:
+            if steps is not None:
+                try:
+                    steps.close()
+                except Exception:  # noqa: BLE001 - cleanup must not kill the thread
+                    log.exception("closing request %s failed", request.job.request_id)
+            with self.cond:
+                if not request.finished:
+                    self._free(request)
+
+    def _rows(self, request: _Request, model: Any, *, attention_mask: Any, prompt_length: int, rows: int,
+              **_: Any) -> SlotRows:
+        if rows != len(request.slots):
+            raise RuntimeError(f"request planned for {len(request.slots)} rows asked for {rows}")
+        return SlotRows(lambda work: self._submit(request, work), lambda slots: self._release(request, slots),
+                        request.slots, attention_mask=attention_mask, prompt_length=prompt_length, rows=rows,
+                        device=self.cache.device)
+
+    def _release(self, request: _Request, slots: list[int]) -> None:
+        with self.cond:
+            if request.finished:
+                return
+            for slot in slots:
+                request.slots.remove(slot)
+            self.cache.release(slots)
+            self.cond.notify_all()
+
+    def _submit(self, request: _Request, work: SlotWork) -> None:
+        """Post `work` and block until a forward ran it (or the request is cancelled)."""
+        with self.cond:
+            if request.cancelled:
+                raise RequestCancelled()
+            request.work = work
+            request.in_cycle = True
+            request.ready_since = time.perf_counter()
+            self.cond.notify_all()
+            while request.work is work and not request.cancelled and request.failure is None:
+                self.cond.wait()
+            if request.failure is not None:
+                raise request.failure
+            if request.work is work:  # cancelled before it ran
+                raise RequestCancelled()
+
+    # -- the scheduler thread ------------------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        for request in [r for r in self.running if r.cancelled]:
+            request.work = None
+            self._free(request)
+
+    def _gather(self) -> list[_Request] | None:
+        """Wait (holding self.cond) until a forward should run; its requests, or None when closed."""
+        while True:
+            if self._closed:
+                return None
+            self._reap()
+            self._admit_waiting()
+            ready = [r for r in self.running if r.work is not None]
+            if ready:
+                busy = any(r.work is None and r.in_cycle for r in self.running)
+                if not busy:
+                    return ready
+                window = max(0.002, self.options.gather_fraction * self._forward_ema)
+                since = max(self._last_forward_end, min(r.ready_since for r in ready))
+                left = since + window - time.perf_counter()
+                if left <= 0:
+                    return ready
+                self.cond.wait(left)
+            else:
+                self.cond.wait()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                ready = self._gather()
+                if ready is None:
+                    return
+                steps = [r for r in ready if r.work.keep_all]
+                prefills = sorted((r for r in ready if not r.work.keep_all), key=lambda r: r.seq)
+                step_tokens = sum(r.work.remaining for r in steps)
+                budget = step_tokens + max(self.options.max_tokens_per_step - step_tokens,
+                                           self.options.min_prefill_tokens)
+                batch = steps + prefills
+                works = [r.work for r in batch]
+            started = time.perf_counter()
+            self.gather_seconds += started - self._last_forward_end
+            failure = None
+            try:
+                with self.model_lock, torch.inference_mode():
+                    ran = execute(self.model, self.cache, works, budget)
+            except Exception as exc:  # noqa: BLE001 - fails the requests in this forward, not the server
+                log.exception("batched forward failed")
+                failure, ran = exc, 0
+            ended = time.perf_counter()
+            with self.cond:
+                elapsed = ended - started
+                self.forward_seconds += elapsed
+                self._forward_ema = elapsed if not self._forward_ema else 0.8 * self._forward_ema + 0.2 * elapsed
+                self._last_forward_end = ended
+                self.forwards += 1
+                self.tokens_run += ran
+                self.requests_peak = max(self.requests_peak, len(batch))
+                if len(batch) > 1:
+                    self.shared_forwards += 1
+                for request, work in zip(batch, works, strict=True):
+                    if failure is not None:
+                        request.failure = failure
+                        request.work = None
+                    elif work.finished and request.work is work:
+                        request.work = None
+                        request.steps += 1
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self._closed = True
+            for request in self.running:
+                request.cancelled = True
+            self.cond.notify_all()
+        thread = getattr(self, "thread", None)
+        if thread is not None:
+            thread.join(10)
+
+    @property
+    def free_slots(self) -> int:
+        with self.cond:
+            return len(self.cache.free) if self.cache is not None else 0

@@ -1,0 +1,223 @@
+"""The batched scheduler of the target service on real servers over loopback: concurrent clients with
+mixed configs get their sequential results, admission limits answer RESOURCE_EXHAUSTED with a retry
+hint, cancellation and deadlines free a request's slots within one step, and a long request keeps
+advancing while short ones come and go."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from client import SpecwireRpcError, TargetClient
+from specwire.models import load_model
+from target_service.__main__ import build_server
+from target_service.scheduler import SchedulerOptions
+from tests.servers import threaded_server
+
+PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26]]
+REPETITIVE = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]
+
+# (prompts, overrides): greedy, seeded sampling, beams, prompt lookup, and mixes of them.
+MIXED = [
+    (PROMPTS[:1], dict(max_new_tokens=24)),
+    (PROMPTS[1:], dict(max_new_tokens=20, do_sample=True, seed=3, temperature=0.8, top_k=40, top_p=0.9)),
+    (PROMPTS[:1], dict(max_new_tokens=12, num_beams=3, num_return_sequences=2, length_penalty=0.8)),
+    ([REPETITIVE], dict(max_new_tokens=30, prompt_lookup_num_tokens=4)),
+    (PROMPTS, dict(max_new_tokens=16, repetition_penalty=1.3)),  # ragged: left padded
+    (PROMPTS[:1], dict(max_new_tokens=18, do_sample=True, seed=11, num_return_sequences=2)),
+    ([REPETITIVE], dict(max_new_tokens=22, do_sample=True, seed=5, prompt_lookup_num_tokens=3)),
+    (PROMPTS[1:], dict(max_new_tokens=10, num_beams=2, do_sample=True, seed=9)),
+]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load_model(str(tiny_model_dir), progress=False)
+
+
+@pytest.fixture(scope="module")
+def sequential(loaded):
+    with threaded_server(lambda: build_server(loaded, scheduler="sequential")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def batched(loaded):
+    with threaded_server(lambda: build_server(loaded, scheduler="batched")) as server:
+        yield server
+
+
+def batcher_of(server):
+    return server.server.bindings[0].servicer.engine.batcher
+
+
+def expected(server, cases):
+    with TargetClient(server.address) as client:
+        return [client.generate(prompts, **kw).sequences for prompts, kw in cases]
+
+
+def run_concurrently(address, cases):
+    outputs, errors = [None] * len(cases), []
+    start = threading.Barrier(len(cases))
+
+    def worker(i):
+        prompts, kw = cases[i]
+        try:
+            with TargetClient(address) as client:
+                start.wait(30)
+                outputs[i] = client.generate(prompts, **kw).sequences
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return outputs
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_batched_scheduler_is_enabled_on_the_tiny_model(batched):
+    batcher = batcher_of(batched)
+    assert batcher is not None and batcher.enabled, batcher and batcher.unsupported
+
+
+def test_eight_concurrent_mixed_clients_get_their_sequential_results(sequential, batched):
+    want = expected(sequential, MIXED)
+    batcher = batcher_of(batched)
+    shared_before = batcher.shared_forwards
+    got = run_concurrently(batched.address, MIXED)
+    for (_, kw), ours, theirs in zip(MIXED, got, want, strict=True):
+        assert torch.equal(ours, theirs), (kw, ours, theirs)
+    # They really shared forwards (not one request per forward).
+    shared = batcher.shared_forwards - shared_before
+    assert shared >= 5 and batcher.requests_peak >= 4, (shared, batcher.requests_peak)
+    # And the batched server alone, one request at a time, gives the same as well.
+    assert all(torch.equal(a, b) for a, b in zip(expected(batched, MIXED), want, strict=True))
+    assert batcher.free_slots == batcher.cache.num_slots
+
+
+def test_full_queue_is_resource_exhausted_with_a_retry_hint(loaded, sequential):
+    options = SchedulerOptions(max_batch_rows=2, max_queued=1)
+    long = dict(max_new_tokens=200, min_new_tokens=200)
+    with threaded_server(lambda: build_server(loaded, scheduler="batched", scheduler_options=options)) as server:
+        batcher = batcher_of(server)
+        with TargetClient(server.address) as a, TargetClient(server.address) as b:
+            streams = [a.stream(PROMPTS[:1], **long), b.stream(PROMPTS[1:], **long)]
+            for stream in streams:
+                next(stream)  # both admitted: the two slots are taken
+            assert batcher.free_slots == 0
+            queued_result = {}
+
+            def queued():
+                with TargetClient(server.address) as c:
+                    queued_result["out"] = c.generate(PROMPTS[:1], max_new_tokens=6).sequences
+
+            waiter = threading.Thread(target=queued)
+            waiter.start()
+            wait_for(lambda: len(batcher.waiting) == 1)
+            with TargetClient(server.address) as d:
+                with pytest.raises(SpecwireRpcError) as info:
+                    d.generate(PROMPTS[:1], max_new_tokens=6)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "queued" in info.value.message
+            assert info.value.retry_after_s is not None and info.value.retry_after_s > 0
+            for stream in streams:
+                stream.close()  # frees both slots: the queued request runs
+            waiter.join(30)
+        assert torch.equal(queued_result["out"], expected(sequential, [(PROMPTS[:1], dict(max_new_tokens=6))])[0])
+        # A request wider than the whole cache is not refused: it runs alone in the sequential lane.
+        wide = (PROMPTS[:1], dict(max_new_tokens=6, num_beams=3))
+        with TargetClient(server.address) as client:
+            assert torch.equal(client.generate(wide[0], **wide[1]).sequences, expected(sequential, [wide])[0])
+        wait_for(lambda: batcher.free_slots == 2)
+
+
+def test_cancel_and_deadline_free_the_slot_within_one_step(loaded):
+    with threaded_server(lambda: build_server(loaded, scheduler="batched")) as server:
+        batcher = batcher_of(server)
+        slots = batcher.cache.num_slots
+        long = dict(max_new_tokens=240, min_new_tokens=240)
+        with TargetClient(server.address) as other, TargetClient(server.address) as mine:
+            background = other.stream(PROMPTS[1:], **long)  # keeps forwards running meanwhile
+            next(background)
+            stream = mine.stream(PROMPTS[:1], **long)
+            for _ in range(3):
+                next(stream)
+            assert batcher.free_slots == slots - 2
+            stream.close()  # cancels the RPC
+            wait_for(lambda: batcher.free_slots == slots - 1)
+            cancelled_at, freed_at = batcher.cancellations[-1]
+            assert freed_at - cancelled_at <= 1
+            # A deadline is a cancellation too.
+            with TargetClient(server.address, timeout=0.3) as hurried:
+                with pytest.raises(SpecwireRpcError) as info:
+                    hurried.generate(PROMPTS[:1], **long)  # fits a slot: batched, not the lane
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_for(lambda: len(batcher.cancellations) == 2 and batcher.free_slots == slots - 1)
+            cancelled_at, freed_at = batcher.cancellations[-1]
+            assert freed_at - cancelled_at <= 1
+            background.close()
+        wait_for(lambda: batcher.free_slots == slots and not batcher.running)
+
+
+def test_long_request_finishes_while_short_ones_come_and_go(loaded, sequential):
+    options = SchedulerOptions(max_batch_rows=3, max_queued=16)
+    long_case = (PROMPTS[:1], dict(max_new_tokens=160, min_new_tokens=160))
+    shorts = [
+        (PROMPTS[1:], dict(max_new_tokens=4)),
+        (PROMPTS[:1], dict(max_new_tokens=6, do_sample=True, seed=2)),
+        ([REPETITIVE], dict(max_new_tokens=8, prompt_lookup_num_tokens=3)),
+        (PROMPTS[1:], dict(max_new_tokens=5, num_beams=2)),
+    ]
+    want_long = expected(sequential, [long_case])[0]
+    want_short = expected(sequential, shorts)
+    with threaded_server(lambda: build_server(loaded, scheduler="batched", scheduler_options=options)) as server:
+        batcher = batcher_of(server)
+        done = threading.Event()
+        long_out, short_outs, errors = {}, [], []
+
+        def run_long():
+            try:
+                with TargetClient(server.address) as client:
+                    long_out["out"] = client.generate(long_case[0], **long_case[1]).sequences
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+            finally:
+                done.set()
+
+        def run_shorts(offset):
+            with TargetClient(server.address) as client:
+                i = offset
+                while not done.is_set():
+                    prompts, kw = shorts[i % len(shorts)]
+                    try:
+                        short_outs.append((i % len(shorts), client.generate(prompts, **kw).sequences))
+                    except Exception as exc:  # noqa: BLE001 - reported below
+                        errors.append(exc)
+                        return
+                    i += 1
+
+        threads = [threading.Thread(target=run_long)] + [threading.Thread(target=run_shorts, args=(k,)) for k in (0, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert torch.equal(long_out["out"], want_long)
+        assert len(short_outs) >= 6  # short requests really came and went while the long one ran
+        for index, out in short_outs:
+            assert torch.equal(out, want_short[index]), shorts[index]
+        wait_for(lambda: batcher.free_slots == 3)
