@@ -21,8 +21,9 @@ from target_service.service import TargetServicer
 
 SERVICE_NAME = "specwire.target.v1.TargetService"
 # The scheduler when none is given; SPECWIRE_TARGET_SCHEDULER overrides it (deployments, and running
-# the whole test suite against the batched scheduler).
-DEFAULT_SCHEDULER = os.environ.get("SPECWIRE_TARGET_SCHEDULER", "batched")
+# the whole test suite against the batched scheduler). Sequential stays the default while a single
+# stream is slower batched (measured on 2 CPU cores: 18.9 vs 30.4 tokens/s; 8 clients: 58.4 vs 30.0).
+DEFAULT_SCHEDULER = os.environ.get("SPECWIRE_TARGET_SCHEDULER", "sequential")
 
 
 def build_server(
