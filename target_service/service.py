@@ -134,9 +134,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             started = time.perf_counter()
             async for item in self.engine.run(job):
                 observed.item(item)
+                if isinstance(item, GenerationResult):
+                    # Logged before handing the result over: the caller closes this generator after it.
+                    log.info("request %s: %d row(s), %d new tokens, in %.3fs", job.request_id or "-",
+                             item.sequences.shape[0], item.sequences.shape[1] - item.prompt_length,
+                             time.perf_counter() - started)
                 yield job, item
-        rows = job.input_ids.shape[0]
-        log.info("request %s: %d row(s) in %.3fs", job.request_id or "-", rows, time.perf_counter() - started)
 
     @handles_errors
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
