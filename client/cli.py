@@ -1,10 +1,10 @@
 """`specwire`: the command line.
 
-  specwire demo ["prompt"]        start every service locally, generate with speculation, print text and stats, stop
-  specwire serve                  start every service locally with the embedded model until Ctrl-C
-  specwire generate "prompt"      generate through a running target service
-  specwire config ...             the config registry: create/get/list/update/delete/tag/validate/import/export
-  specwire stats --prometheus URL speculative acceptance per proposer and config (optionally a PNG)
+specwire demo ["prompt"]        start every service locally, generate with speculation, print text and stats, stop
+specwire serve                  start every service locally with the embedded model until Ctrl-C
+specwire generate "prompt"      generate through a running target service
+specwire config ...             the config registry: create/get/list/update/delete/tag/validate/import/export
+specwire stats --prometheus URL speculative acceptance per proposer and config (optionally a PNG)
 """
 
 from __future__ import annotations
@@ -48,9 +48,20 @@ def _config_from_args(args) -> dict[str, Any]:
 
 def _print_record(record, as_json: bool = False) -> None:
     if as_json:
-        print(json.dumps({"name": record.name, "version": record.version, "latest_version": record.latest_version,
-                          "tags": record.tags, "labels": record.labels, "config": record.config.to_dict(),
-                          "warnings": [w.__dict__ for w in record.warnings]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "name": record.name,
+                    "version": record.version,
+                    "latest_version": record.latest_version,
+                    "tags": record.tags,
+                    "labels": record.labels,
+                    "config": record.config.to_dict(),
+                    "warnings": [w.__dict__ for w in record.warnings],
+                },
+                indent=2,
+            )
+        )
         return
     tags = f"  tags: {', '.join(record.tags)}" if record.tags else ""
     print(f"{record.name}@{record.version} (latest {record.latest_version}){tags}")
@@ -65,8 +76,10 @@ def _config_command(args) -> int:
     with ConfigClient(args.address) as client:
         cmd = args.config_command
         if cmd == "create":
-            _print_record(client.create(args.name, _config_from_args(args), parse_assignments(args.label, "--label")),
-                          args.as_json)
+            _print_record(
+                client.create(args.name, _config_from_args(args), parse_assignments(args.label, "--label")),
+                args.as_json,
+            )
         elif cmd == "get":
             _print_record(client.get(args.ref), args.as_json)
         elif cmd == "list":
@@ -74,7 +87,9 @@ def _config_command(args) -> int:
                 tags = f" [{', '.join(record.tags)}]" if record.tags else ""
                 print(f"{record.name}@{record.version}{tags}")
         elif cmd == "update":
-            _print_record(client.update(args.name, _config_from_args(args), args.expected_version), args.as_json)
+            _print_record(
+                client.update(args.name, _config_from_args(args), args.expected_version), args.as_json
+            )
         elif cmd == "delete":
             print(f"deleted {client.delete(args.name, args.expected_version)} version(s) of {args.name}")
         elif cmd == "tag":
@@ -105,8 +120,13 @@ def _generate_command(args) -> int:
     overrides = parse_assignments(args.set)
     prompts = args.prompt or [DEFAULT_PROMPT]
     with TargetClient(args.address, timeout=args.timeout) as client:
-        kwargs = dict(text=prompts if len(prompts) > 1 else prompts[0], generation_config=args.config,
-                      apply_chat_template=not args.no_chat, proposer=args.proposer, **overrides)
+        kwargs = dict(
+            text=prompts if len(prompts) > 1 else prompts[0],
+            generation_config=args.config,
+            apply_chat_template=not args.no_chat,
+            proposer=args.proposer,
+            **overrides,
+        )
         if args.stream and not args.as_json:
             output = None
             for item in client.stream(**kwargs):
@@ -119,9 +139,18 @@ def _generate_command(args) -> int:
             return 0
         output = client.generate(**kwargs)
     if args.as_json:
-        print(json.dumps({"text": output.text, "finish_reasons": output.finish_reasons,
-                          "sequences": output.sequences.tolist(), "speculation": output.speculation.__dict__,
-                          "config": {"name": output.config_name, "version": output.config_version}}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "text": output.text,
+                    "finish_reasons": output.finish_reasons,
+                    "sequences": output.sequences.tolist(),
+                    "speculation": output.speculation.__dict__,
+                    "config": {"name": output.config_name, "version": output.config_version},
+                },
+                indent=2,
+            )
+        )
         return 0
     for i, text in enumerate(output.text):
         prefix = f"[{i}] " if len(output.text) > 1 else ""
@@ -136,12 +165,16 @@ def _print_stats(output) -> None:
     s = output.speculation
     print(f"-- finish: {', '.join(output.finish_reasons)} | model: {output.model_id}")
     mean_length = 1 + s.accepted_tokens / s.rounds if s.rounds else 1.0
-    print(f"-- speculation: proposer={s.proposer} rounds={s.rounds} drafted={s.drafted_tokens} "
-          f"accepted={s.accepted_tokens} acceptance_rate={s.acceptance_rate:.2f} "
-          f"mean_acceptance_length={mean_length:.2f}")
+    print(
+        f"-- speculation: proposer={s.proposer} rounds={s.rounds} drafted={s.drafted_tokens} "
+        f"accepted={s.accepted_tokens} acceptance_rate={s.acceptance_rate:.2f} "
+        f"mean_acceptance_length={mean_length:.2f}"
+    )
     if s.rounds:
-        print(f"-- accepted by draft position: {s.accepted_by_position} | draft {s.draft_seconds:.2f}s, "
-              f"verify {s.verify_seconds:.2f}s")
+        print(
+            f"-- accepted by draft position: {s.accepted_by_position} | draft {s.draft_seconds:.2f}s, "
+            f"verify {s.verify_seconds:.2f}s"
+        )
     if s.fallback_reason:
         print(f"-- fell back to plain decoding: {s.fallback_reason}")
 
@@ -162,9 +195,14 @@ def _wait_healthy(address: str, process: subprocess.Popen, timeout: float = 600.
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise SystemExit(f"{' '.join(process.args[2:4])} exited with {process.returncode} while starting")
+                raise SystemExit(
+                    f"{' '.join(process.args[2:4])} exited with {process.returncode} while starting"
+                )
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -186,18 +224,43 @@ class LocalStack:
         a = self.args
         print(f"starting config-service on {self.config_address} (registry {a.db})", file=sys.stderr)
         # SPECWIRE_PROMETHEUS_PORT goes to the target only (its speculation metrics): servers can't share a port.
-        config = _spawn(["config_service", "--host", a.host, "--port", str(a.config_port), "--db", a.db],
-                        drop=("SPECWIRE_PROMETHEUS_PORT",))
+        config = _spawn(
+            ["config_service", "--host", a.host, "--port", str(a.config_port), "--db", a.db],
+            drop=("SPECWIRE_PROMETHEUS_PORT",),
+        )
         draft_model = [] if a.draft_model == "none" else ["--model", a.draft_model]
-        print(f"starting draft-service on {self.draft_address} (prompt lookup"
-              f"{'' if a.draft_model == 'none' else ', draft model ' + a.draft_model})", file=sys.stderr)
-        draft = _spawn(["draft_service", "--host", a.host, "--port", str(a.draft_port), *draft_model],
-                       drop=("SPECWIRE_PROMETHEUS_PORT",))
-        print(f"starting target-service on {self.target_address} (model {a.model}; loading takes a while)",
-              file=sys.stderr)
-        target = _spawn(["target_service", "--host", a.host, "--port", str(a.target_port), "--model", a.model,
-                         "--config-address", self.config_address, "--draft-address", self.draft_address,
-                         "--device", a.device, "--dtype", a.dtype])
+        print(
+            f"starting draft-service on {self.draft_address} (prompt lookup"
+            f"{'' if a.draft_model == 'none' else ', draft model ' + a.draft_model})",
+            file=sys.stderr,
+        )
+        draft = _spawn(
+            ["draft_service", "--host", a.host, "--port", str(a.draft_port), *draft_model],
+            drop=("SPECWIRE_PROMETHEUS_PORT",),
+        )
+        print(
+            f"starting target-service on {self.target_address} (model {a.model}; loading takes a while)",
+            file=sys.stderr,
+        )
+        target = _spawn(
+            [
+                "target_service",
+                "--host",
+                a.host,
+                "--port",
+                str(a.target_port),
+                "--model",
+                a.model,
+                "--config-address",
+                self.config_address,
+                "--draft-address",
+                self.draft_address,
+                "--device",
+                a.device,
+                "--dtype",
+                a.dtype,
+            ]
+        )
         self.processes += [config, draft, target]
         try:
             _wait_healthy(self.config_address, config)
@@ -242,29 +305,46 @@ def _demo_command(args) -> int:
             args.db = str(Path(tmp) / "registry.db")
         with LocalStack(args) as stack:
             with ConfigClient(stack.config_address) as registry:
-                record = registry.create("demo-greedy", {"max_new_tokens": args.max_new_tokens, "do_sample": False})
+                record = registry.create(
+                    "demo-greedy", {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+                )
                 print(f"stored config {record.name}@{record.version} in the registry", file=sys.stderr)
             prompt = args.prompt or DEFAULT_PROMPT
             proposer = "prompt_lookup" if args.draft_model == "none" else "draft_model"
             print(f"\nprompt: {prompt}\n(speculation: {proposer})\n", file=sys.stderr)
-            gen_args = argparse.Namespace(address=stack.target_address, timeout=None, prompt=[prompt],
-                                          config="demo-greedy", set=args.set, stream=True, as_json=False,
-                                          no_chat=args.no_chat, proposer=proposer)
+            gen_args = argparse.Namespace(
+                address=stack.target_address,
+                timeout=None,
+                prompt=[prompt],
+                config="demo-greedy",
+                set=args.set,
+                stream=True,
+                as_json=False,
+                no_chat=args.no_chat,
+                proposer=proposer,
+            )
             return _generate_command(gen_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specwire", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="specwire", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def stack_options(p):
-        p.add_argument("--model", default="default", help="model of the target service (default: embedded SmolLM2)")
+        p.add_argument(
+            "--model", default="default", help="model of the target service (default: embedded SmolLM2)"
+        )
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--config-port", type=int, default=50051)
         p.add_argument("--target-port", type=int, default=50052)
         p.add_argument("--draft-port", type=int, default=50053)
-        p.add_argument("--draft-model", default="default-int8",
-                       help="draft service model ('none' = prompt lookup only; default: the embedded model in int8)")
+        p.add_argument(
+            "--draft-model",
+            default="default-int8",
+            help="draft service model ('none' = prompt lookup only; default: the embedded model in int8)",
+        )
         p.add_argument("--device", default="cpu")
         p.add_argument("--dtype", default="float32")
 
@@ -272,7 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("prompt", nargs="?", default=None)
     demo.add_argument("--db", default=None, help="registry file (default: a temporary one)")
     demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--no-chat", action="store_true", help="send the prompt as plain text (models without a chat template)")
+    demo.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="send the prompt as plain text (models without a chat template)",
+    )
     demo.add_argument("--set", action="append", metavar="KEY=VALUE", help="GenerationConfig override")
     stack_options(demo)
 
@@ -287,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--set", action="append", metavar="KEY=VALUE", help="GenerationConfig field override")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", dest="as_json", action="store_true", help="print the whole output as JSON")
-    gen.add_argument("--no-chat", action="store_true", help="send the prompt as plain text, without the chat template")
+    gen.add_argument(
+        "--no-chat", action="store_true", help="send the prompt as plain text, without the chat template"
+    )
     gen.add_argument("--proposer", choices=["none", "prompt_lookup", "draft_model"], default=None)
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
@@ -354,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return stats_command(args)
     # OTEL_* tracing of the client's calls; the scrape port is for servers, not for the CLI.
-    setup_telemetry("specwire-cli", env={k: v for k, v in os.environ.items() if k != "SPECWIRE_PROMETHEUS_PORT"})
+    setup_telemetry(
+        "specwire-cli", env={k: v for k, v in os.environ.items() if k != "SPECWIRE_PROMETHEUS_PORT"}
+    )
     try:
         if args.command in ("config", "generate"):
             with get_tracer().start_as_current_span(f"specwire {args.command}"):  # the trace's root

@@ -108,7 +108,9 @@ class ConfigClient:
         channel (`grpc.Channel`, *optional*): an existing channel to use instead of `address`.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 30.0, channel: grpc.Channel | None = None):
+    def __init__(
+        self, address: str = "127.0.0.1:50051", timeout: float = 30.0, channel: grpc.Channel | None = None
+    ):
         self._own_channel = channel is None
         self.channel = channel or secure_channel(address)
         self.stub = pb_grpc.ConfigServiceStub(self.channel)
@@ -133,18 +135,28 @@ class ConfigClient:
     @raises_rpc_errors
     def get(self, ref: str) -> ConfigRecord:
         """Read `name` (latest), `name@VERSION` or `name:TAG`."""
-        return ConfigRecord.from_proto(self.stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout).record)
+        return ConfigRecord.from_proto(
+            self.stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout).record
+        )
 
     @raises_rpc_errors
     def update(
-        self, name: str, config: Any, expected_version: int | None = None, labels: dict[str, str] | None = None
+        self,
+        name: str,
+        config: Any,
+        expected_version: int | None = None,
+        labels: dict[str, str] | None = None,
     ) -> ConfigRecord:
         """Store a new version; with `expected_version`, fail with ABORTED if someone else updated first."""
-        response = self.stub.UpdateConfig(_Requests.update(name, config, expected_version, labels), timeout=self.timeout)
+        response = self.stub.UpdateConfig(
+            _Requests.update(name, config, expected_version, labels), timeout=self.timeout
+        )
         return ConfigRecord.from_proto(response.record)
 
     @raises_rpc_errors
-    def list_page(self, prefix: str = "", page_size: int = 0, page_token: str = "") -> tuple[list[ConfigRecord], str]:
+    def list_page(
+        self, prefix: str = "", page_size: int = 0, page_token: str = ""
+    ) -> tuple[list[ConfigRecord], str]:
         """One page of the latest versions, by name, and the next page's token ("" on the last)."""
         request = pb.ListConfigsRequest(prefix=prefix, page_size=page_size, page_token=page_token)
         response = self.stub.ListConfigs(request, timeout=self.timeout)
@@ -184,7 +196,11 @@ class ConfigClient:
 
     @raises_rpc_errors
     def import_from_hub(
-        self, repo_id: str, revision: str = "main", filename: str = "generation_config.json", name: str | None = None
+        self,
+        repo_id: str,
+        revision: str = "main",
+        filename: str = "generation_config.json",
+        name: str | None = None,
     ) -> ConfigRecord:
         """Import a Hub repo's generation_config.json (through huggingface_hub on the server)."""
         request = _Requests.import_from_hub(repo_id, revision, filename, name)
@@ -236,7 +252,11 @@ class AsyncConfigClient:
 
     @raises_rpc_errors
     async def update(
-        self, name: str, config: Any, expected_version: int | None = None, labels: dict[str, str] | None = None
+        self,
+        name: str,
+        config: Any,
+        expected_version: int | None = None,
+        labels: dict[str, str] | None = None,
     ) -> ConfigRecord:
         request = _Requests.update(name, config, expected_version, labels)
         return ConfigRecord.from_proto((await self.stub.UpdateConfig(request, timeout=self.timeout)).record)
@@ -274,7 +294,11 @@ class AsyncConfigClient:
 
     @raises_rpc_errors
     async def import_from_hub(
-        self, repo_id: str, revision: str = "main", filename: str = "generation_config.json", name: str | None = None
+        self,
+        repo_id: str,
+        revision: str = "main",
+        filename: str = "generation_config.json",
+        name: str | None = None,
     ) -> ConfigRecord:
         request = _Requests.import_from_hub(repo_id, revision, filename, name)
         return ConfigRecord.from_proto((await self.stub.ImportConfig(request, timeout=self.timeout)).record)

@@ -18,8 +18,8 @@ import torch
 from client.config_client import config_to_wire
 from client.errors import SpecwireRpcError, Violation, raises_rpc_errors
 from specwire.common.v1 import common_pb2
-from specwire.security import secure_channel
 from specwire.generation.outputs import compute_transition_scores as _compute_transition_scores
+from specwire.security import secure_channel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.wire.common import FINISH_REASON_NAMES
@@ -93,7 +93,9 @@ class GenerateOutput:
         return cls(
             sequences=torch.tensor([list(s.token_ids) for s in response.sequences], dtype=torch.long),
             text=[s.text for s in response.sequences],
-            finish_reasons=[FINISH_REASON_NAMES.get(s.finish_reason, "unspecified") for s in response.sequences],
+            finish_reasons=[
+                FINISH_REASON_NAMES.get(s.finish_reason, "unspecified") for s in response.sequences
+            ],
             scores=steps("scores"),
             logits=steps("logits"),
             beam_indices=None if not response.HasField("beam_indices") else tensor("beam_indices").long(),
@@ -143,7 +145,9 @@ def build_request(
         raise ValueError("pass exactly one of input_ids and text")
     if proposer not in PROPOSERS:
         raise ValueError(f"proposer must be one of {sorted(k for k in PROPOSERS if k)}, not {proposer!r}")
-    request = request_type(apply_chat_template=apply_chat_template, proposer=PROPOSERS[proposer], request_id=request_id)
+    request = request_type(
+        apply_chat_template=apply_chat_template, proposer=PROPOSERS[proposer], request_id=request_id
+    )
     if text is not None:
         for item in [text] if isinstance(text, str) else text:
             request.prompts.add(text=item)
@@ -191,20 +195,35 @@ class TargetClient:
         self.close()
 
     @raises_rpc_errors
-    def generate(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs) -> GenerateOutput:
+    def generate(
+        self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs
+    ) -> GenerateOutput:
         """Like `model.generate()`. `generation_config` may be ours, transformers', a dict or a registry
         reference (`name`, `name@3`, `name:prod`); keyword arguments are GenerationConfig fields that win
         over it. Also: `apply_chat_template`, `negative_prompt_ids`, `proposer`, `request_id`."""
-        request = build_request(pb.GenerateRequest, input_ids, text=text, attention_mask=attention_mask,
-                                generation_config=generation_config, **kwargs)
+        request = build_request(
+            pb.GenerateRequest,
+            input_ids,
+            text=text,
+            attention_mask=attention_mask,
+            generation_config=generation_config,
+            **kwargs,
+        )
         return GenerateOutput.from_proto(self.stub.Generate(request, timeout=self.timeout))
 
-    def stream(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None,
-               **kwargs) -> Iterator[StreamDelta | GenerateOutput]:
+    def stream(
+        self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs
+    ) -> Iterator[StreamDelta | GenerateOutput]:
         """Yield `StreamDelta`s as tokens are produced, then the final `GenerateOutput`.
         Breaking out of the loop cancels the request on the server."""
-        request = build_request(pb.GenerateStreamRequest, input_ids, text=text, attention_mask=attention_mask,
-                                generation_config=generation_config, **kwargs)
+        request = build_request(
+            pb.GenerateStreamRequest,
+            input_ids,
+            text=text,
+            attention_mask=attention_mask,
+            generation_config=generation_config,
+            **kwargs,
+        )
         call = self.stub.GenerateStream(request, timeout=self.timeout)
         try:
             for message in call:
@@ -236,7 +255,9 @@ class AsyncTargetClient:
     """asyncio client of `specwire.target.v1.TargetService`; same methods as `TargetClient`, awaitable."""
 
     def __init__(self, address: str = "127.0.0.1:50052", timeout: float | None = None):
-        self.channel = secure_channel(address, [("grpc.max_receive_message_length", 256 * 1024 * 1024)], aio=True)
+        self.channel = secure_channel(
+            address, [("grpc.max_receive_message_length", 256 * 1024 * 1024)], aio=True
+        )
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout
 
@@ -250,16 +271,30 @@ class AsyncTargetClient:
         await self.close()
 
     @raises_rpc_errors
-    async def generate(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None,
-                       **kwargs) -> GenerateOutput:
-        request = build_request(pb.GenerateRequest, input_ids, text=text, attention_mask=attention_mask,
-                                generation_config=generation_config, **kwargs)
+    async def generate(
+        self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs
+    ) -> GenerateOutput:
+        request = build_request(
+            pb.GenerateRequest,
+            input_ids,
+            text=text,
+            attention_mask=attention_mask,
+            generation_config=generation_config,
+            **kwargs,
+        )
         return GenerateOutput.from_proto(await self.stub.Generate(request, timeout=self.timeout))
 
-    async def stream(self, input_ids=None, *, text=None, attention_mask=None, generation_config=None,
-                     **kwargs) -> AsyncIterator[StreamDelta | GenerateOutput]:
-        request = build_request(pb.GenerateStreamRequest, input_ids, text=text, attention_mask=attention_mask,
-                                generation_config=generation_config, **kwargs)
+    async def stream(
+        self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs
+    ) -> AsyncIterator[StreamDelta | GenerateOutput]:
+        request = build_request(
+            pb.GenerateStreamRequest,
+            input_ids,
+            text=text,
+            attention_mask=attention_mask,
+            generation_config=generation_config,
+            **kwargs,
+        )
         call = self.stub.GenerateStream(request, timeout=self.timeout)
         try:
             async for message in call:

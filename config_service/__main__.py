@@ -28,7 +28,9 @@ def build_server(db: str, host: str = "127.0.0.1", port: int = 0, grace: float =
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="config-service", description="specwire GenerationConfig registry")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=50051, help="port to bind, 0 for any free one (default 50051)")
+    parser.add_argument(
+        "--port", type=int, default=50051, help="port to bind, 0 for any free one (default 50051)"
+    )
     parser.add_argument("--db", default="specwire-registry.db", help="SQLite file (created if missing)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
     parser.add_argument("--log-level", default="INFO")

@@ -15,8 +15,10 @@ RESERVED_TAGS = {"latest"}
 def check_name(name: str, field: str = "name") -> str:
     if not NAME_RE.match(name or ""):
         raise InvalidArgument.for_field(
-            field, name, "a config name is 1-128 characters of letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit (e.g. 'chat-default')"
+            field,
+            name,
+            "a config name is 1-128 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (e.g. 'chat-default')",
         )
     return name
 
@@ -24,8 +26,10 @@ def check_name(name: str, field: str = "name") -> str:
 def check_tag(tag: str, field: str = "tag") -> str:
     if not TAG_RE.match(tag or "") or tag in RESERVED_TAGS:
         raise InvalidArgument.for_field(
-            field, tag, "a tag is 1-64 characters of letters, digits, '.', '_' or '-', starting with a letter, "
-            "and not 'latest' (e.g. 'prod')"
+            field,
+            tag,
+            "a tag is 1-64 characters of letters, digits, '.', '_' or '-', starting with a letter, "
+            "and not 'latest' (e.g. 'prod')",
         )
     return tag
 
@@ -44,7 +48,9 @@ class ConfigRef:
         if "@" in ref:
             name, _, version = ref.partition("@")
             if not version.isdigit() or int(version) < 1:
-                raise InvalidArgument.for_field(field, ref, "the version after '@' is a whole number >= 1, e.g. 'chat@3'")
+                raise InvalidArgument.for_field(
+                    field, ref, "the version after '@' is a whole number >= 1, e.g. 'chat@3'"
+                )
             return cls(check_name(name, field), version=int(version))
         if ":" in ref:
             name, _, tag = ref.partition(":")

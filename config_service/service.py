@@ -37,7 +37,9 @@ def parse_config(values: dict[str, Any], field: str = "config") -> GenerationCon
         raise InvalidArgument.for_field(field, values, f"not a valid GenerationConfig: {exc}") from exc
 
 
-def checked_config(config: GenerationConfig, field: str = "config", strict: bool = False) -> list[dict[str, Any]]:
+def checked_config(
+    config: GenerationConfig, field: str = "config", strict: bool = False
+) -> list[dict[str, Any]]:
     """Validate; raise INVALID_ARGUMENT on errors, return the warnings as storable dicts."""
     violations = config.validate(strict=strict)
     errors = [v for v in violations if v.severity == "error"]
@@ -101,7 +103,9 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         name = check_name(request.name)
         config = _config_from_request(request.config)
         warnings = checked_config(config)
-        record = await self._run(self.store.create, name, config.to_dict(), _check_labels(request.labels), warnings)
+        record = await self._run(
+            self.store.create, name, config.to_dict(), _check_labels(request.labels), warnings
+        )
         log.info("created %s@1", name)
         return pb.CreateConfigResponse(record=record_to_proto(record))
 
@@ -132,7 +136,9 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         records, next_token = await self._run(
             self.store.list, request.prefix, request.page_size or DEFAULT_PAGE_SIZE, after
         )
-        return pb.ListConfigsResponse(records=[record_to_proto(r) for r in records], next_page_token=next_token)
+        return pb.ListConfigsResponse(
+            records=[record_to_proto(r) for r in records], next_page_token=next_token
+        )
 
     @handles_errors
     async def DeleteConfig(self, request: pb.DeleteConfigRequest, context) -> pb.DeleteConfigResponse:
@@ -164,18 +170,24 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
     async def ImportConfig(self, request: pb.ImportConfigRequest, context) -> pb.ImportConfigResponse:
         source = request.WhichOneof("source")
         if source == "hub":
-            text = await self._run(read_hub_file, request.hub.repo_id, request.hub.revision, request.hub.filename)
+            text = await self._run(
+                read_hub_file, request.hub.repo_id, request.hub.revision, request.hub.filename
+            )
             default_name = request.hub.repo_id.replace("/", "--")
         elif source == "json":
             text, default_name = request.json, ""
         else:
-            raise InvalidArgument.for_field("source", None, "set either `hub` (repo_id, revision, filename) or `json`")
+            raise InvalidArgument.for_field(
+                "source", None, "set either `hub` (repo_id, revision, filename) or `json`"
+            )
         try:
             values = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InvalidArgument.for_field(source, text[:200], f"not valid JSON: {exc}") from exc
         if not isinstance(values, dict):
-            raise InvalidArgument.for_field(source, text[:200], "a generation_config.json holds a JSON object")
+            raise InvalidArgument.for_field(
+                source, text[:200], "a generation_config.json holds a JSON object"
+            )
         name = check_name(request.name or default_name)
         config = parse_config(values)
         warnings = checked_config(config)
@@ -197,11 +209,13 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
 
 def read_hub_file(repo_id: str, revision: str = "", filename: str = "") -> str:
     """Read a file of a Hub repo through huggingface_hub (its cache serves it with HF_HUB_OFFLINE=1)."""
-    from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hub_errors
+    from huggingface_hub import hf_hub_download
 
     if not repo_id:
-        raise InvalidArgument.for_field("hub.repo_id", repo_id, "name a Hub repo, e.g. 'HuggingFaceTB/SmolLM2-135M'")
+        raise InvalidArgument.for_field(
+            "hub.repo_id", repo_id, "name a Hub repo, e.g. 'HuggingFaceTB/SmolLM2-135M'"
+        )
     filename = filename or "generation_config.json"
     try:
         path = hf_hub_download(repo_id, filename, revision=revision or "main")
@@ -213,7 +227,11 @@ def read_hub_file(repo_id: str, revision: str = "", filename: str = "") -> str:
             f"{repo_id}@{revision or 'main'}/{filename} is not in the local Hub cache and the Hub cannot be "
             f"reached (HF_HUB_OFFLINE or no network): {exc}"
         ) from exc
-    except (hub_errors.RepositoryNotFoundError, hub_errors.RevisionNotFoundError, hub_errors.EntryNotFoundError) as exc:
+    except (
+        hub_errors.RepositoryNotFoundError,
+        hub_errors.RevisionNotFoundError,
+        hub_errors.EntryNotFoundError,
+    ) as exc:
         raise NotFound(f"{repo_id}@{revision or 'main'}/{filename} not found on the Hub: {exc}") from exc
     with open(path, encoding="utf-8") as f:
         return f.read()

@@ -133,7 +133,8 @@ class ConfigStore:
         tags = [
             r["tag"]
             for r in db.execute(
-                "SELECT tag FROM tags WHERE name = ? AND version = ? ORDER BY tag", (row["name"], row["version"])
+                "SELECT tag FROM tags WHERE name = ? AND version = ? ORDER BY tag",
+                (row["name"], row["version"]),
             )
         ]
         return StoredConfig(
@@ -159,7 +160,9 @@ class ConfigStore:
             if latest is None:
                 raise NotFound(f"no config named {name!r}; list the registry with ListConfigs")
             if tag is not None:
-                row = self._db.execute("SELECT version FROM tags WHERE name = ? AND tag = ?", (name, tag)).fetchone()
+                row = self._db.execute(
+                    "SELECT version FROM tags WHERE name = ? AND tag = ?", (name, tag)
+                ).fetchone()
                 if row is None:
                     raise NotFound(f"config {name!r} has no tag {tag!r}; set one with SetTag")
                 version = row["version"]
@@ -233,8 +236,14 @@ class ConfigStore:
         db.execute(
             "INSERT INTO versions (name, version, config_json, labels_json, warnings_json, created_at) "
             "VALUES (?, ?, ?, ?, ?, ?)",
-            (name, version, json.dumps(config, sort_keys=True), json.dumps(labels, sort_keys=True),
-             json.dumps(warnings, default=repr), now),
+            (
+                name,
+                version,
+                json.dumps(config, sort_keys=True),
+                json.dumps(labels, sort_keys=True),
+                json.dumps(warnings, default=repr),
+                now,
+            ),
         )
 
     def delete(self, name: str, expected_version: int | None = None) -> int:
@@ -259,9 +268,13 @@ class ConfigStore:
             row = db.execute("SELECT latest_version FROM configs WHERE name = ?", (name,)).fetchone()
             if row is None:
                 raise NotFound(f"no config named {name!r}")
-            exists = db.execute("SELECT 1 FROM versions WHERE name = ? AND version = ?", (name, version)).fetchone()
+            exists = db.execute(
+                "SELECT 1 FROM versions WHERE name = ? AND version = ?", (name, version)
+            ).fetchone()
             if not exists:
-                raise NotFound(f"config {name!r} has no version {version} (latest is {row['latest_version']})")
+                raise NotFound(
+                    f"config {name!r} has no version {version} (latest is {row['latest_version']})"
+                )
             db.execute(
                 "INSERT INTO tags (name, tag, version) VALUES (?, ?, ?) "
                 "ON CONFLICT (name, tag) DO UPDATE SET version = excluded.version",

@@ -25,17 +25,27 @@ def build_server(draft_model=None, host: str = "127.0.0.1", port: int = 0, grace
     servicer = DraftServicer(draft_model)
     # Streams are long-lived: a bounded connection age lets targets find replicas added by a scale-up.
     options = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 60_000)]
-    return GrpcServer([ServiceBinding(pb_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],
-                      host=host, port=port, grace=grace, options=options)
+    return GrpcServer(
+        [ServiceBinding(pb_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],
+        host=host,
+        port=port,
+        grace=grace,
+        options=options,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="draft-service", description="specwire draft (speculation) service")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=50053, help="port to bind, 0 for any free one (default 50053)")
-    parser.add_argument("--model", default=None,
-                        help="draft model: 'default-int8', 'default', a folder, a .gguf file or a Hub id "
-                             "(omit for prompt lookup only)")
+    parser.add_argument(
+        "--port", type=int, default=50053, help="port to bind, 0 for any free one (default 50053)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="draft model: 'default-int8', 'default', a folder, a .gguf file or a Hub id "
+        "(omit for prompt lookup only)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--grace", type=float, default=10.0, help="seconds open streams get on SIGTERM")

@@ -35,13 +35,17 @@ def _open_session(start: pb.DraftStart, draft_model: LoadedModel | None) -> Draf
     if len(start.rows) > MAX_ROWS:
         raise InvalidArgument.for_field("start.rows", len(start.rows), f"at most {MAX_ROWS} rows per stream")
     if start.vocab_size <= 0:
-        raise InvalidArgument.for_field("start.vocab_size", start.vocab_size, "send the target model's vocabulary size")
+        raise InvalidArgument.for_field(
+            "start.vocab_size", start.vocab_size, "send the target model's vocabulary size"
+        )
     rows = [list(r.ids) for r in start.rows]
     for i, row in enumerate(rows):
         if not row:
             raise InvalidArgument.for_field(f"start.rows[{i}]", [], "every row needs at least one token")
         if min(row) < 0 or max(row) >= start.vocab_size:
-            raise InvalidArgument.for_field(f"start.rows[{i}]", row, f"token ids must be in [0, {start.vocab_size})")
+            raise InvalidArgument.for_field(
+                f"start.rows[{i}]", row, f"token ids must be in [0, {start.vocab_size})"
+            )
     try:
         config = config_from_proto(start.config)
     except (WireFormatError, TypeError, ValueError) as exc:
@@ -59,7 +63,9 @@ def _open_session(start: pb.DraftStart, draft_model: LoadedModel | None) -> Draf
             generator = torch.Generator(device=device)
             generator.manual_seed(config.seed if config.seed is not None else torch.seed())
         return ModelDrafter(draft_model.model, rows, config, start.vocab_size, start.return_probs, generator)
-    raise InvalidArgument.for_field("start.method", start.method, "choose DRAFT_METHOD_PROMPT_LOOKUP or DRAFT_METHOD_MODEL")
+    raise InvalidArgument.for_field(
+        "start.method", start.method, "choose DRAFT_METHOD_PROMPT_LOOKUP or DRAFT_METHOD_MODEL"
+    )
 
 
 def _check_num_tokens(value: int, field: str) -> int:
@@ -87,10 +93,14 @@ def _apply_feedback(session: Drafter, feedback: pb.DraftFeedback, last: Proposal
     for i, (row, drafted) in enumerate(zip(feedback.rows, last.tokens, strict=True)):
         if not 0 <= row.num_accepted <= len(drafted):
             raise InvalidArgument.for_field(
-                f"feedback.rows[{i}].num_accepted", row.num_accepted, f"between 0 and the {len(drafted)} drafted"
+                f"feedback.rows[{i}].num_accepted",
+                row.num_accepted,
+                f"between 0 and the {len(drafted)} drafted",
             )
         accepted.append(row.num_accepted)
-    session.feedback(accepted, [list(r.appended_ids) for r in feedback.rows], [r.finished for r in feedback.rows])
+    session.feedback(
+        accepted, [list(r.appended_ids) for r in feedback.rows], [r.finished for r in feedback.rows]
+    )
     return session.propose(feedback.num_tokens)
 
 
@@ -117,16 +127,22 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 kind = message.WhichOneof("message")
                 if kind == "start":
                     if session is not None:
-                        raise FailedPrecondition("a stream carries one DraftStart; open a new stream per request")
+                        raise FailedPrecondition(
+                            "a stream carries one DraftStart; open a new stream per request"
+                        )
                     num_tokens = _check_num_tokens(message.start.num_tokens, "start.num_tokens")
-                    session = await loop.run_in_executor(self.executor, _open_session, message.start, self.draft_model)
+                    session = await loop.run_in_executor(
+                        self.executor, _open_session, message.start, self.draft_model
+                    )
                     self.open_sessions += 1
                     last = await loop.run_in_executor(self.executor, session.propose, num_tokens)
                 elif kind == "feedback":
                     if session is None or last is None:
                         raise FailedPrecondition("send DraftStart before DraftFeedback")
                     _check_num_tokens(message.feedback.num_tokens, "feedback.num_tokens")
-                    last = await loop.run_in_executor(self.executor, _apply_feedback, session, message.feedback, last)
+                    last = await loop.run_in_executor(
+                        self.executor, _apply_feedback, session, message.feedback, last
+                    )
                 else:
                     raise InvalidArgument.for_field("message", None, "set start or feedback")
                 yield _response(last)

@@ -25,7 +25,9 @@ class SpecwireError(Exception):
 
     code = "INTERNAL"
 
-    def __init__(self, message: str, violations: list[Any] | tuple[Any, ...] = (), retry_after_s: float | None = None):
+    def __init__(
+        self, message: str, violations: list[Any] | tuple[Any, ...] = (), retry_after_s: float | None = None
+    ):
         super().__init__(message)
         self.message = message
         self.violations = list(violations)

@@ -66,8 +66,12 @@ class _TokenPlugin(grpc.AuthMetadataPlugin):
         callback(self.metadata, None)
 
 
-class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _TokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds the token to every call on a plaintext channel (call credentials need TLS)."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]):
@@ -89,8 +93,13 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
         return continuation(self._details(details), requests)
 
 
-def secure_channel(address: str, options: list[tuple[str, Any]] | None = None, *, aio: bool = False,
-                   env: Mapping[str, str] = os.environ):
+def secure_channel(
+    address: str,
+    options: list[tuple[str, Any]] | None = None,
+    *,
+    aio: bool = False,
+    env: Mapping[str, str] = os.environ,
+):
     """A client channel to `address` honouring the TLS and token settings (sync or grpc.aio)."""
     options = list(options or [])
     if address.startswith("dns:///"):
@@ -102,7 +111,9 @@ def secure_channel(address: str, options: list[tuple[str, Any]] | None = None, *
     traced = telemetry.aio_client_interceptors() if aio else []
     if tls is not None:
         if metadata:
-            tls = grpc.composite_channel_credentials(tls, grpc.metadata_call_credentials(_TokenPlugin(metadata)))
+            tls = grpc.composite_channel_credentials(
+                tls, grpc.metadata_call_credentials(_TokenPlugin(metadata))
+            )
         if aio:
             return grpc.aio.secure_channel(address, tls, options=options, interceptors=traced or None)
         return telemetry.instrument_channel(grpc.secure_channel(address, tls, options=options))
@@ -115,8 +126,11 @@ def secure_channel(address: str, options: list[tuple[str, Any]] | None = None, *
     return telemetry.instrument_channel(channel)
 
 
-class _AioTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                           grpc.aio.StreamStreamClientInterceptor):
+class _AioTokenInterceptor(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
     def __init__(self, metadata: tuple[tuple[str, str], ...]):
         self.metadata = metadata
 
@@ -161,12 +175,20 @@ def _unauthenticated(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         yield  # pragma: no cover - makes this an async generator
 
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny_stream, handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            deny_stream, handler.request_deserializer, handler.response_serializer
+        )
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(
+            deny_stream, handler.request_deserializer, handler.response_serializer
+        )
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(
+            deny, handler.request_deserializer, handler.response_serializer
+        )
+    return grpc.unary_unary_rpc_method_handler(
+        deny, handler.request_deserializer, handler.response_serializer
+    )
 
 
 def server_interceptors(env: Mapping[str, str] = os.environ) -> list[grpc.aio.ServerInterceptor]:

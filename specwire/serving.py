@@ -42,7 +42,9 @@ def error_status(error: SpecwireError) -> tuple[grpc.StatusCode, str, tuple[tupl
     if error.violations:
         bad_request = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=f"{v.message} (got {v.value!r})")
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=v.field, description=f"{v.message} (got {v.value!r})"
+                )
                 for v in error.violations
             ]
         )
@@ -151,11 +153,15 @@ class GrpcServer:
             binding.add_to_server(binding.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [b.full_name for b in self.bindings]
-        reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                             reflection.SERVICE_NAME], server)
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
         credentials = server_credentials()
         address = f"{self.host}:{self.requested_port}"
-        self.port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        self.port = (
+            server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        )
         if not self.port:
             raise OSError(f"could not bind {self.host}:{self.requested_port}")
         await server.start()

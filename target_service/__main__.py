@@ -42,50 +42,104 @@ def build_server(
     `scheduler_options` sets its limits), see `target_service.scheduler`.
     """
     servicer = TargetServicer(loaded, ConfigResolver(config_address), drafting, scheduler, scheduler_options)
-    return GrpcServer([ServiceBinding(pb_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
-                      host=host, port=port, grace=grace)
+    return GrpcServer(
+        [ServiceBinding(pb_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
+        host=host,
+        port=port,
+        grace=grace,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="target-service", description="specwire target (generation) service")
+    parser = argparse.ArgumentParser(
+        prog="target-service", description="specwire target (generation) service"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=50052, help="port to bind, 0 for any free one (default 50052)")
-    parser.add_argument("--model", default="default",
-                        help="'default' (embedded SmolLM2-135M-Instruct), a folder, a .gguf file or a Hub repo id")
-    parser.add_argument("--config-address", default=None, help="host:port of the config service (for config_ref)")
-    parser.add_argument("--draft-address", default=None,
-                        help="draft service: host:port, or dns:///name:port to spread streams over replicas")
-    parser.add_argument("--default-proposer", default="none", choices=["none", "prompt_lookup", "draft_model"],
-                        help="drafter for requests that choose none (prompt_lookup_num_tokens always picks prompt lookup)")
-    parser.add_argument("--draft-timeout", type=float, default=5.0,
-                        help="seconds a draft answer may take before the request falls back to plain decoding")
+    parser.add_argument(
+        "--port", type=int, default=50052, help="port to bind, 0 for any free one (default 50052)"
+    )
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="'default' (embedded SmolLM2-135M-Instruct), a folder, a .gguf file or a Hub repo id",
+    )
+    parser.add_argument(
+        "--config-address", default=None, help="host:port of the config service (for config_ref)"
+    )
+    parser.add_argument(
+        "--draft-address",
+        default=None,
+        help="draft service: host:port, or dns:///name:port to spread streams over replicas",
+    )
+    parser.add_argument(
+        "--default-proposer",
+        default="none",
+        choices=["none", "prompt_lookup", "draft_model"],
+        help="drafter for requests that choose none (prompt_lookup_num_tokens always picks prompt lookup)",
+    )
+    parser.add_argument(
+        "--draft-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a draft answer may take before the request falls back to plain decoding",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    parser.add_argument("--scheduler", default=DEFAULT_SCHEDULER, choices=list(SCHEDULERS),
-                        help=f"batched: one forward per step for all running requests; sequential: one request "
-                             f"per forward (default {DEFAULT_SCHEDULER})")
+    parser.add_argument(
+        "--scheduler",
+        default=DEFAULT_SCHEDULER,
+        choices=list(SCHEDULERS),
+        help=f"batched: one forward per step for all running requests; sequential: one request "
+        f"per forward (default {DEFAULT_SCHEDULER})",
+    )
     defaults = SchedulerOptions()
-    parser.add_argument("--max-batch-rows", type=int, default=defaults.max_batch_rows,
-                        help="batched: rows (KV slots) running at once")
-    parser.add_argument("--max-tokens-per-step", type=int, default=defaults.max_tokens_per_step,
-                        help="batched: tokens per forward (prefills are chunked to fit)")
-    parser.add_argument("--max-queued", type=int, default=defaults.max_queued,
-                        help="batched: requests waiting for a slot before RESOURCE_EXHAUSTED")
-    parser.add_argument("--slot-tokens", type=int, default=None,
-                        help="batched: positions per KV slot (default min(context, 2048); longer requests run alone)")
-    parser.add_argument("--kv-cache-mb", type=float, default=defaults.kv_cache_mb,
-                        help="batched: memory budget of the KV slots")
+    parser.add_argument(
+        "--max-batch-rows",
+        type=int,
+        default=defaults.max_batch_rows,
+        help="batched: rows (KV slots) running at once",
+    )
+    parser.add_argument(
+        "--max-tokens-per-step",
+        type=int,
+        default=defaults.max_tokens_per_step,
+        help="batched: tokens per forward (prefills are chunked to fit)",
+    )
+    parser.add_argument(
+        "--max-queued",
+        type=int,
+        default=defaults.max_queued,
+        help="batched: requests waiting for a slot before RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--slot-tokens",
+        type=int,
+        default=None,
+        help="batched: positions per KV slot (default min(context, 2048); longer requests run alone)",
+    )
+    parser.add_argument(
+        "--kv-cache-mb",
+        type=float,
+        default=defaults.kv_cache_mb,
+        help="batched: memory budget of the KV slots",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     drafting = DraftPolicy(args.draft_address, args.default_proposer, args.draft_timeout)
-    options = SchedulerOptions(max_batch_rows=args.max_batch_rows, max_tokens_per_step=args.max_tokens_per_step,
-                               max_queued=args.max_queued, slot_tokens=args.slot_tokens, kv_cache_mb=args.kv_cache_mb)
-    server = build_server(loaded, args.config_address, args.host, args.port, args.grace, drafting,
-                          args.scheduler, options)
+    options = SchedulerOptions(
+        max_batch_rows=args.max_batch_rows,
+        max_tokens_per_step=args.max_tokens_per_step,
+        max_queued=args.max_queued,
+        slot_tokens=args.slot_tokens,
+        kv_cache_mb=args.kv_cache_mb,
+    )
+    server = build_server(
+        loaded, args.config_address, args.host, args.port, args.grace, drafting, args.scheduler, options
+    )
     asyncio.run(server.serve_until_signal())
 
 

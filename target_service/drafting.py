@@ -56,8 +56,11 @@ class RemoteDrafter:
         self.requests: queue.Queue = queue.Queue()
         self.responses: queue.Queue = queue.Queue()
         self.start = pb.DraftStart(
-            rows=[common_pb2.TokenSequence(ids=r) for r in rows], method=method,
-            config=config_to_proto(config), vocab_size=vocab_size, return_probs=return_probs,
+            rows=[common_pb2.TokenSequence(ids=r) for r in rows],
+            method=method,
+            config=config_to_proto(config),
+            vocab_size=vocab_size,
+            return_probs=return_probs,
         )
         self.pending: pb.DraftFeedback | None = None
         self.call = stub.Draft(iter(self.requests.get, _END))
@@ -92,10 +95,12 @@ class RemoteDrafter:
         return Proposal([list(r.token_ids) for r in answer.rows], probs)
 
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
-        self.pending = pb.DraftFeedback(rows=[
-            pb.RowFeedback(num_accepted=n, appended_ids=a, finished=f)
-            for n, a, f in zip(num_accepted, appended, finished, strict=True)
-        ])
+        self.pending = pb.DraftFeedback(
+            rows=[
+                pb.RowFeedback(num_accepted=n, appended_ids=a, finished=f)
+                for n, a, f in zip(num_accepted, appended, finished, strict=True)
+            ]
+        )
 
     def close(self) -> None:
         self.requests.put(_END)
@@ -150,8 +155,15 @@ class DraftPolicy:
                 if self.draft_address is None:
                     raise DraftFailure("no draft service configured (start the target with --draft-address)")
                 method = pb.DRAFT_METHOD_MODEL
-            return RemoteDrafter(self.stub(), rows, config, method, vocab_size,
-                                 sampling and method == pb.DRAFT_METHOD_MODEL, self.round_timeout_s)
+            return RemoteDrafter(
+                self.stub(),
+                rows,
+                config,
+                method,
+                vocab_size,
+                sampling and method == pb.DRAFT_METHOD_MODEL,
+                self.round_timeout_s,
+            )
 
         return open_drafter
 

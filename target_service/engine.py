@@ -47,8 +47,13 @@ class Engine:
         scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
     """
 
-    def __init__(self, loaded: LoadedModel, drafting: DraftPolicy | None = None, scheduler: str = "sequential",
-                 scheduler_options: SchedulerOptions | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        drafting: DraftPolicy | None = None,
+        scheduler: str = "sequential",
+        scheduler_options: SchedulerOptions | None = None,
+    ):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         self.loaded = loaded
@@ -61,8 +66,9 @@ class Engine:
         self.scheduler = scheduler
         self.batcher: BatchScheduler | None = None
         if scheduler == "batched":
-            self.batcher = BatchScheduler(loaded.model, self._start, self.model_lock, scheduler_options,
-                                          loaded.max_position_embeddings)
+            self.batcher = BatchScheduler(
+                loaded.model, self._start, self.model_lock, scheduler_options, loaded.max_position_embeddings
+            )
 
     @property
     def steps_run(self) -> int:
@@ -95,7 +101,9 @@ class Engine:
         if proposer == "none":
             return iter_generate(self.loaded.model, input_ids, mask, **common)
         return iter_speculative(
-            self.loaded.model, input_ids, mask,
+            self.loaded.model,
+            input_ids,
+            mask,
             open_drafter=self.drafting.opener(proposer, self.loaded.vocab_size),
             stats=job.speculation,
             draft_length=self.drafting.draft_length(proposer, job.config),
@@ -136,8 +144,9 @@ class Engine:
             self.active += 1
         try:
             while True:
-                item = await loop.run_in_executor(self.executor, context.run, _in_inference_mode, self._step,
-                                                  steps)
+                item = await loop.run_in_executor(
+                    self.executor, context.run, _in_inference_mode, self._step, steps
+                )
                 if isinstance(item, tuple) and item and item[0] is _DONE:
                     yield item[1]
                     return

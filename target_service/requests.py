@@ -75,7 +75,9 @@ async def effective_config(
         )
     merged = merge(overrides, given, loaded.generation_config)
     violations = merged.validate()
-    errors = [FieldProblem(f"config.{v.field}", v.value, v.message) for v in violations if v.severity == "error"]
+    errors = [
+        FieldProblem(f"config.{v.field}", v.value, v.message) for v in violations if v.severity == "error"
+    ]
     if errors:
         summary = "; ".join(f"{p.field}={p.value!r}: {p.message}" for p in errors)
         raise InvalidArgument(f"invalid generation config: {summary}", errors)
@@ -83,7 +85,9 @@ async def effective_config(
     # decoding loop itself with UNIMPLEMENTED, naming the field.
     for name in UNSERVED_FIELDS:
         if getattr(merged, name) not in (None, False):
-            raise Unimplemented(f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it")
+            raise Unimplemented(
+                f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it"
+            )
     warnings = [FieldProblem(f"config.{v.field}", v.value, v.message, "warning") for v in violations]
     return merged, resolved, warnings
 
@@ -94,17 +98,21 @@ def _check_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
     for j, token in enumerate(ids):
         if not 0 <= token < vocab_size:
             raise InvalidArgument.for_field(
-                f"{field_name}[{j}]", token, f"token ids must be in [0, {vocab_size}) for this model's vocabulary"
+                f"{field_name}[{j}]",
+                token,
+                f"token ids must be in [0, {vocab_size}) for this model's vocabulary",
             )
 
 
-def _left_pad(rows: list[list[int]], masks: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(
+    rows: list[list[int]], masks: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (row, row_mask) in enumerate(zip(rows, masks, strict=True)):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = torch.tensor(row_mask, dtype=torch.long)
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = torch.tensor(row_mask, dtype=torch.long)
     return ids, mask
 
 
@@ -115,13 +123,17 @@ def prompt_tensors(
     if not prompts:
         raise InvalidArgument.for_field(field_name, [], "send at least one prompt (token_ids or text)")
     if len(prompts) > MAX_BATCH_SIZE:
-        raise InvalidArgument.for_field(field_name, len(prompts), f"at most {MAX_BATCH_SIZE} prompts per request")
+        raise InvalidArgument.for_field(
+            field_name, len(prompts), f"at most {MAX_BATCH_SIZE} prompts per request"
+        )
     kinds = {p.WhichOneof("input") for p in prompts}
     if None in kinds:
         index = [p.WhichOneof("input") for p in prompts].index(None)
         raise InvalidArgument.for_field(f"{field_name}[{index}]", "", "set token_ids or text")
     if len(kinds) > 1:
-        raise InvalidArgument.for_field(field_name, sorted(kinds), "use token_ids for every prompt or text for every one")
+        raise InvalidArgument.for_field(
+            field_name, sorted(kinds), "use token_ids for every prompt or text for every one"
+        )
     if kinds == {"text"}:
         return _tokenize([p.text for p in prompts], loaded, apply_chat_template, pad_id, field_name)
     rows = [list(p.token_ids.ids) for p in prompts]
@@ -134,7 +146,9 @@ def prompt_tensors(
                 f"{field_name}[{i}].attention_mask", mask, f"give one 0/1 entry per token ({len(row)} here)"
             )
         if mask and not any(mask):
-            raise InvalidArgument.for_field(f"{field_name}[{i}].attention_mask", mask, "at least one token must be unmasked")
+            raise InvalidArgument.for_field(
+                f"{field_name}[{i}].attention_mask", mask, "at least one token must be unmasked"
+            )
         masks.append(mask)
     if len({len(r) for r in rows}) == 1 and not any(masks):
         # Same as a plain input_ids tensor in transformers: the mask is inferred from the pad id.
@@ -152,7 +166,9 @@ def _tokenize(texts, loaded: LoadedModel, apply_chat_template: bool, pad_id: int
         if apply_chat_template:
             if not getattr(tokenizer, "chat_template", None):
                 raise InvalidArgument.for_field(
-                    "apply_chat_template", True, "this model's tokenizer has no chat template: send plain text"
+                    "apply_chat_template",
+                    True,
+                    "this model's tokenizer has no chat template: send plain text",
                 )
             rendered = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
@@ -177,7 +193,11 @@ def pad_token_id(config: GenerationConfig, loaded: LoadedModel) -> int:
         eos = eos[0] if eos else None
     if eos is not None:
         return eos
-    return loaded.tokenizer.pad_token_id if loaded.tokenizer is not None and loaded.tokenizer.pad_token_id is not None else 0
+    return (
+        loaded.tokenizer.pad_token_id
+        if loaded.tokenizer is not None and loaded.tokenizer.pad_token_id is not None
+        else 0
+    )
 
 
 async def build_job(request, loaded: LoadedModel, resolver: ConfigResolver) -> GenerationJob:
@@ -187,7 +207,9 @@ async def build_job(request, loaded: LoadedModel, resolver: ConfigResolver) -> G
     input_ids, attention_mask = prompt_tensors(request.prompts, loaded, request.apply_chat_template, pad)
     negative_ids = negative_mask = None
     if request.HasField("negative_prompt"):
-        negative_ids, negative_mask = prompt_tensors([request.negative_prompt], loaded, False, pad, "negative_prompt")
+        negative_ids, negative_mask = prompt_tensors(
+            [request.negative_prompt], loaded, False, pad, "negative_prompt"
+        )
     return GenerationJob(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -157,8 +157,14 @@ class BatchScheduler:
         max_position_embeddings (`int`, *optional*): the model's context length.
     """
 
-    def __init__(self, model: Any, start: Callable[..., Any], model_lock: threading.Lock,
-                 options: SchedulerOptions | None = None, max_position_embeddings: int | None = None):
+    def __init__(
+        self,
+        model: Any,
+        start: Callable[..., Any],
+        model_lock: threading.Lock,
+        options: SchedulerOptions | None = None,
+        max_position_embeddings: int | None = None,
+    ):
         self.model = model
         self.start = start
         self.model_lock = model_lock
@@ -188,7 +194,9 @@ class BatchScheduler:
             self.thread = threading.Thread(target=self._loop, name="specwire-scheduler", daemon=True)
             self.thread.start()
         else:
-            log.warning("batched scheduler disabled, serving every request sequentially: %s", self.unsupported)
+            log.warning(
+                "batched scheduler disabled, serving every request sequentially: %s", self.unsupported
+            )
 
     # -- set-up -------------------------------------------------------------------------------------
 
@@ -208,7 +216,9 @@ class BatchScheduler:
                 self.unsupported = problem
                 return
             self.cache = SlotKVCache(self.model, slots, slot_tokens)
-        log.info("batched scheduler: %d slots x %d tokens (%.0f MiB)", slots, slot_tokens, slots * per_slot / 2**20)
+        log.info(
+            "batched scheduler: %d slots x %d tokens (%.0f MiB)", slots, slot_tokens, slots * per_slot / 2**20
+        )
 
     def _probe(self) -> str:
         """Packed forwards must give what `RowBatch` gives on this model (else: serve sequentially)."""
@@ -217,8 +227,15 @@ class BatchScheduler:
         ids = (torch.arange(8).view(2, 4) * 7 + 3) % vocab
         ids = ids.to(cache.device)
         reference = RowBatch(self.model, attention_mask=None, prompt_length=4, rows=2)
-        rows = SlotRows(lambda work: execute(self.model, cache, [work]), cache.release, [1, 2],
-                        attention_mask=None, prompt_length=4, rows=2, device=cache.device)
+        rows = SlotRows(
+            lambda work: execute(self.model, cache, [work]),
+            cache.release,
+            [1, 2],
+            attention_mask=None,
+            prompt_length=4,
+            rows=2,
+            device=cache.device,
+        )
         try:
             pairs = [(reference.prefill(ids), rows.prefill(ids))]
             step = ids[:, :2]
@@ -240,8 +257,13 @@ class BatchScheduler:
         """Why `job` runs in the sequential lane ("" when it is batched), and its resolved plan."""
         if self.cache is None:
             return self.unsupported or "batched scheduler disabled", None
-        plan = prepare_generation(self.model, job.input_ids, job.attention_mask, config=job.config,
-                                  max_position_embeddings=self.max_position_embeddings)
+        plan = prepare_generation(
+            self.model,
+            job.input_ids,
+            job.attention_mask,
+            config=job.config,
+            max_position_embeddings=self.max_position_embeddings,
+        )
         config = plan.config
         rows = plan.input_ids.shape[0] * plan.expand
         if not config.use_cache:
@@ -314,8 +336,9 @@ class BatchScheduler:
         request.slots = slots
         self.running.append(request)
         self.rows_peak = max(self.rows_peak, sum(len(r.slots) for r in self.running))
-        thread = threading.Thread(target=self._drive, args=(request,), daemon=True,
-                                  name=f"specwire-request-{request.seq}")
+        thread = threading.Thread(
+            target=self._drive, args=(request,), daemon=True, name=f"specwire-request-{request.seq}"
+        )
         thread.start()
         return True
 
@@ -368,13 +391,20 @@ class BatchScheduler:
                 if not request.finished:
                     self._free(request)
 
-    def _rows(self, request: _Request, model: Any, *, attention_mask: Any, prompt_length: int, rows: int,
-              **_: Any) -> SlotRows:
+    def _rows(
+        self, request: _Request, model: Any, *, attention_mask: Any, prompt_length: int, rows: int, **_: Any
+    ) -> SlotRows:
         if rows != len(request.slots):
             raise RuntimeError(f"request planned for {len(request.slots)} rows asked for {rows}")
-        return SlotRows(lambda work: self._submit(request, work), lambda slots: self._release(request, slots),
-                        request.slots, attention_mask=attention_mask, prompt_length=prompt_length, rows=rows,
-                        device=self.cache.device)
+        return SlotRows(
+            lambda work: self._submit(request, work),
+            lambda slots: self._release(request, slots),
+            request.slots,
+            attention_mask=attention_mask,
+            prompt_length=prompt_length,
+            rows=rows,
+            device=self.cache.device,
+        )
 
     def _release(self, request: _Request, slots: list[int]) -> None:
         with self.cond:
@@ -438,8 +468,9 @@ class BatchScheduler:
                 steps = [r for r in ready if r.work.keep_all]
                 prefills = sorted((r for r in ready if not r.work.keep_all), key=lambda r: r.seq)
                 step_tokens = sum(r.work.remaining for r in steps)
-                budget = step_tokens + max(self.options.max_tokens_per_step - step_tokens,
-                                           self.options.min_prefill_tokens)
+                budget = step_tokens + max(
+                    self.options.max_tokens_per_step - step_tokens, self.options.min_prefill_tokens
+                )
                 batch = steps + prefills
                 works = [r.work for r in batch]
             started = time.perf_counter()
@@ -455,7 +486,9 @@ class BatchScheduler:
             with self.cond:
                 elapsed = ended - started
                 self.forward_seconds += elapsed
-                self._forward_ema = elapsed if not self._forward_ema else 0.8 * self._forward_ema + 0.2 * elapsed
+                self._forward_ema = (
+                    elapsed if not self._forward_ema else 0.8 * self._forward_ema + 0.2 * elapsed
+                )
                 self._last_forward_end = ended
                 self.forwards += 1
                 self.tokens_run += ran

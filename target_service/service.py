@@ -47,14 +47,14 @@ class TextDeltas:
         # A trailing U+FFFD is a multi-byte character cut in half: wait for its other bytes.
         if text.endswith("\ufffd") or not text.startswith(self.text[row]):
             return ""
-        delta, self.text[row] = text[len(self.text[row]):], text
+        delta, self.text[row] = text[len(self.text[row]) :], text
         return delta
 
     def flush(self, row: int, final_text: str) -> str:
         """Text still held back when the row ended (a character that never completed)."""
         if not final_text.startswith(self.text[row]):
             return ""
-        rest, self.text[row] = final_text[len(self.text[row]):], final_text
+        rest, self.text[row] = final_text[len(self.text[row]) :], final_text
         return rest
 
 
@@ -72,13 +72,19 @@ def speculation_to_proto(stats: SpeculationStats) -> pb.SpeculationStats:
     )
 
 
-def response_from_result(result: GenerationResult, job: GenerationJob, loaded: LoadedModel) -> pb.GenerateResponse:
+def response_from_result(
+    result: GenerationResult, job: GenerationJob, loaded: LoadedModel
+) -> pb.GenerateResponse:
     """The wire form of a finished generation."""
     prompt_length = job.input_ids.shape[1]
     sequences = []
     for row, ids in enumerate(result.sequences.tolist()):
         generated = ids[prompt_length:]
-        text = loaded.tokenizer.decode(generated, skip_special_tokens=True) if loaded.tokenizer is not None else ""
+        text = (
+            loaded.tokenizer.decode(generated, skip_special_tokens=True)
+            if loaded.tokenizer is not None
+            else ""
+        )
         sequences.append(
             pb.GeneratedSequence(
                 token_ids=ids,
@@ -118,15 +124,22 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
     """
 
-    def __init__(self, loaded: LoadedModel, resolver: ConfigResolver, drafting: DraftPolicy | None = None,
-                 scheduler: str = "sequential", scheduler_options: SchedulerOptions | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        resolver: ConfigResolver,
+        drafting: DraftPolicy | None = None,
+        scheduler: str = "sequential",
+        scheduler_options: SchedulerOptions | None = None,
+    ):
         self.loaded = loaded
         self.resolver = resolver
         self.engine = Engine(loaded, drafting, scheduler, scheduler_options)
         self.metrics = SpecDecodeMetrics(telemetry.get_meter())
 
-    async def _run(self, request, context, rpc: str = "Generate"
-                   ) -> AsyncIterator[tuple[GenerationJob, StepEvent | GenerationResult]]:
+    async def _run(
+        self, request, context, rpc: str = "Generate"
+    ) -> AsyncIterator[tuple[GenerationJob, StepEvent | GenerationResult]]:
         # The request's span (config lookup and draft stream are its children), round spans, metrics.
         with RequestObserver(self.metrics, self.loaded.model_id, rpc, request) as observed:
             job = await build_job(request, self.loaded, self.resolver)
@@ -136,9 +149,13 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 observed.item(item)
                 if isinstance(item, GenerationResult):
                     # Logged before handing the result over: the caller closes this generator after it.
-                    log.info("request %s: %d row(s), %d new tokens, in %.3fs", job.request_id or "-",
-                             item.sequences.shape[0], item.sequences.shape[1] - item.prompt_length,
-                             time.perf_counter() - started)
+                    log.info(
+                        "request %s: %d row(s), %d new tokens, in %.3fs",
+                        job.request_id or "-",
+                        item.sequences.shape[0],
+                        item.sequences.shape[1] - item.prompt_length,
+                        time.perf_counter() - started,
+                    )
                 yield job, item
 
     @handles_errors
@@ -150,15 +167,19 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         raise RuntimeError("decoding loop ended without a result")
 
     @handles_errors
-    async def GenerateStream(self, request: pb.GenerateStreamRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
+    async def GenerateStream(
+        self, request: pb.GenerateStreamRequest, context
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
         deltas: TextDeltas | None = None
         async with aclosing(self._run(request, context, "GenerateStream")) as items:
             async for job, item in items:
                 if isinstance(item, GenerationResult):
                     final = response_from_result(item, job, self.loaded)
                     if deltas is not None:
-                        rest = [pb.RowDelta(row=row, text=deltas.flush(row, seq.text))
-                                for row, seq in enumerate(final.sequences)]
+                        rest = [
+                            pb.RowDelta(row=row, text=deltas.flush(row, seq.text))
+                            for row, seq in enumerate(final.sequences)
+                        ]
                         rest = [r for r in rest if r.text]
                         if rest:
                             yield pb.GenerateStreamResponse(delta=pb.TokenDelta(rows=rest))
@@ -192,4 +213,3 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             dtype=str(loaded.dtype).removeprefix("torch."),
             architecture=type(loaded.model).__name__,
         )
-

@@ -49,7 +49,9 @@ def threaded_server(build: Callable[[], object]):
         server.stop()
 
 
-def wait_healthy(address: str, service: str = "", timeout: float = 120.0, process: subprocess.Popen | None = None):
+def wait_healthy(
+    address: str, service: str = "", timeout: float = 120.0, process: subprocess.Popen | None = None
+):
     """Poll grpc.health.v1 until SERVING (fails early if `process` exits)."""
     from specwire.security import secure_channel
 
@@ -81,8 +83,13 @@ def free_port() -> int:
 def subprocess_server(args: list[str], port: int, service: str = "", timeout: float = 180.0, env=None):
     """Run a console-script server (`python -m pkg ...`) until the block ends, then SIGTERM it."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    process = subprocess.Popen([sys.executable, "-m", *args], env=full_env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", *args],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_healthy(f"127.0.0.1:{port}", service, timeout, process)
         yield process

@@ -204,7 +204,7 @@ class ModelDrafter:
             drafted: list[int] = []
             row_probs: list[torch.Tensor] = []
             if not self.finished[i]:
-                new = row.tokens[row.cached:]
+                new = row.tokens[row.cached :]
                 for _ in range(num_tokens):
                     scores = self._fit_vocab(self._next_scores(row, new))
                     context = torch.tensor([row.tokens + drafted], dtype=torch.long, device=self.device)

@@ -399,7 +399,9 @@ class SlotRows:
         k = candidates.shape[1]
         ids = candidates.tolist()
         flags = valid.bool().tolist() if valid is not None else [[True] * k for _ in ids]
-        tokens = [[t for t, f in zip(row, row_flags, strict=True) if f] for row, row_flags in zip(ids, flags, strict=True)]
+        tokens = [
+            [t for t, f in zip(row, row_flags, strict=True) if f] for row, row_flags in zip(ids, flags, strict=True)
+        ]
         pieces = self._run(tokens, keep_all=True)
         if all(p.shape[0] == k for p in pieces):
             return torch.stack(pieces)

@@ -31,7 +31,11 @@ from specwire.generation.decoding import GenerationPlan, RowBatch
 from specwire.generation.drafters import Drafter, Proposal
 from specwire.generation.outputs import FINISH_LENGTH, GenerationResult, StepEvent
 from specwire.generation.schedules import DraftSchedule
-from specwire.generation.speculative import greedy_accept, rejection_sample, sampled_accept_without_draft_probs
+from specwire.generation.speculative import (
+    greedy_accept,
+    rejection_sample,
+    sampled_accept_without_draft_probs,
+)
 
 __all__ = ["DraftFailure", "RaggedRows", "RoundRecord", "SpeculationStats", "speculative_loop"]
 
@@ -125,7 +129,7 @@ class RaggedRows(RowBatch):
                 )
             for row, n in enumerate(rest):
                 if n:
-                    self.attention_mask[row, total - n:] = 0
+                    self.attention_mask[row, total - n :] = 0
 
 
 @dataclass
@@ -180,13 +184,18 @@ def speculative_loop(
     num_rows, input_len = input_ids.shape
     pad_finished = plan.eos_token_ids is not None and plan.pad_token_id is not None
     pad = plan.pad_token_id if pad_finished else None
+
     def schedule() -> DraftSchedule:
         if draft_length is not None:
             return DraftSchedule(draft_length, "constant")
         return DraftSchedule.from_config(config)
 
-    state = [_Row(input_ids[r], [], row_processors[r], row_stop_codes[r], schedule()) for r in range(num_rows)]
-    mask = plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
+    state = [
+        _Row(input_ids[r], [], row_processors[r], row_stop_codes[r], schedule()) for r in range(num_rows)
+    ]
+    mask = (
+        plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
+    )
 
     def finish(row: _Row, code: int) -> str:
         row.finished, row.reason = True, reason_names.get(code, FINISH_LENGTH)
@@ -220,8 +229,10 @@ def speculative_loop(
         round_start_ns = time.time_ns()
         # 1. Draft lengths per row, bounded so the block (drafts + 1) fits under max_length.
         room = [plan.max_length - input_len - len(row.generated) for row in state]
-        want = [0 if row.finished else max(min(row.schedule.num_assistant_tokens, room[r] - 1), 0)
-                for r, row in enumerate(state)]
+        want = [
+            0 if row.finished else max(min(row.schedule.num_assistant_tokens, room[r] - 1), 0)
+            for r, row in enumerate(state)
+        ]
         asked = max(want)
         proposal = Proposal([[] for _ in state], [None] * num_rows)
         draft_s = 0.0
@@ -239,7 +250,8 @@ def speculative_loop(
         catch_up = max(row.finish_length for row in state) if all(row.finished for row in state) else 0
         forced = [
             [pad] * max(min(max(asked, catch_up - len(row.generated) - 1), room[r] - 1), 0)
-            if row.finished and pad is not None else []
+            if row.finished and pad is not None
+            else []
             for r, row in enumerate(state)
         ]
         blocks = [drafts[r] or forced[r] for r in range(num_rows)]
@@ -259,10 +271,14 @@ def speculative_loop(
         emitted_per_row, accepted_per_row, events = [], [], []
         for r, row in enumerate(state):
             block = blocks[r]
-            scores = torch.stack([row.processors(row.ids(block[:j]), logits[r : r + 1, j])[0]
-                                  for j in range(len(block) + 1)])  # [len(block) + 1, V]
+            scores = torch.stack(
+                [row.processors(row.ids(block[:j]), logits[r : r + 1, j])[0] for j in range(len(block) + 1)]
+            )  # [len(block) + 1, V]
             if row.finished:
-                emitted, n_acc = [*block, pad if pad is not None else _greedy_or_sample(plan, scores[-1], generator)], 0
+                emitted, n_acc = (
+                    [*block, pad if pad is not None else _greedy_or_sample(plan, scores[-1], generator)],
+                    0,
+                )
             else:
                 emitted, n_acc = _accept(plan, block, proposal.probs[r], scores, generator)
             start = len(row.generated)
@@ -285,16 +301,22 @@ def speculative_loop(
             accepted_per_row.append(min(n_acc, len(drafts[r])))
             # What the caller sees: real tokens up to the finish, and the reason once.
             end = row.finish_length if row.finish_length is not None else len(row.generated)
-            events.append((emitted[: max(end - start, 0)] if not was_finished else [],
-                           row.reason if row.finished and not was_finished else None))
+            events.append(
+                (
+                    emitted[: max(end - start, 0)] if not was_finished else [],
+                    row.reason if row.finished and not was_finished else None,
+                )
+            )
         verify_s = time.perf_counter() - started
         stats.verify_seconds += verify_s
 
         # 4. Forget what was not kept: slots after the accepted drafts (the last emitted token is
         # the next round's input, not yet in the cache).
         kept = [len(e) for e in emitted_per_row]
-        rows.discard(torch.tensor([k + 1 - n for n in kept]),
-                     torch.tensor([len(blocks[r]) + 1 - kept[r] for r in range(num_rows)]))
+        rows.discard(
+            torch.tensor([k + 1 - n for n in kept]),
+            torch.tensor([len(blocks[r]) + 1 - kept[r] for r in range(num_rows)]),
+        )
 
         # 5. Schedules, statistics and the drafter's feedback.
         drafted_now = sum(len(d) for d in drafts)
@@ -310,18 +332,33 @@ def speculative_loop(
             stats.rounds += 1
             stats.drafted_tokens += drafted_now
             stats.accepted_tokens += accepted_now
-            stats.round_log.append(RoundRecord(num_rows, asked, drafted_now, accepted_now, draft_s, verify_s,
-                                               round_start_ns, time.time_ns(), sum(1 for d in drafts if d)))
+            stats.round_log.append(
+                RoundRecord(
+                    num_rows,
+                    asked,
+                    drafted_now,
+                    accepted_now,
+                    draft_s,
+                    verify_s,
+                    round_start_ns,
+                    time.time_ns(),
+                    sum(1 for d in drafts if d),
+                )
+            )
         if drafter is not None:
-            appended = [emitted_per_row[r][accepted_per_row[r]:] for r in range(num_rows)]
+            appended = [emitted_per_row[r][accepted_per_row[r] :] for r in range(num_rows)]
             try:
                 drafter.feedback(accepted_per_row, appended, [row.finished for row in state])
             except DraftFailure as exc:
                 stats.fallback_reason = f"draft failed mid-request: {exc}"
                 drafter = _close(drafter)
 
-        yield StepEvent(step=step, tokens=[e[0] for e in events], finish_reasons=[e[1] for e in events],
-                        final=_done(state))
+        yield StepEvent(
+            step=step,
+            tokens=[e[0] for e in events],
+            finish_reasons=[e[1] for e in events],
+            final=_done(state),
+        )
         step += 1
 
     if drafter is not None:
@@ -374,9 +411,9 @@ def _close(drafter: Drafter) -> None:
 
 def _result(plan, state, input_ids, keep_scores, keep_logits, pad) -> GenerationResult:
     length = max(row.finish_length for row in state)
-    sequences = torch.stack([
-        torch.cat([row.prompt, row.prompt.new_tensor(row.generated[:length])]) for row in state
-    ])
+    sequences = torch.stack(
+        [torch.cat([row.prompt, row.prompt.new_tensor(row.generated[:length])]) for row in state]
+    )
     scores = logits = None
     if keep_scores:
         scores = tuple(torch.stack([row.scores[t] for row in state]) for t in range(length))
@@ -445,24 +482,41 @@ def iter_speculative(
     from specwire.generation.sampling import make_generator
     from specwire.generation.stopping import build_stopping_criteria
 
-    plan = prepare_generation(model, input_ids, attention_mask, config=config,
-                              max_position_embeddings=max_position_embeddings)
+    plan = prepare_generation(
+        model, input_ids, attention_mask, config=config, max_position_embeddings=max_position_embeddings
+    )
     blocker = speculation_blocker(plan, negative_prompt_ids)
     if blocker:
         stats.fallback_reason = blocker
-        return iter_generate(model, input_ids, attention_mask, config=config, tokenizer=tokenizer,
-                             generator=generator, negative_prompt_ids=negative_prompt_ids,
-                             negative_prompt_attention_mask=negative_prompt_attention_mask,
-                             max_position_embeddings=max_position_embeddings, rows_factory=rows_factory)
+        return iter_generate(
+            model,
+            input_ids,
+            attention_mask,
+            config=config,
+            tokenizer=tokenizer,
+            generator=generator,
+            negative_prompt_ids=negative_prompt_ids,
+            negative_prompt_attention_mask=negative_prompt_attention_mask,
+            max_position_embeddings=max_position_embeddings,
+            rows_factory=rows_factory,
+        )
     config = plan.config
     if config.stop_strings is not None and tokenizer is None:
         raise InvalidGenerationArgument.for_field(
             "stop_strings", config.stop_strings, "stop_strings need the model's tokenizer to be passed"
         )
     expanded = plan.input_ids.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.input_ids
-    mask = plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
-    rows = (rows_factory or RaggedRows)(model, attention_mask=mask, prompt_length=plan.input_len, rows=expanded.shape[0],
-                      use_cache=True, prefill_chunk_size=getattr(config, "prefill_chunk_size", None))
+    mask = (
+        plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
+    )
+    rows = (rows_factory or RaggedRows)(
+        model,
+        attention_mask=mask,
+        prompt_length=plan.input_len,
+        rows=expanded.shape[0],
+        use_cache=True,
+        prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
+    )
     vocab_size = int(model.config.get_text_config().vocab_size)
     if max_position_embeddings is None:
         max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
@@ -470,15 +524,37 @@ def iter_speculative(
     row_processors, row_stops = [], []
     for r in range(expanded.shape[0]):
         prompt = plan.input_ids[r // plan.expand : r // plan.expand + 1]
-        row_processors.append(build_logits_processors(
-            config, input_len=plan.input_len, vocab_size=vocab_size, eos_token_ids=plan.eos_token_ids,
-            num_beams=1, prompt_ids=prompt,
-            prompt_pad_lengths=None if pad_lengths is None else pad_lengths[r : r + 1], model=model,
-        ))
-        criteria = build_stopping_criteria(config, max_length=plan.max_length, eos_token_ids=plan.eos_token_ids,
-                                           tokenizer=tokenizer, max_position_embeddings=max_position_embeddings)
+        row_processors.append(
+            build_logits_processors(
+                config,
+                input_len=plan.input_len,
+                vocab_size=vocab_size,
+                eos_token_ids=plan.eos_token_ids,
+                num_beams=1,
+                prompt_ids=prompt,
+                prompt_pad_lengths=None if pad_lengths is None else pad_lengths[r : r + 1],
+                model=model,
+            )
+        )
+        criteria = build_stopping_criteria(
+            config,
+            max_length=plan.max_length,
+            eos_token_ids=plan.eos_token_ids,
+            tokenizer=tokenizer,
+            max_position_embeddings=max_position_embeddings,
+        )
         row_stops.append(_StopCodes(criteria, plan.eos_token_ids, expanded.device))
     if plan.do_sample and generator is None:
         generator = make_generator(getattr(config, "seed", None), expanded.device)
-    return speculative_loop(plan, rows, expanded, row_processors, row_stops, generator,
-                            lambda tokens: open_drafter(tokens, config), stats, _reason_names(), draft_length)
+    return speculative_loop(
+        plan,
+        rows,
+        expanded,
+        row_processors,
+        row_stops,
+        generator,
+        lambda tokens: open_drafter(tokens, config),
+        stats,
+        _reason_names(),
+        draft_length,
+    )

@@ -20,5 +20,8 @@ def violation_to_proto(violation: Any, prefix: str = "") -> common_pb2.FieldViol
     """Any object with `field`, `value`, `message`, `severity` as a wire FieldViolation."""
     severity = common_pb2.SEVERITY_WARNING if violation.severity == "warning" else common_pb2.SEVERITY_ERROR
     return common_pb2.FieldViolation(
-        field=f"{prefix}{violation.field}", value=repr(violation.value), message=violation.message, severity=severity
+        field=f"{prefix}{violation.field}",
+        value=repr(violation.value),
+        message=violation.message,
+        severity=severity,
     )

@@ -17,6 +17,7 @@ _TORCH_TO_WIRE = {
 }
 _WIRE_TO_TORCH = {v: k for k, v in _TORCH_TO_WIRE.items()}
 
+
 def tensor_to_proto(tensor: torch.Tensor) -> common_pb2.DenseTensor:
     """A tensor as raw little-endian row-major bytes with dtype and shape."""
     tensor = tensor.detach().to("cpu").contiguous()

@@ -37,14 +37,17 @@ def summarize(values, window=3):
         "last": averages[-1] if averages else None,
     }
 '''
-PROMPT = f"Rename the function `moving_average` to `rolling_mean` everywhere in this code and return the whole file:\n\n```python\n{CODE}```"
+PROMPT = (
+    "Rename the function `moving_average` to `rolling_mean` everywhere in this code and return the whole file:"
+    f"\n\n```python\n{CODE}```"
+)
 
 
 def _check_stats(stats, proposer):
     assert stats.proposer == proposer and stats.fallback_reason == ""
     assert stats.rounds > 0 and 0 < stats.accepted_tokens <= stats.drafted_tokens
     assert sum(stats.accepted_by_position) == stats.accepted_tokens
-    assert all(a >= b for a, b in zip(stats.accepted_by_position, stats.accepted_by_position[1:]))
+    assert all(a >= b for a, b in zip(stats.accepted_by_position, stats.accepted_by_position[1:], strict=False))
     assert stats.acceptance_rate == pytest.approx(stats.accepted_tokens / stats.drafted_tokens)
 
 

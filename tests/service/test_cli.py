@@ -33,12 +33,36 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 
 def test_config_subcommands(services, capsys, tmp_path):
     config, _ = services
-    code, out, _ = run(capsys, "config", "--address", config, "create", "chat", "--set", "do_sample=true",
-                       "--set", "temperature=0.7", "--label", "team=x")
+    code, out, _ = run(
+        capsys,
+        "config",
+        "--address",
+        config,
+        "create",
+        "chat",
+        "--set",
+        "do_sample=true",
+        "--set",
+        "temperature=0.7",
+        "--label",
+        "team=x",
+    )
     assert code == 0 and out.startswith("chat@1")
     assert json.loads(out.split("\n", 1)[1]) == {"do_sample": True, "temperature": 0.7}
-    code, out, _ = run(capsys, "config", "--address", config, "update", "chat", "--set", "do_sample=true",
-                       "--set", "temperature=0.9", "--expected-version", "1")
+    code, out, _ = run(
+        capsys,
+        "config",
+        "--address",
+        config,
+        "update",
+        "chat",
+        "--set",
+        "do_sample=true",
+        "--set",
+        "temperature=0.9",
+        "--expected-version",
+        "1",
+    )
     assert code == 0 and out.startswith("chat@2")
     assert run(capsys, "config", "--address", config, "tag", "chat", "prod", "1")[0] == 0
     code, out, _ = run(capsys, "config", "--address", config, "get", "chat:prod", "--as-json")
@@ -50,12 +74,23 @@ def test_config_subcommands(services, capsys, tmp_path):
     assert json.loads(out)["temperature"] == 0.7
     source = tmp_path / "generation_config.json"
     source.write_text(json.dumps({"num_beams": 2, "max_new_tokens": 5}))
-    code, out, _ = run(capsys, "config", "--address", config, "import", "--json", str(source), "--name", "beams")
+    code, out, _ = run(
+        capsys, "config", "--address", config, "import", "--json", str(source), "--name", "beams"
+    )
     assert code == 0 and out.startswith("beams@1")
     code, out, _ = run(capsys, "config", "--address", config, "validate", "--set", "top_p=0.5")
     assert code == 0 and "warning" in out and out.strip().endswith("valid")
-    code, out, _ = run(capsys, "config", "--address", config, "validate", "--set", "do_sample=true",
-                       "--set", "temperature=0.0")
+    code, out, _ = run(
+        capsys,
+        "config",
+        "--address",
+        config,
+        "validate",
+        "--set",
+        "do_sample=true",
+        "--set",
+        "temperature=0.0",
+    )
     assert code == 1 and "config.temperature" in out and out.strip().endswith("invalid")
     code, out, err = run(capsys, "config", "--address", config, "get", "missing")
     assert code == 2 and "NOT_FOUND" in err
@@ -66,28 +101,88 @@ def test_config_subcommands(services, capsys, tmp_path):
 
 def test_generate_json_stream_and_errors(services, capsys):
     _, target = services
-    code, out, _ = run(capsys, "generate", "Hello world", "--address", target, "--no-chat", "--json",
-                       "--set", "max_new_tokens=5")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "Hello world",
+        "--address",
+        target,
+        "--no-chat",
+        "--json",
+        "--set",
+        "max_new_tokens=5",
+    )
     output = json.loads(out)
     assert code == 0 and len(output["sequences"][0]) > 5 and output["finish_reasons"] == ["length"]
-    code, out, _ = run(capsys, "generate", "Hello world", "--address", target, "--no-chat", "--stream",
-                       "--set", "max_new_tokens=5")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "Hello world",
+        "--address",
+        target,
+        "--no-chat",
+        "--stream",
+        "--set",
+        "max_new_tokens=5",
+    )
     assert code == 0 and "-- speculation: proposer=none" in out and "-- finish: length" in out
-    code, out, _ = run(capsys, "generate", "Hello", "world", "--address", target, "--no-chat",
-                       "--set", "max_new_tokens=3", "--proposer", "prompt_lookup")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "Hello",
+        "world",
+        "--address",
+        target,
+        "--no-chat",
+        "--set",
+        "max_new_tokens=3",
+        "--proposer",
+        "prompt_lookup",
+    )
     assert code == 0 and out.startswith("[0] ") and "proposer=prompt_lookup" in out
-    code, _, err = run(capsys, "generate", "Hello", "--address", target, "--no-chat", "--set", "top_k=-3",
-                       "--set", "do_sample=true")
+    code, _, err = run(
+        capsys,
+        "generate",
+        "Hello",
+        "--address",
+        target,
+        "--no-chat",
+        "--set",
+        "top_k=-3",
+        "--set",
+        "do_sample=true",
+    )
     assert code == 2 and "config.top_k" in err
 
 
 def test_demo_runs_three_services_and_prints_stats(tiny_model_dir, tmp_path):
     ports = [str(free_port()) for _ in range(3)]
     result = subprocess.run(
-        [sys.executable, "-m", "client.cli", "demo", "Hello world", "--model", str(tiny_model_dir),
-         "--draft-model", str(tiny_model_dir), "--config-port", ports[0], "--target-port", ports[1],
-         "--draft-port", ports[2], "--max-new-tokens", "12", "--no-chat", "--db", str(tmp_path / "demo.db")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "client.cli",
+            "demo",
+            "Hello world",
+            "--model",
+            str(tiny_model_dir),
+            "--draft-model",
+            str(tiny_model_dir),
+            "--config-port",
+            ports[0],
+            "--target-port",
+            ports[1],
+            "--draft-port",
+            ports[2],
+            "--max-new-tokens",
+            "12",
+            "--no-chat",
+            "--db",
+            str(tmp_path / "demo.db"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "all services healthy" in result.stderr

@@ -37,7 +37,9 @@ def expect_code(code: grpc.StatusCode, fn, *args, **kwargs) -> SpecwireRpcError:
 
 
 def test_create_get_round_trip_keeps_unset_fields_unset(registry):
-    record = registry.create("chat", {"temperature": 0.7, "do_sample": True, "max_new_tokens": 64}, labels={"team": "a"})
+    record = registry.create(
+        "chat", {"temperature": 0.7, "do_sample": True, "max_new_tokens": 64}, labels={"team": "a"}
+    )
     assert (record.name, record.version, record.latest_version) == ("chat", 1, 1)
     assert record.labels == {"team": "a"}
     got = registry.get("chat")
@@ -46,7 +48,9 @@ def test_create_get_round_trip_keeps_unset_fields_unset(registry):
 
 
 def test_create_accepts_transformers_and_our_configs(registry):
-    registry.create("from-hf", transformers.GenerationConfig(num_beams=4, length_penalty=0.5, eos_token_id=[2, 3]))
+    registry.create(
+        "from-hf", transformers.GenerationConfig(num_beams=4, length_penalty=0.5, eos_token_id=[2, 3])
+    )
     registry.create("ours", GenerationConfig(top_p=0.9, do_sample=True, stop_strings=["\n\n"]))
     assert registry.get("from-hf").config.eos_token_id == [2, 3]
     assert registry.get("from-hf").config.num_beams == 4
@@ -58,10 +62,17 @@ def test_create_errors(registry):
     expect_code(grpc.StatusCode.ALREADY_EXISTS, registry.create, "dup", {})
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.create, "bad name!", {})
     assert err.violations[0].field == "name" and "bad name!" in err.message
-    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.create, "hot", {"do_sample": True, "temperature": 0.0})
+    err = expect_code(
+        grpc.StatusCode.INVALID_ARGUMENT, registry.create, "hot", {"do_sample": True, "temperature": 0.0}
+    )
     assert [v.field for v in err.violations] == ["config.temperature"]
     assert "0.0" in err.violations[0].value and err.violations[0].severity == "error"
-    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.create, "beams", {"num_beams": 2, "num_return_sequences": 3})
+    err = expect_code(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        registry.create,
+        "beams",
+        {"num_beams": 2, "num_return_sequences": 3},
+    )
     assert any(v.field.startswith("config.num_return_sequences") for v in err.violations)
     # Nothing was stored by the rejected writes.
     assert [r.name for r in registry.list()] == ["dup"]
@@ -107,7 +118,9 @@ def test_get_and_tag_errors(registry):
 def test_update_errors(registry):
     registry.create("chat", {})
     registry.update("chat", {"max_new_tokens": 3})
-    err = expect_code(grpc.StatusCode.ABORTED, registry.update, "chat", {"max_new_tokens": 4}, expected_version=1)
+    err = expect_code(
+        grpc.StatusCode.ABORTED, registry.update, "chat", {"max_new_tokens": 4}, expected_version=1
+    )
     assert "version 2" in err.message
     expect_code(grpc.StatusCode.NOT_FOUND, registry.update, "ghost", {})
     expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.update, "chat", {"top_k": -1, "do_sample": True})
@@ -158,8 +171,16 @@ def test_validate(registry):
 
 
 def test_import_json_and_export_round_trip_through_transformers(registry, tmp_path):
-    source = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [2, 7], "max_new_tokens": 48,
-              "bad_words_ids": [[5], [6, 7]], "early_stopping": "never", "stop_strings": ["END"]}
+    source = {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "eos_token_id": [2, 7],
+        "max_new_tokens": 48,
+        "bad_words_ids": [[5], [6, 7]],
+        "early_stopping": "never",
+        "stop_strings": ["END"],
+    }
     record = registry.import_json(json.dumps(source), "imported")
     assert record.version == 1
     again = registry.import_json(json.dumps({**source, "temperature": 0.8}), "imported")
@@ -241,7 +262,9 @@ def test_concurrent_updates_never_lose_or_duplicate_versions(registry):
     final = registry.get("race")
     assert final.version == 1 + results.count("ok")
     # Every version in between exists exactly once.
-    assert [registry.get(f"race@{v}").version for v in range(1, final.version + 1)] == list(range(1, final.version + 1))
+    assert [registry.get(f"race@{v}").version for v in range(1, final.version + 1)] == list(
+        range(1, final.version + 1)
+    )
 
 
 def test_async_client(tmp_path):
@@ -273,6 +296,7 @@ def grpcurl():
 
 def test_grpcurl_lists_describes_and_calls_through_reflection(tmp_path, grpcurl):
     with threaded_server(lambda: build_server(str(tmp_path / "g.db"))) as server:
+
         def run(*args: str) -> str:
             out = subprocess.run([grpcurl, "-plaintext", *args], capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr
@@ -281,14 +305,36 @@ def test_grpcurl_lists_describes_and_calls_through_reflection(tmp_path, grpcurl)
         services = run(server.address, "list")
         assert "specwire.config.v1.ConfigService" in services and "grpc.health.v1.Health" in services
         methods = run(server.address, "list", "specwire.config.v1.ConfigService")
-        for rpc in ["CreateConfig", "GetConfig", "UpdateConfig", "ListConfigs", "DeleteConfig", "SetTag",
-                    "ValidateConfig", "ImportConfig", "ExportConfig"]:
+        for rpc in [
+            "CreateConfig",
+            "GetConfig",
+            "UpdateConfig",
+            "ListConfigs",
+            "DeleteConfig",
+            "SetTag",
+            "ValidateConfig",
+            "ImportConfig",
+            "ExportConfig",
+        ]:
             assert f"specwire.config.v1.ConfigService.{rpc}" in methods
         assert "temperature" in run(server.address, "describe", "specwire.config.v1.GenerationConfig")
-        created = json.loads(run("-d", '{"name": "curl", "config": {"temperature": 0.5, "doSample": true}}',
-                                 server.address, "specwire.config.v1.ConfigService/CreateConfig"))
+        created = json.loads(
+            run(
+                "-d",
+                '{"name": "curl", "config": {"temperature": 0.5, "doSample": true}}',
+                server.address,
+                "specwire.config.v1.ConfigService/CreateConfig",
+            )
+        )
         assert created["record"]["version"] == 1
-        got = json.loads(run("-d", '{"ref": "curl"}', server.address, "specwire.config.v1.ConfigService/GetConfig"))
+        got = json.loads(
+            run("-d", '{"ref": "curl"}', server.address, "specwire.config.v1.ConfigService/GetConfig")
+        )
         assert got["record"]["config"]["temperature"] == 0.5
-        health = run("-d", '{"service": "specwire.config.v1.ConfigService"}', server.address, "grpc.health.v1.Health/Check")
+        health = run(
+            "-d",
+            '{"service": "specwire.config.v1.ConfigService"}',
+            server.address,
+            "grpc.health.v1.Health/Check",
+        )
         assert '"SERVING"' in health

@@ -38,7 +38,9 @@ class Stream:
     def __init__(self, address: str):
         self.channel = grpc.insecure_channel(address)
         self.requests: queue.Queue = queue.Queue()
-        self.responses = pb_grpc.DraftServiceStub(self.channel).Draft(iter(self.requests.get, None), timeout=60)
+        self.responses = pb_grpc.DraftServiceStub(self.channel).Draft(
+            iter(self.requests.get, None), timeout=60
+        )
 
     def send(self, message: pb.DraftRequest) -> pb.DraftResponse:
         self.requests.put(message)
@@ -50,16 +52,29 @@ class Stream:
 
 
 def start(rows, method, config=None, num_tokens=4, vocab_size=378, return_probs=False) -> pb.DraftRequest:
-    return pb.DraftRequest(start=pb.DraftStart(
-        rows=[common_pb2.TokenSequence(ids=r) for r in rows], method=method,
-        config=dict_to_proto(config or {"eos_token_id": 2}), num_tokens=num_tokens,
-        vocab_size=vocab_size, return_probs=return_probs))
+    return pb.DraftRequest(
+        start=pb.DraftStart(
+            rows=[common_pb2.TokenSequence(ids=r) for r in rows],
+            method=method,
+            config=dict_to_proto(config or {"eos_token_id": 2}),
+            num_tokens=num_tokens,
+            vocab_size=vocab_size,
+            return_probs=return_probs,
+        )
+    )
 
 
 def feedback(accepted, appended, num_tokens=4, finished=None) -> pb.DraftRequest:
     finished = finished or [False] * len(accepted)
-    return pb.DraftRequest(feedback=pb.DraftFeedback(num_tokens=num_tokens, rows=[
-        pb.RowFeedback(num_accepted=n, appended_ids=a, finished=f) for n, a, f in zip(accepted, appended, finished)]))
+    return pb.DraftRequest(
+        feedback=pb.DraftFeedback(
+            num_tokens=num_tokens,
+            rows=[
+                pb.RowFeedback(num_accepted=n, appended_ids=a, finished=f)
+                for n, a, f in zip(accepted, appended, finished, strict=False)
+            ],
+        )
+    )
 
 
 def test_prompt_lookup_session_follows_accepted_tokens(server):
@@ -85,20 +100,28 @@ def test_model_session_matches_greedy_of_the_draft_model(server, tiny_draft_dir)
     config = {"eos_token_id": 2, "assistant_confidence_threshold": 0.0}
     first = stream.send(start([prompt], pb.DRAFT_METHOD_MODEL, config, num_tokens=4))
     drafted = list(first.rows[0].token_ids)
-    assert drafted == expected[:len(drafted)] and drafted
+    assert drafted == expected[: len(drafted)] and drafted
     # Accept two tokens, then a correction different from the third: the draft must continue from it,
     # with its cache rolled back (a full re-encode of the new prefix must agree).
     correction = (drafted[2] + 1) % 378 if len(drafted) > 2 else 42
     second = stream.send(feedback([2], [[correction]], num_tokens=3))
     new_prefix = prompt + drafted[:2] + [correction]
-    want = reference.generate(torch.tensor([new_prefix]), max_new_tokens=3, do_sample=False)[0, len(new_prefix):]
-    assert list(second.rows[0].token_ids) == want.tolist()[:len(second.rows[0].token_ids)]
+    want = reference.generate(torch.tensor([new_prefix]), max_new_tokens=3, do_sample=False)[
+        0, len(new_prefix) :
+    ]
+    assert list(second.rows[0].token_ids) == want.tolist()[: len(second.rows[0].token_ids)]
     stream.close()
 
 
 def test_model_session_returns_probabilities_when_sampling(server):
     stream = Stream(server.address)
-    config = {"eos_token_id": 2, "do_sample": True, "top_k": 20, "seed": 3, "assistant_confidence_threshold": 0.0}
+    config = {
+        "eos_token_id": 2,
+        "do_sample": True,
+        "top_k": 20,
+        "seed": 3,
+        "assistant_confidence_threshold": 0.0,
+    }
     reply = stream.send(start([[5, 6, 7]], pb.DRAFT_METHOD_MODEL, config, num_tokens=3, return_probs=True))
     tokens = list(reply.rows[0].token_ids)
     probs = tensor_from_proto(reply.rows[0].probs)
@@ -117,10 +140,18 @@ def test_model_session_returns_probabilities_when_sampling(server):
         ([start([[1, 999]], pb.DRAFT_METHOD_PROMPT_LOOKUP)], grpc.StatusCode.INVALID_ARGUMENT),
         ([start([[]], pb.DRAFT_METHOD_PROMPT_LOOKUP)], grpc.StatusCode.INVALID_ARGUMENT),
         ([start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=1000)], grpc.StatusCode.INVALID_ARGUMENT),
-        ([start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP), feedback([5], [[1]])], grpc.StatusCode.INVALID_ARGUMENT),
-        ([start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP), feedback([0, 0], [[1], [1]])], grpc.StatusCode.INVALID_ARGUMENT),
-        ([start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP), start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP)],
-         grpc.StatusCode.FAILED_PRECONDITION),
+        (
+            [start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP), feedback([5], [[1]])],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            [start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP), feedback([0, 0], [[1], [1]])],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            [start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP), start([[1, 2]], pb.DRAFT_METHOD_PROMPT_LOOKUP)],
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
     ],
 )
 def test_bad_streams_get_the_right_status(server, messages, code):
@@ -147,7 +178,9 @@ def test_sessions_are_independent_under_concurrency(server):
     def run(i):
         stream = Stream(server.address)
         rows = [[i, i + 1, i + 2, i, i + 1]]
-        results[i] = list(stream.send(start(rows, pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=2)).rows[0].token_ids)
+        results[i] = list(
+            stream.send(start(rows, pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=2)).rows[0].token_ids
+        )
         stream.close()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(10, 30)]

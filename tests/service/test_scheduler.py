@@ -112,7 +112,9 @@ def test_eight_concurrent_mixed_clients_get_their_sequential_results(sequential,
 def test_full_queue_is_resource_exhausted_with_a_retry_hint(loaded, sequential):
     options = SchedulerOptions(max_batch_rows=2, max_queued=1)
     long = dict(max_new_tokens=200, min_new_tokens=200)
-    with threaded_server(lambda: build_server(loaded, scheduler="batched", scheduler_options=options)) as server:
+    with threaded_server(
+        lambda: build_server(loaded, scheduler="batched", scheduler_options=options)
+    ) as server:
         batcher = batcher_of(server)
         with TargetClient(server.address) as a, TargetClient(server.address) as b:
             streams = [a.stream(PROMPTS[:1], **long), b.stream(PROMPTS[1:], **long)]
@@ -137,7 +139,9 @@ def test_full_queue_is_resource_exhausted_with_a_retry_hint(loaded, sequential):
             for stream in streams:
                 stream.close()  # frees both slots: the queued request runs
             waiter.join(30)
-        assert torch.equal(queued_result["out"], expected(sequential, [(PROMPTS[:1], dict(max_new_tokens=6))])[0])
+        assert torch.equal(
+            queued_result["out"], expected(sequential, [(PROMPTS[:1], dict(max_new_tokens=6))])[0]
+        )
         # A request wider than the whole cache is not refused: it runs alone in the sequential lane.
         wide = (PROMPTS[:1], dict(max_new_tokens=6, num_beams=3))
         with TargetClient(server.address) as client:
@@ -184,7 +188,9 @@ def test_long_request_finishes_while_short_ones_come_and_go(loaded, sequential):
     ]
     want_long = expected(sequential, [long_case])[0]
     want_short = expected(sequential, shorts)
-    with threaded_server(lambda: build_server(loaded, scheduler="batched", scheduler_options=options)) as server:
+    with threaded_server(
+        lambda: build_server(loaded, scheduler="batched", scheduler_options=options)
+    ) as server:
         batcher = batcher_of(server)
         done = threading.Event()
         long_out, short_outs, errors = {}, [], []
@@ -210,7 +216,9 @@ def test_long_request_finishes_while_short_ones_come_and_go(loaded, sequential):
                         return
                     i += 1
 
-        threads = [threading.Thread(target=run_long)] + [threading.Thread(target=run_shorts, args=(k,)) for k in (0, 2)]
+        threads = [threading.Thread(target=run_long)] + [
+            threading.Thread(target=run_shorts, args=(k,)) for k in (0, 2)
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -17,10 +17,26 @@ from tests.servers import free_port, subprocess_server
 def tls_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tls")
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-         "-keyout", str(folder / "tls.key"), "-out", str(folder / "tls.crt")],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(folder / "tls.key"),
+            "-out",
+            str(folder / "tls.crt"),
+        ],
+        check=True,
+        capture_output=True,
     )
     return folder
 
@@ -53,7 +69,9 @@ def test_tls_and_bearer_token(tmp_path, tls_files, monkeypatch):
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Health checks need no token (kubelet probes carry none).
         with secure_channel(address) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            status = (
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            )
             assert status == health_pb2.HealthCheckResponse.SERVING
         # Plaintext against the TLS port fails.
         with grpc.insecure_channel(address) as channel:

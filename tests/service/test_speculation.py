@@ -77,21 +77,27 @@ def test_prompt_lookup_equals_plain_and_transformers(target, reference, draft_le
     plain = target.generate(BATCH[0], max_new_tokens=24)
     spec = target.generate(BATCH[0], max_new_tokens=24, prompt_lookup_num_tokens=draft_length)
     assert torch.equal(spec.sequences, plain.sequences)
-    want = reference.generate(torch.tensor([BATCH[0]]), max_new_tokens=24, do_sample=False,
-                              prompt_lookup_num_tokens=draft_length)
+    want = reference.generate(
+        torch.tensor([BATCH[0]]), max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=draft_length
+    )
     assert spec.sequences[0].tolist() == want[0].tolist()
     s = spec.speculation
     assert s.proposer == "prompt_lookup" and s.fallback_reason == ""
     assert s.accepted_tokens <= s.drafted_tokens
     assert sum(s.accepted_by_position) == s.accepted_tokens
-    assert all(a >= b for a, b in zip(s.accepted_by_position, s.accepted_by_position[1:]))
+    assert all(a >= b for a, b in zip(s.accepted_by_position, s.accepted_by_position[1:], strict=False))
 
 
 @pytest.mark.parametrize("draft_length", [1, 4, 7, 10])
 def test_draft_model_batch_of_three_equals_plain(target, reference, draft_length):
     plain = target.generate(BATCH, max_new_tokens=20)
-    spec = target.generate(BATCH, max_new_tokens=20, proposer="draft_model",
-                           num_assistant_tokens=draft_length, assistant_confidence_threshold=0.0)
+    spec = target.generate(
+        BATCH,
+        max_new_tokens=20,
+        proposer="draft_model",
+        num_assistant_tokens=draft_length,
+        assistant_confidence_threshold=0.0,
+    )
     assert torch.equal(spec.sequences, plain.sequences)
     s = spec.speculation
     assert s.proposer == "draft_model" and s.fallback_reason == ""
@@ -100,9 +106,12 @@ def test_draft_model_batch_of_three_equals_plain(target, reference, draft_length
     # Each row also equals transformers' assisted generation with the same draft (batch 1 there).
     generated, width = _generated(spec, BATCH)
     for row, tokens in zip(BATCH, generated, strict=True):
-        want = reference.generate(torch.tensor([row]), max_new_tokens=20, do_sample=False,
-                                  assistant_model=reference)
-        assert tokens[:width] == want[0, len(row):].tolist()[:width] or tokens == want[0, len(row):].tolist()
+        want = reference.generate(
+            torch.tensor([row]), max_new_tokens=20, do_sample=False, assistant_model=reference
+        )
+        assert (
+            tokens[:width] == want[0, len(row) :].tolist()[:width] or tokens == want[0, len(row) :].tolist()
+        )
 
 
 def test_scores_and_logits_are_those_of_plain_decoding(target):
@@ -148,8 +157,15 @@ def test_rejections_with_a_different_draft_model_keep_the_output(loaded, other_d
 
 
 def test_seeded_speculative_sampling_is_reproducible_with_return_sequences(target):
-    kwargs = dict(max_new_tokens=16, do_sample=True, top_k=30, seed=11, num_return_sequences=2,
-                  proposer="draft_model", num_assistant_tokens=4)
+    kwargs = dict(
+        max_new_tokens=16,
+        do_sample=True,
+        top_k=30,
+        seed=11,
+        num_return_sequences=2,
+        proposer="draft_model",
+        num_assistant_tokens=4,
+    )
     first = target.generate(BATCH[:2], **kwargs)
     second = target.generate(BATCH[:2], **kwargs)
     assert first.sequences.shape[0] == 4
@@ -191,8 +207,13 @@ def test_killing_the_draft_service_mid_generation_changes_nothing(tmp_path, load
                 def run(i):
                     try:
                         with TargetClient(server.address) as own:
-                            stream = own.stream([BATCH[i]], max_new_tokens=60, proposer="draft_model",
-                                                num_assistant_tokens=2, assistant_confidence_threshold=0.0)
+                            stream = own.stream(
+                                [BATCH[i]],
+                                max_new_tokens=60,
+                                proposer="draft_model",
+                                num_assistant_tokens=2,
+                                assistant_confidence_threshold=0.0,
+                            )
                             first = next(stream)
                             started.wait(30)
                             items = [first, *stream]

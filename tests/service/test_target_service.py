@@ -83,8 +83,14 @@ def test_greedy_ids_and_scores_match_transformers(target, reference):
 
 
 def test_beam_search_matches_transformers(target, reference):
-    kw = dict(num_beams=4, num_return_sequences=2, max_new_tokens=10, length_penalty=0.7,
-              output_scores=True, return_dict_in_generate=True)
+    kw = dict(
+        num_beams=4,
+        num_return_sequences=2,
+        max_new_tokens=10,
+        length_penalty=0.7,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     out = target.generate(PROMPTS, **kw)
     ref = reference.generate(PROMPTS, **kw)
     assert torch.equal(out.sequences, ref.sequences)
@@ -128,7 +134,7 @@ def test_text_prompt_and_default_twenty_new_tokens(target, reference, loaded):
     ref = reference.generate(ids, do_sample=False)
     assert torch.equal(out.sequences, ref)
     assert out.sequences.shape[1] - ids.shape[1] <= 20
-    assert out.text[0] == loaded.tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+    assert out.text[0] == loaded.tokenizer.decode(ref[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def test_stream_deltas_add_up_to_the_final_output(target):
@@ -138,7 +144,7 @@ def test_stream_deltas_add_up_to_the_final_output(target):
     assert deltas and all(hasattr(d, "row") for d in deltas)
     for row in range(2):
         tokens = [t for d in deltas if d.row == row for t in d.token_ids]
-        assert tokens == final.sequences[row, PROMPTS.shape[1]:].tolist()
+        assert tokens == final.sequences[row, PROMPTS.shape[1] :].tolist()
         assert "".join(d.text for d in deltas if d.row == row) == final.text[row]
 
 
@@ -183,14 +189,22 @@ def test_bad_requests_get_invalid_argument_naming_the_field(target, stack, loade
     assert err.violations[0].field == "prompts[0].token_ids"
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, max_length=4)
     assert "max_length" in err.message
-    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, do_sample=True, temperature=0.0)
+    err = expect_code(
+        grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, do_sample=True, temperature=0.0
+    )
     assert err.violations[0].field == "config.temperature"
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, temprature=0.5)
     assert err.violations[0].field == "overrides.temprature"
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, attention_mask=[[1, 1]] * 2)
     assert err.violations[0].field == "prompts[0].attention_mask"
-    err = expect_code(grpc.StatusCode.UNIMPLEMENTED, target.generate, PROMPTS, num_beams=4, num_beam_groups=2,
-                      diversity_penalty=1.0)
+    err = expect_code(
+        grpc.StatusCode.UNIMPLEMENTED,
+        target.generate,
+        PROMPTS,
+        num_beams=4,
+        num_beam_groups=2,
+        diversity_penalty=1.0,
+    )
     assert "num_beam_groups" in err.message
     err = expect_code(grpc.StatusCode.UNIMPLEMENTED, target.generate, PROMPTS, penalty_alpha=0.6, top_k=4)
     assert "penalty_alpha" in err.message
@@ -253,8 +267,17 @@ def test_grpcurl_calls_generate_with_json(stack):
     grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
     request = {"prompts": [{"tokenIds": {"ids": [5, 6, 7, 8, 9]}}], "overrides": {"maxNewTokens": 4}}
     out = subprocess.run(
-        [grpcurl, "-plaintext", "-d", json.dumps(request), stack[1].address, "specwire.target.v1.TargetService/Generate"],
-        capture_output=True, text=True, timeout=60,
+        [
+            grpcurl,
+            "-plaintext",
+            "-d",
+            json.dumps(request),
+            stack[1].address,
+            "specwire.target.v1.TargetService/Generate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     response = json.loads(out.stdout)
@@ -277,4 +300,6 @@ def test_threads_share_one_server_safely(stack):
         t.join()
     with TargetClient(stack[1].address) as client:
         for i in range(4):
-            assert torch.equal(results[i], client.generate(PROMPTS, max_new_tokens=5, do_sample=True, seed=i).sequences)
+            assert torch.equal(
+                results[i], client.generate(PROMPTS, max_new_tokens=5, do_sample=True, seed=i).sequences
+            )
