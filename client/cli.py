@@ -222,10 +222,11 @@ class LocalStack:
 
     def __enter__(self) -> LocalStack:
         a = self.args
+        log = ["--log-level", a.log_level]
         print(f"starting config-service on {self.config_address} (registry {a.db})", file=sys.stderr)
         # SPECWIRE_PROMETHEUS_PORT goes to the target only (its speculation metrics): servers can't share a port.
         config = _spawn(
-            ["config_service", "--host", a.host, "--port", str(a.config_port), "--db", a.db],
+            ["config_service", "--host", a.host, "--port", str(a.config_port), "--db", a.db, *log],
             drop=("SPECWIRE_PROMETHEUS_PORT",),
         )
         draft_model = [] if a.draft_model == "none" else ["--model", a.draft_model]
@@ -235,7 +236,7 @@ class LocalStack:
             file=sys.stderr,
         )
         draft = _spawn(
-            ["draft_service", "--host", a.host, "--port", str(a.draft_port), *draft_model],
+            ["draft_service", "--host", a.host, "--port", str(a.draft_port), *draft_model, *log],
             drop=("SPECWIRE_PROMETHEUS_PORT",),
         )
         print(
@@ -259,6 +260,7 @@ class LocalStack:
                 a.device,
                 "--dtype",
                 a.dtype,
+                *log,
             ]
         )
         self.processes += [config, draft, target]
@@ -358,10 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the prompt as plain text (models without a chat template)",
     )
     demo.add_argument("--set", action="append", metavar="KEY=VALUE", help="GenerationConfig override")
+    demo.add_argument("--log-level", default="WARNING", help="log level of the services (default WARNING)")
     stack_options(demo)
 
     serve = sub.add_parser("serve", help="start every service locally until Ctrl-C")
     serve.add_argument("--db", default="specwire-registry.db", help="registry SQLite file")
+    serve.add_argument("--log-level", default="INFO", help="log level of the services (default INFO)")
     stack_options(serve)
 
     gen = sub.add_parser("generate", help="generate through a running target service")
