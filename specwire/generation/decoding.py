@@ -381,6 +381,30 @@ class GenerationPlan:
     num_beams: int
     do_sample: bool
 
+    def expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts and mask with each prompt repeated `expand` times, rows ordered `[b0, b0, .., b1, ..]`."""
+        if self.expand == 1:
+            return self.input_ids, self.attention_mask
+        return (
+            self.input_ids.repeat_interleave(self.expand, dim=0),
+            self.attention_mask.repeat_interleave(self.expand, dim=0),
+        )
+
+    def require_tokenizer(self, tokenizer: Any) -> None:
+        """Stop strings are matched on token text: refuse them without the model's tokenizer."""
+        if self.config.stop_strings is not None and tokenizer is None:
+            raise InvalidGenerationArgument.for_field(
+                "stop_strings", self.config.stop_strings, "stop_strings need the model's tokenizer to be passed"
+            )
+
+
+def model_limits(model: Any, max_position_embeddings: int | None = None) -> tuple[int, int | None]:
+    """The model's vocabulary size and context length (`max_position_embeddings` wins when given)."""
+    vocab_size = int(model.config.get_text_config().vocab_size)
+    if max_position_embeddings is None:
+        max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
+    return vocab_size, max_position_embeddings
+
 
 def _as_id_list(value: Any) -> list[int] | None:
     if value is None:
@@ -455,9 +479,7 @@ def _check_values(config: Any) -> None:
     """The config checks of transformers' `GenerationConfig.validate` that decide the loop's shape."""
     num_beams, nrs = config.num_beams, config.num_return_sequences
     if not isinstance(num_beams, int) or num_beams < 1:
-        raise InvalidGenerationArgument.for_field(
-            "num_beams", num_beams, "num_beams must be a positive integer"
-        )
+        raise InvalidGenerationArgument.for_field("num_beams", num_beams, "num_beams must be a positive integer")
     if not isinstance(nrs, int) or nrs < 1:
         raise InvalidGenerationArgument.for_field(
             "num_return_sequences", nrs, "num_return_sequences must be a positive integer"
@@ -548,9 +570,7 @@ def prepare_generation(
     # Attention mask: inferred from padding only when the pad id is in the prompt and is not an EOS id.
     if attention_mask is None:
         can_infer = pad is not None and bool((input_ids == pad).any()) and (not eos or pad not in eos)
-        attention_mask = (
-            (input_ids != pad).long() if can_infer else torch.ones_like(input_ids, dtype=torch.long)
-        )
+        attention_mask = (input_ids != pad).long() if can_infer else torch.ones_like(input_ids, dtype=torch.long)
     else:
         attention_mask = attention_mask.to(device).long()
 
@@ -695,15 +715,9 @@ def iter_generate(
         model, input_ids, attention_mask, config=config, max_position_embeddings=max_position_embeddings
     )
     config = plan.config
-    if config.stop_strings is not None and tokenizer is None:
-        raise InvalidGenerationArgument.for_field(
-            "stop_strings", config.stop_strings, "stop_strings need the model's tokenizer to be passed"
-        )
+    plan.require_tokenizer(tokenizer)
     device = plan.input_ids.device
-    expanded_ids = plan.input_ids.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.input_ids
-    expanded_mask = (
-        plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
-    )
+    expanded_ids, expanded_mask = plan.expanded()
     rows = (rows_factory or RowBatch)(
         model,
         attention_mask=expanded_mask,
@@ -712,9 +726,7 @@ def iter_generate(
         use_cache=bool(config.use_cache),
         prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
     )
-    vocab_size = int(model.config.get_text_config().vocab_size)
-    if max_position_embeddings is None:
-        max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
+    vocab_size, max_position_embeddings = model_limits(model, max_position_embeddings)
     processors = build_logits_processors(
         config,
         input_len=plan.input_len,

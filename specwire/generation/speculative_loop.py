@@ -190,12 +190,8 @@ def speculative_loop(
             return DraftSchedule(draft_length, "constant")
         return DraftSchedule.from_config(config)
 
-    state = [
-        _Row(input_ids[r], [], row_processors[r], row_stop_codes[r], schedule()) for r in range(num_rows)
-    ]
-    mask = (
-        plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
-    )
+    state = [_Row(input_ids[r], [], row_processors[r], row_stop_codes[r], schedule()) for r in range(num_rows)]
+    _, mask = plan.expanded()
 
     def finish(row: _Row, code: int) -> str:
         row.finished, row.reason = True, reason_names.get(code, FINISH_LENGTH)
@@ -411,9 +407,7 @@ def _close(drafter: Drafter) -> None:
 
 def _result(plan, state, input_ids, keep_scores, keep_logits, pad) -> GenerationResult:
     length = max(row.finish_length for row in state)
-    sequences = torch.stack(
-        [torch.cat([row.prompt, row.prompt.new_tensor(row.generated[:length])]) for row in state]
-    )
+    sequences = torch.stack([torch.cat([row.prompt, row.prompt.new_tensor(row.generated[:length])]) for row in state])
     scores = logits = None
     if keep_scores:
         scores = tuple(torch.stack([row.scores[t] for row in state]) for t in range(length))
@@ -471,13 +465,7 @@ def iter_speculative(
         rows_factory (`Callable`, *optional*): builds the model-side state instead of `RaggedRows`
             (it must support `verify(candidates, valid)` and `discard`); passed on to plain decoding.
     """
-    from specwire.generation.decoding import (
-        InvalidGenerationArgument,
-        _reason_names,
-        _StopCodes,
-        iter_generate,
-        prepare_generation,
-    )
+    from specwire.generation.decoding import _reason_names, _StopCodes, iter_generate, model_limits, prepare_generation
     from specwire.generation.processors import build_logits_processors
     from specwire.generation.sampling import make_generator
     from specwire.generation.stopping import build_stopping_criteria
@@ -501,14 +489,8 @@ def iter_speculative(
             rows_factory=rows_factory,
         )
     config = plan.config
-    if config.stop_strings is not None and tokenizer is None:
-        raise InvalidGenerationArgument.for_field(
-            "stop_strings", config.stop_strings, "stop_strings need the model's tokenizer to be passed"
-        )
-    expanded = plan.input_ids.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.input_ids
-    mask = (
-        plan.attention_mask.repeat_interleave(plan.expand, dim=0) if plan.expand > 1 else plan.attention_mask
-    )
+    plan.require_tokenizer(tokenizer)
+    expanded, mask = plan.expanded()
     rows = (rows_factory or RaggedRows)(
         model,
         attention_mask=mask,
@@ -517,9 +499,7 @@ def iter_speculative(
         use_cache=True,
         prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
     )
-    vocab_size = int(model.config.get_text_config().vocab_size)
-    if max_position_embeddings is None:
-        max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
+    vocab_size, max_position_embeddings = model_limits(model, max_position_embeddings)
     pad_lengths = rows.padding_lengths
     row_processors, row_stops = [], []
     for r in range(expanded.shape[0]):
