@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,27 +100,13 @@ class ServiceFailed(RuntimeError):
 
 def wait_healthy(service: Service, timeout: float) -> None:
     """Poll `grpc.health.v1` until SERVING; raise `ServiceFailed` if the process exits or time runs out."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from client.health import NotHealthy
+    from client.health import wait_healthy as wait
 
-    from specwire.security import secure_channel
-
-    deadline = time.monotonic() + timeout
-    with secure_channel(service.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if service.process.poll() is not None:
-                raise ServiceFailed(service, f"exited with code {service.process.returncode} while starting")
-            try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise ServiceFailed(service, f"was not healthy after {timeout:.0f}s")
+    try:
+        wait(service.address, timeout=timeout, process=service.process)
+    except NotHealthy as exc:
+        raise ServiceFailed(service, str(exc)) from None
 
 
 @dataclass

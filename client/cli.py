@@ -87,9 +87,7 @@ def _config_command(args) -> int:
                 tags = f" [{', '.join(record.tags)}]" if record.tags else ""
                 print(f"{record.name}@{record.version}{tags}")
         elif cmd == "update":
-            _print_record(
-                client.update(args.name, _config_from_args(args), args.expected_version), args.as_json
-            )
+            _print_record(client.update(args.name, _config_from_args(args), args.expected_version), args.as_json)
         elif cmd == "delete":
             print(f"deleted {client.delete(args.name, args.expected_version)} version(s) of {args.name}")
         elif cmd == "tag":
@@ -185,29 +183,12 @@ def _spawn(args: list[str], drop: tuple[str, ...] = ()) -> subprocess.Popen:
 
 
 def _wait_healthy(address: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from client.health import NotHealthy, wait_healthy
 
-    from specwire.security import secure_channel
-
-    deadline = time.monotonic() + timeout
-    with secure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise SystemExit(
-                    f"{' '.join(process.args[2:4])} exited with {process.returncode} while starting"
-                )
-            try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise SystemExit(f"{address} did not become healthy in {timeout:.0f}s")
+    try:
+        wait_healthy(address, timeout=timeout, process=process)
+    except NotHealthy as exc:
+        raise SystemExit(f"{' '.join(process.args[2:4])} on {address} {exc}") from None
 
 
 class LocalStack:
@@ -307,9 +288,7 @@ def _demo_command(args) -> int:
             args.db = str(Path(tmp) / "registry.db")
         with LocalStack(args) as stack:
             with ConfigClient(stack.config_address) as registry:
-                record = registry.create(
-                    "demo-greedy", {"max_new_tokens": args.max_new_tokens, "do_sample": False}
-                )
+                record = registry.create("demo-greedy", {"max_new_tokens": args.max_new_tokens, "do_sample": False})
                 print(f"stored config {record.name}@{record.version} in the registry", file=sys.stderr)
             prompt = args.prompt or DEFAULT_PROMPT
             proposer = "prompt_lookup" if args.draft_model == "none" else "draft_model"
@@ -335,9 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def stack_options(p):
-        p.add_argument(
-            "--model", default="default", help="model of the target service (default: embedded SmolLM2)"
-        )
+        p.add_argument("--model", default="default", help="model of the target service (default: embedded SmolLM2)")
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--config-port", type=int, default=50051)
         p.add_argument("--target-port", type=int, default=50052)
@@ -375,9 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--set", action="append", metavar="KEY=VALUE", help="GenerationConfig field override")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", dest="as_json", action="store_true", help="print the whole output as JSON")
-    gen.add_argument(
-        "--no-chat", action="store_true", help="send the prompt as plain text, without the chat template"
-    )
+    gen.add_argument("--no-chat", action="store_true", help="send the prompt as plain text, without the chat template")
     gen.add_argument("--proposer", choices=["none", "prompt_lookup", "draft_model"], default=None)
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
@@ -444,9 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return stats_command(args)
     # OTEL_* tracing of the client's calls; the scrape port is for servers, not for the CLI.
-    setup_telemetry(
-        "specwire-cli", env={k: v for k, v in os.environ.items() if k != "SPECWIRE_PROMETHEUS_PORT"}
-    )
+    setup_telemetry("specwire-cli", env={k: v for k, v in os.environ.items() if k != "SPECWIRE_PROMETHEUS_PORT"})
     try:
         if args.command in ("config", "generate"):
             with get_tracer().start_as_current_span(f"specwire {args.command}"):  # the trace's root

@@ -7,12 +7,10 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from client.health import wait_healthy
 
 
 class ThreadedServer:
@@ -49,28 +47,6 @@ def threaded_server(build: Callable[[], object]):
         server.stop()
 
 
-def wait_healthy(
-    address: str, service: str = "", timeout: float = 120.0, process: subprocess.Popen | None = None
-):
-    """Poll grpc.health.v1 until SERVING (fails early if `process` exits)."""
-    from specwire.security import secure_channel
-
-    deadline = time.monotonic() + timeout
-    with secure_channel(address) as channel:  # TLS when the test environment asks for it
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode} before becoming healthy")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{address} not healthy after {timeout}s")
-
-
 def free_port() -> int:
     import socket
 
@@ -91,7 +67,7 @@ def subprocess_server(args: list[str], port: int, service: str = "", timeout: fl
         text=True,
     )
     try:
-        wait_healthy(f"127.0.0.1:{port}", service, timeout, process)
+        wait_healthy(f"127.0.0.1:{port}", service=service, timeout=timeout, process=process)
         yield process
     finally:
         if process.poll() is None:
