@@ -3,8 +3,9 @@
   python -m bench.concurrency_scheduler --model default            # embedded SmolLM2, 64 new tokens
   python -m bench.concurrency_scheduler --model PATH --clients 8 --requests 2 --schedulers batched
 
-Loads the model once, then for each scheduler (`sequential`, `batched`) starts a target service on
-loopback in this process, warms it up, and runs greedy requests (64 new tokens by default) from 1
+For each scheduler (`sequential`, `batched`) starts a target service process on loopback (its own
+process, as deployed: two schedulers' model threads in one process would slow each other, see
+`specwire.model_thread`), warms it up, and runs greedy requests (64 new tokens by default) from 1
 client, then from N concurrent clients (each its own channel and prompt, each sending `--requests`
 requests back to back). Aggregate tokens/s = generated tokens of all clients / wall time. Prints one
 line per run and the N-vs-1 ratio per scheduler; `--json PATH` also writes the figures.
@@ -15,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -39,7 +42,11 @@ PROMPTS = [
 
 
 def _run_clients(
-    address: str, prompts: list[list[int]], clients: int, requests: int, max_new_tokens: int,
+    address: str,
+    prompts: list[list[int]],
+    clients: int,
+    requests: int,
+    max_new_tokens: int,
     verbose: bool = False,
 ) -> dict:
     from client import TargetClient
@@ -57,8 +64,11 @@ def _run_clients(
                     out = target.generate([prompt], max_new_tokens=max_new_tokens, do_sample=False)
                     tokens[i] += out.sequences.shape[1] - len(prompt)
                     if verbose:
-                        print(f"    client {i} request {j}: {out.sequences.shape[1] - len(prompt)} tokens "
-                              f"at {time.perf_counter() - started:.1f}s", flush=True)
+                        print(
+                            f"    client {i} request {j}: {out.sequences.shape[1] - len(prompt)} tokens "
+                            f"at {time.perf_counter() - started:.1f}s",
+                            flush=True,
+                        )
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
             if not barrier.broken:
@@ -95,12 +105,8 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.concurrency_scheduler", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument(
-        "--model", default="default", help="'default' (embedded SmolLM2), a folder, a .gguf file"
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.concurrency_scheduler", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a folder, a .gguf file")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=1, help="requests per client, back to back")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -109,27 +115,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verbose", action="store_true", help="print every finished request")
     args = parser.parse_args(argv)
 
-    import torch
-
+    from bench.services import Service, free_port, wait_healthy
     from specwire.models import load_model
-    from target_service.__main__ import build_server
-    from tests.servers import threaded_server
 
-    started = time.perf_counter()
-    loaded = load_model(args.model, progress=False)
-    print(
-        f"model {loaded.model_id} loaded in {time.perf_counter() - started:.1f}s; "
-        f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}",
-        flush=True,
-    )
-    prompts = [_chat_ids(loaded.tokenizer, text) for text in PROMPTS]
+    # Only the tokenizer is used here (prompt ids); the model runs in the services.
+    prompts = [_chat_ids(load_model(args.model, progress=False).tokenizer, text) for text in PROMPTS]
     results = {}
     for scheduler in args.schedulers.split(","):
-        with threaded_server(lambda scheduler=scheduler: build_server(loaded, scheduler=scheduler)) as server:
+        log_path = Path(tempfile.mkdtemp(prefix="specwire-bench-")) / "target.log"
+        server = Service(
+            "target-service",
+            "target_service",
+            ["--model", args.model, "--scheduler", scheduler],
+            free_port(),
+            log_path,
+        )
+        server.start({**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        try:
+            wait_healthy(server, 900)
             _run_clients(server.address, prompts, 2, 1, 8)  # warm-up
             one = _run_clients(server.address, prompts, 1, args.requests, args.max_new_tokens, args.verbose)
-            many = _run_clients(server.address, prompts, args.clients, args.requests, args.max_new_tokens,
-                                args.verbose)
+            many = _run_clients(server.address, prompts, args.clients, args.requests, args.max_new_tokens, args.verbose)
+        finally:
+            server.stop()
         ratio = many["tokens_per_s"] / one["tokens_per_s"]
         results[scheduler] = {"one": one, "many": many, "ratio": ratio}
         for run in (one, many):

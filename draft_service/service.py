@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -18,6 +17,7 @@ from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.errors import FailedPrecondition, InvalidArgument
 from specwire.generation.drafters import Drafter, ModelDrafter, PromptLookupDrafter, Proposal
+from specwire.model_thread import model_executor
 from specwire.models import LoadedModel
 from specwire.serving import handles_errors
 from specwire.wire.generation_config import WireFormatError, config_from_proto
@@ -35,17 +35,13 @@ def _open_session(start: pb.DraftStart, draft_model: LoadedModel | None) -> Draf
     if len(start.rows) > MAX_ROWS:
         raise InvalidArgument.for_field("start.rows", len(start.rows), f"at most {MAX_ROWS} rows per stream")
     if start.vocab_size <= 0:
-        raise InvalidArgument.for_field(
-            "start.vocab_size", start.vocab_size, "send the target model's vocabulary size"
-        )
+        raise InvalidArgument.for_field("start.vocab_size", start.vocab_size, "send the target model's vocabulary size")
     rows = [list(r.ids) for r in start.rows]
     for i, row in enumerate(rows):
         if not row:
             raise InvalidArgument.for_field(f"start.rows[{i}]", [], "every row needs at least one token")
         if min(row) < 0 or max(row) >= start.vocab_size:
-            raise InvalidArgument.for_field(
-                f"start.rows[{i}]", row, f"token ids must be in [0, {start.vocab_size})"
-            )
+            raise InvalidArgument.for_field(f"start.rows[{i}]", row, f"token ids must be in [0, {start.vocab_size})")
     try:
         config = config_from_proto(start.config)
     except (WireFormatError, TypeError, ValueError) as exc:
@@ -98,23 +94,23 @@ def _apply_feedback(session: Drafter, feedback: pb.DraftFeedback, last: Proposal
                 f"between 0 and the {len(drafted)} drafted",
             )
         accepted.append(row.num_accepted)
-    session.feedback(
-        accepted, [list(r.appended_ids) for r in feedback.rows], [r.finished for r in feedback.rows]
-    )
+    session.feedback(accepted, [list(r.appended_ids) for r in feedback.rows], [r.finished for r in feedback.rows])
     return session.propose(feedback.num_tokens)
 
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
     """Drafting sessions over an optional draft model (prompt lookup is always available).
 
+    Every session's work runs on one thread (`specwire.model_thread`): the forwards of one model
+    would not run faster side by side, and a second thread running forwards slows them all.
+
     Args:
         draft_model (`LoadedModel`, *optional*): the draft LM.
-        workers (`int`, defaults to 2): threads running draft forwards.
     """
 
-    def __init__(self, draft_model: LoadedModel | None = None, workers: int = 2):
+    def __init__(self, draft_model: LoadedModel | None = None):
         self.draft_model = draft_model
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="specwire-draft")
+        self.executor = model_executor("specwire-draft")
         self.open_sessions = 0
 
     @handles_errors
@@ -127,22 +123,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 kind = message.WhichOneof("message")
                 if kind == "start":
                     if session is not None:
-                        raise FailedPrecondition(
-                            "a stream carries one DraftStart; open a new stream per request"
-                        )
+                        raise FailedPrecondition("a stream carries one DraftStart; open a new stream per request")
                     num_tokens = _check_num_tokens(message.start.num_tokens, "start.num_tokens")
-                    session = await loop.run_in_executor(
-                        self.executor, _open_session, message.start, self.draft_model
-                    )
+                    session = await loop.run_in_executor(self.executor, _open_session, message.start, self.draft_model)
                     self.open_sessions += 1
                     last = await loop.run_in_executor(self.executor, session.propose, num_tokens)
                 elif kind == "feedback":
                     if session is None or last is None:
                         raise FailedPrecondition("send DraftStart before DraftFeedback")
                     _check_num_tokens(message.feedback.num_tokens, "feedback.num_tokens")
-                    last = await loop.run_in_executor(
-                        self.executor, _apply_feedback, session, message.feedback, last
-                    )
+                    last = await loop.run_in_executor(self.executor, _apply_feedback, session, message.feedback, last)
                 else:
                     raise InvalidArgument.for_field("message", None, "set start or feedback")
                 yield _response(last)

@@ -1,15 +1,16 @@
 """Runs decoding jobs on the model, one step at a time, off the event loop.
 
-Every model step of every request runs on one worker thread, so concurrent requests interleave
-step by step (the forward passes never race on the model) and each request keeps its own state
-(its generator, its KV cache, its `torch.Generator`). Between two steps the request's coroutine
-checks for cancellation: a cancelled or timed-out request stops consuming compute within one
-step, and its generator is closed on the worker so its cache is freed.
-
-With `scheduler="batched"`, requests the slot cache can serve go to `BatchScheduler`
+With `scheduler="batched"` (the default), requests the slot cache can serve go to `BatchScheduler`
 (`target_service/scheduler.py`): one packed forward per step for all of them. The rest (the
-sequential lane: no cache, classifier-free guidance, over-long or over-wide requests) keep this
-one-request-per-step path, under the same model lock.
+sequential lane: no cache, classifier-free guidance, over-long or over-wide requests) and every
+request with `scheduler="sequential"` take the one-request-per-step path below.
+
+One request per step: every model step runs on one model thread (the scheduler's, or a worker of
+our own with `"sequential"`), so concurrent requests interleave step by step (the forward passes
+never race on the model) and each request keeps its own state (its generator, its KV cache, its
+`torch.Generator`). Between two steps the request's coroutine checks for cancellation: a cancelled
+or timed-out request stops consuming compute within one step, and its generator is closed on the
+model thread so its cache is freed.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import contextvars
 import logging
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from specwire.generation.decoding import iter_generate
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.speculative_loop import iter_speculative
+from specwire.model_thread import model_executor
 from specwire.models import LoadedModel
 from target_service.drafting import DraftPolicy
 from target_service.requests import GenerationJob
@@ -42,8 +43,8 @@ class Engine:
     Args:
         loaded (`LoadedModel`): the model, tokenizer and the model's generation config.
         drafting (`DraftPolicy`, *optional*): speculation settings.
-        scheduler (`str`, defaults to `"sequential"`): `"sequential"` (one request per forward) or
-            `"batched"` (shared packed forwards, see `target_service.scheduler`).
+        scheduler (`str`, defaults to `"batched"`): `"batched"` (shared packed forwards, see
+            `target_service.scheduler`) or `"sequential"` (one request per forward).
         scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
     """
 
@@ -51,14 +52,13 @@ class Engine:
         self,
         loaded: LoadedModel,
         drafting: DraftPolicy | None = None,
-        scheduler: str = "sequential",
+        scheduler: str = "batched",
         scheduler_options: SchedulerOptions | None = None,
     ):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         self.loaded = loaded
         self.drafting = drafting or DraftPolicy()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specwire-model")
         self.active = 0  # requests between their first and last step
         self._lane_steps = 0
         self._lock = threading.Lock()
@@ -69,6 +69,12 @@ class Engine:
             self.batcher = BatchScheduler(
                 loaded.model, self._start, self.model_lock, scheduler_options, loaded.max_position_embeddings
             )
+        # Every forward runs on one thread (`specwire.model_thread`): the scheduler's when it runs
+        # (the sequential lane's steps run between its packed forwards), else a worker of our own.
+        if self.batcher is not None and self.batcher.enabled:
+            self.executor = self.batcher.executor
+        else:
+            self.executor = model_executor("specwire-model")
 
     @property
     def steps_run(self) -> int:
@@ -144,9 +150,7 @@ class Engine:
             self.active += 1
         try:
             while True:
-                item = await loop.run_in_executor(
-                    self.executor, context.run, _in_inference_mode, self._step, steps
-                )
+                item = await loop.run_in_executor(self.executor, context.run, _in_inference_mode, self._step, steps)
                 if isinstance(item, tuple) and item and item[0] is _DONE:
                     yield item[1]
                     return

@@ -32,6 +32,9 @@ Admission and fairness.
 - Cancellation and deadlines: the RPC's coroutine ending marks its request cancelled; before the
   next forward the scheduler frees its slots and wakes its thread, which stops (within one step).
 
+Threads. Every forward runs on the scheduler thread (see `specwire.model_thread` for why): the packed
+forwards, and the steps of the sequential lane (`executor`), run between two packed forwards.
+
 The sequential lane. Requests the slot cache cannot serve run the per-request path of `Engine`
 (one request per forward, with a `DynamicCache`), one step at a time under the same model lock:
 `use_cache=False`, classifier-free guidance (its processor runs its own forward), prompts with
@@ -49,6 +52,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
@@ -64,6 +68,7 @@ from specwire.generation.slot_cache import (
     install_slot_attention,
     slot_support,
 )
+from specwire.model_thread import claim_torch_threads
 
 log = logging.getLogger("specwire.target_service.scheduler")
 
@@ -186,17 +191,19 @@ class BatchScheduler:
         self._forward_ema = 0.0
         self._last_forward_end = time.perf_counter()
         self._closed = False
+        self._calls: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
+        self.executor = _SchedulerThreadCalls(self)
         self.cache: SlotKVCache | None = None
         self.unsupported = slot_support(model)
+        self.threads = torch.get_num_threads()
         if not self.unsupported:
-            self._build_cache()
-        if self.cache is not None:
-            self.thread = threading.Thread(target=self._loop, name="specwire-scheduler", daemon=True)
+            # The cache probe runs forwards, so it runs on the scheduler thread too (see `_loop`).
+            built = threading.Event()
+            self.thread = threading.Thread(target=self._loop, args=(built,), name="specwire-scheduler", daemon=True)
             self.thread.start()
-        else:
-            log.warning(
-                "batched scheduler disabled, serving every request sequentially: %s", self.unsupported
-            )
+            built.wait()
+        if self.cache is None:
+            log.warning("batched scheduler disabled, serving every request sequentially: %s", self.unsupported)
 
     # -- set-up -------------------------------------------------------------------------------------
 
@@ -216,9 +223,7 @@ class BatchScheduler:
                 self.unsupported = problem
                 return
             self.cache = SlotKVCache(self.model, slots, slot_tokens)
-        log.info(
-            "batched scheduler: %d slots x %d tokens (%.0f MiB)", slots, slot_tokens, slots * per_slot / 2**20
-        )
+        log.info("batched scheduler: %d slots x %d tokens (%.0f MiB)", slots, slot_tokens, slots * per_slot / 2**20)
 
     def _probe(self) -> str:
         """Packed forwards must give what `RowBatch` gives on this model (else: serve sequentially)."""
@@ -363,8 +368,8 @@ class BatchScheduler:
         request.context.run(self._drive_in_context, request)
 
     def _drive_in_context(self, request: _Request) -> None:
-        # The loop's own work is small per-row tensor ops; a second OpenMP team per request thread
-        # would only spin against the forward's threads (this sets this thread's count only).
+        # The loop's own work is small per-row tensor ops: one thread, no OpenMP pool of its own
+        # (see `specwire.model_thread`).
         torch.set_num_threads(1)
         steps = None
         try:
@@ -445,6 +450,8 @@ class BatchScheduler:
                 return None
             self._reap()
             self._admit_waiting()
+            if self._calls:  # sequential-lane steps go first; the forward follows right after
+                return []
             ready = [r for r in self.running if r.work is not None]
             if ready:
                 busy = any(r.work is None and r.in_cycle for r in self.running)
@@ -459,20 +466,36 @@ class BatchScheduler:
             else:
                 self.cond.wait()
 
-    def _loop(self) -> None:
+    def _loop(self, built: threading.Event) -> None:
+        # Every forward of the model runs on this thread: packed forwards, the probe and the
+        # sequential lane's steps (`executor`); see `specwire.model_thread`.
+        claim_torch_threads(self.threads)
+        try:
+            self._build_cache()
+        finally:
+            built.set()
+        if self.cache is None:
+            return
         while True:
             with self.cond:
                 ready = self._gather()
                 if ready is None:
-                    return
-                steps = [r for r in ready if r.work.keep_all]
-                prefills = sorted((r for r in ready if not r.work.keep_all), key=lambda r: r.seq)
-                step_tokens = sum(r.work.remaining for r in steps)
-                budget = step_tokens + max(
-                    self.options.max_tokens_per_step - step_tokens, self.options.min_prefill_tokens
-                )
-                batch = steps + prefills
-                works = [r.work for r in batch]
+                    break
+                calls = list(self._calls)
+                self._calls.clear()
+                if not calls:
+                    steps = [r for r in ready if r.work.keep_all]
+                    prefills = sorted((r for r in ready if not r.work.keep_all), key=lambda r: r.seq)
+                    step_tokens = sum(r.work.remaining for r in steps)
+                    budget = step_tokens + max(
+                        self.options.max_tokens_per_step - step_tokens, self.options.min_prefill_tokens
+                    )
+                    batch = steps + prefills
+                    works = [r.work for r in batch]
+            if calls:
+                for future, fn, args in calls:
+                    _run_call(future, fn, args)
+                continue
             started = time.perf_counter()
             self.gather_seconds += started - self._last_forward_end
             failure = None
@@ -486,9 +509,7 @@ class BatchScheduler:
             with self.cond:
                 elapsed = ended - started
                 self.forward_seconds += elapsed
-                self._forward_ema = (
-                    elapsed if not self._forward_ema else 0.8 * self._forward_ema + 0.2 * elapsed
-                )
+                self._forward_ema = elapsed if not self._forward_ema else 0.8 * self._forward_ema + 0.2 * elapsed
                 self._last_forward_end = ended
                 self.forwards += 1
                 self.tokens_run += ran
@@ -504,6 +525,22 @@ class BatchScheduler:
                         request.steps += 1
                 self.cond.notify_all()
 
+        with self.cond:
+            calls = list(self._calls)
+            self._calls.clear()
+        for future, _, _ in calls:
+            future.cancel()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` on the scheduler thread between forwards (the sequential lane's steps)."""
+        future: Future = Future()
+        with self.cond:
+            if self._closed or self.cache is None:
+                raise RuntimeError("the batched scheduler is not running")
+            self._calls.append((future, fn, args))
+            self.cond.notify_all()
+        return future
+
     def close(self) -> None:
         with self.cond:
             self._closed = True
@@ -518,3 +555,24 @@ class BatchScheduler:
     def free_slots(self) -> int:
         with self.cond:
             return len(self.cache.free) if self.cache is not None else 0
+
+
+def _run_call(future: Future, fn: Callable[..., Any], args: tuple) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+        future.set_exception(exc)
+
+
+class _SchedulerThreadCalls(Executor):
+    """The scheduler thread as an `Executor`, for `loop.run_in_executor` in the sequential lane."""
+
+    def __init__(self, scheduler: BatchScheduler):
+        self.scheduler = scheduler
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        if kwargs:
+            return self.scheduler.call(lambda: fn(*args, **kwargs))
+        return self.scheduler.call(fn, *args)

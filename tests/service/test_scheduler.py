@@ -112,9 +112,7 @@ def test_eight_concurrent_mixed_clients_get_their_sequential_results(sequential,
 def test_full_queue_is_resource_exhausted_with_a_retry_hint(loaded, sequential):
     options = SchedulerOptions(max_batch_rows=2, max_queued=1)
     long = dict(max_new_tokens=200, min_new_tokens=200)
-    with threaded_server(
-        lambda: build_server(loaded, scheduler="batched", scheduler_options=options)
-    ) as server:
+    with threaded_server(lambda: build_server(loaded, scheduler="batched", scheduler_options=options)) as server:
         batcher = batcher_of(server)
         with TargetClient(server.address) as a, TargetClient(server.address) as b:
             streams = [a.stream(PROMPTS[:1], **long), b.stream(PROMPTS[1:], **long)]
@@ -139,9 +137,7 @@ def test_full_queue_is_resource_exhausted_with_a_retry_hint(loaded, sequential):
             for stream in streams:
                 stream.close()  # frees both slots: the queued request runs
             waiter.join(30)
-        assert torch.equal(
-            queued_result["out"], expected(sequential, [(PROMPTS[:1], dict(max_new_tokens=6))])[0]
-        )
+        assert torch.equal(queued_result["out"], expected(sequential, [(PROMPTS[:1], dict(max_new_tokens=6))])[0])
         # A request wider than the whole cache is not refused: it runs alone in the sequential lane.
         wide = (PROMPTS[:1], dict(max_new_tokens=6, num_beams=3))
         with TargetClient(server.address) as client:
@@ -188,9 +184,7 @@ def test_long_request_finishes_while_short_ones_come_and_go(loaded, sequential):
     ]
     want_long = expected(sequential, [long_case])[0]
     want_short = expected(sequential, shorts)
-    with threaded_server(
-        lambda: build_server(loaded, scheduler="batched", scheduler_options=options)
-    ) as server:
+    with threaded_server(lambda: build_server(loaded, scheduler="batched", scheduler_options=options)) as server:
         batcher = batcher_of(server)
         done = threading.Event()
         long_out, short_outs, errors = {}, [], []
@@ -216,9 +210,7 @@ def test_long_request_finishes_while_short_ones_come_and_go(loaded, sequential):
                         return
                     i += 1
 
-        threads = [threading.Thread(target=run_long)] + [
-            threading.Thread(target=run_shorts, args=(k,)) for k in (0, 2)
-        ]
+        threads = [threading.Thread(target=run_long)] + [threading.Thread(target=run_shorts, args=(k,)) for k in (0, 2)]
         for t in threads:
             t.start()
         for t in threads:
@@ -229,3 +221,22 @@ def test_long_request_finishes_while_short_ones_come_and_go(loaded, sequential):
         for index, out in short_outs:
             assert torch.equal(out, want_short[index]), shorts[index]
         wait_for(lambda: batcher.free_slots == 3)
+
+
+def test_sequential_lane_runs_between_packed_forwards_on_the_scheduler_thread(sequential, batched):
+    # use_cache=False and classifier-free guidance cannot use the slot cache: they take the
+    # sequential lane, whose steps the scheduler thread runs between packed forwards.
+    engine = batched.server.bindings[0].servicer.engine
+    assert engine.executor is engine.batcher.executor
+    lane = [
+        (PROMPTS[:1], dict(max_new_tokens=10, use_cache=False)),
+        (PROMPTS[1:], dict(max_new_tokens=8, guidance_scale=1.5)),
+    ]
+    cases = lane + MIXED[:4]
+    want = expected(sequential, cases)
+    lane_before, shared_before = engine._lane_steps, engine.batcher.shared_forwards
+    got = run_concurrently(batched.address, cases)
+    for (_, kw), ours, theirs in zip(cases, got, want, strict=True):
+        assert torch.equal(ours, theirs), (kw, ours, theirs)
+    assert engine._lane_steps - lane_before >= 18  # the two lane requests' steps
+    assert engine.batcher.shared_forwards > shared_before  # while the batched ones shared forwards
