@@ -120,7 +120,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         loaded (`LoadedModel`): the served model.
         resolver (`ConfigResolver`): registry lookups for `config_ref`.
         drafting (`DraftPolicy`, *optional*): speculation settings (draft service, default proposer).
-        scheduler (`str`, defaults to `"sequential"`): `"sequential"` or `"batched"` (see `Engine`).
+        scheduler (`str`, defaults to `"batched"`): `"batched"` or `"sequential"` (see `Engine`).
         scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
     """
 
@@ -129,7 +129,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         loaded: LoadedModel,
         resolver: ConfigResolver,
         drafting: DraftPolicy | None = None,
-        scheduler: str = "sequential",
+        scheduler: str = "batched",
         scheduler_options: SchedulerOptions | None = None,
     ):
         self.loaded = loaded

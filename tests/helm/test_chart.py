@@ -66,9 +66,7 @@ def tools() -> dict[str, Path]:
     paths = {name: TOOLS / "bin" / name for name in ("helm", "kubernetes-validate")}
     for name, path in paths.items():
         assert os.access(path, os.X_OK), f"{name} missing at {path}"
-    version = subprocess.run(
-        [paths["helm"], "version", "--short"], capture_output=True, text=True, check=True
-    )
+    version = subprocess.run([paths["helm"], "version", "--short"], capture_output=True, text=True, check=True)
     assert version.stdout.startswith("v4.3.1"), version.stdout
     return paths
 
@@ -307,10 +305,7 @@ def test_tls_probes_run_the_health_script(renders):
         assert ready[:2] == ["python", "/etc/specwire/scripts/health_check.py"]
         assert ready[-1] == f"127.0.0.1:{PORTS[c]}/{HEALTH_NAMES[c]}"
         assert live[-1] == f"127.0.0.1:{PORTS[c]}/"
-        assert (
-            ready[ready.index("--tls-server-name") + 1]
-            == f"{RELEASE}-specwire-{c}.{NAMESPACE}.svc.cluster.local"
-        )
+        assert ready[ready.index("--tls-server-name") + 1] == f"{RELEASE}-specwire-{c}.{NAMESPACE}.svc.cluster.local"
         # The deadline leaves the probe time to start Python.
         assert float(ready[ready.index("--timeout") + 1]) < container["readinessProbe"]["timeoutSeconds"]
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -420,9 +415,7 @@ def test_schema_is_strict_everywhere():
     objects = [
         (p, s)
         for p, s in walk_schemas(schema)
-        if isinstance(s.get("properties"), dict)
-        and s.get("type") == "object"
-        and not p.endswith(".properties")
+        if isinstance(s.get("properties"), dict) and s.get("type") == "object" and not p.endswith(".properties")
     ]
     assert len(objects) > 20
     for path, s in objects:
@@ -495,9 +488,7 @@ def test_image_tags_default_to_app_version(tools, renders):
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["appVersion"] == "0.1.0"
     images = [
-        c["image"]
-        for d in renders["default"].all("Deployment")
-        for c in d["spec"]["template"]["spec"]["containers"]
+        c["image"] for d in renders["default"].all("Deployment") for c in d["spec"]["template"]["spec"]["containers"]
     ]
     assert images and all(i == f"ghcr.io/specwire/specwire:{chart['appVersion']}" for i in images)
     assert ":latest" not in renders["default"].text
@@ -547,7 +538,10 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
         expected = ["--host", "--port"]
         expected += {"config": ["--db"], "draft": [], "target": []}[c]
         expected += ["--model"] if "SPECWIRE_MODEL" in data else []
-        expected += ["--device", "--dtype", "--config-address", "--draft-address"] if c == "target" else []
+        if c == "target":
+            expected += ["--device", "--dtype", "--config-address", "--draft-address", "--scheduler"]
+            expected += ["--max-batch-rows", "--max-tokens-per-step", "--max-queued", "--kv-cache-mb"]
+            expected += ["--slot-tokens"] if "SPECWIRE_SLOT_TOKENS" in data else []
         assert [a for a in args if a.startswith("--")] == expected, (c, args)
         (ref,) = [e["configMapRef"]["name"] for e in container["envFrom"] if "configMapRef" in e][:1]
         assert ref == f"{RELEASE}-specwire-{c}"
@@ -556,6 +550,32 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
         assert data["SPECWIRE_PORT"] == str(PORTS[c])
     model = r.settings("draft").get("SPECWIRE_MODEL")
     assert ("--model" in r.container("draft")["args"]) == bool(model)
+
+
+def test_scheduler_values_reach_the_target_command_line(tools, renders):
+    """The expanded args parse with the target's real CLI: the chart's defaults are the server's."""
+    from target_service.__main__ import build_parser
+
+    def parsed(r):
+        data = r.settings("target")
+        args = [re.sub(r"\$\((\w+)\)", lambda m: data[m.group(1)], a) for a in r.container("target")["args"]]
+        return build_parser().parse_args(args)
+
+    defaults = parsed(renders["default"])
+    cli_defaults = build_parser().parse_args([])
+    for name in ("scheduler", "max_batch_rows", "max_tokens_per_step", "max_queued", "slot_tokens", "kv_cache_mb"):
+        assert getattr(defaults, name) == getattr(cli_defaults, name), name
+    custom = Rendered(
+        template(
+            tools,
+            "--set",
+            "target.scheduler.mode=sequential,target.scheduler.maxBatchRows=4,target.scheduler.maxQueued=0,"
+            "target.scheduler.slotTokens=4096,target.scheduler.kvCacheMb=512,target.scheduler.maxTokensPerStep=64",
+        ).stdout
+    )
+    args = parsed(custom)
+    assert (args.scheduler, args.max_batch_rows, args.max_queued) == ("sequential", 4, 0)
+    assert (args.slot_tokens, args.kv_cache_mb, args.max_tokens_per_step) == (4096, 512.0, 64)
 
 
 def test_checksum_rolls_pods_when_settings_change(tools, renders):
@@ -634,10 +654,7 @@ def test_pod_disruption_budgets(renders):
     r = renders["default"]
     for c in ("draft", "target"):
         pdb = r.get("PodDisruptionBudget", c)
-        assert (
-            pdb["spec"]["selector"]["matchLabels"]
-            == r.get("Deployment", c)["spec"]["selector"]["matchLabels"]
-        )
+        assert pdb["spec"]["selector"]["matchLabels"] == r.get("Deployment", c)["spec"]["selector"]["matchLabels"]
         assert pdb["spec"]["maxUnavailable"] == 1
     assert not [p for p in r.all("PodDisruptionBudget") if p["metadata"]["name"].endswith("-config")]
 

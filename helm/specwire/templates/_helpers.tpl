@@ -164,6 +164,15 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- with include "specwire.draftAddress" $root -}}
 {{- $_ := set $s "SPECWIRE_DRAFT_ADDRESS" . -}}
 {{- end -}}
+{{- $q := $v.scheduler -}}
+{{- $_ := set $s "SPECWIRE_SCHEDULER" $q.mode -}}
+{{- $_ := set $s "SPECWIRE_MAX_BATCH_ROWS" (toString $q.maxBatchRows) -}}
+{{- $_ := set $s "SPECWIRE_MAX_TOKENS_PER_STEP" (toString $q.maxTokensPerStep) -}}
+{{- $_ := set $s "SPECWIRE_MAX_QUEUED" (toString $q.maxQueued) -}}
+{{- $_ := set $s "SPECWIRE_KV_CACHE_MB" (toString $q.kvCacheMb) -}}
+{{- if $q.slotTokens -}}
+{{- $_ := set $s "SPECWIRE_SLOT_TOKENS" (toString $q.slotTokens) -}}
+{{- end -}}
 {{- end -}}
 {{- if $root.Values.metrics.enabled -}}
 {{- $_ := set $s "SPECWIRE_PROMETHEUS_PORT" (toString $root.Values.metrics.port) -}}
@@ -205,6 +214,12 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- end -}}
 {{- if hasKey $settings "SPECWIRE_DRAFT_ADDRESS" -}}
 {{- $args = concat $args (list "--draft-address" "$(SPECWIRE_DRAFT_ADDRESS)") -}}
+{{- end -}}
+{{- $args = concat $args (list "--scheduler" "$(SPECWIRE_SCHEDULER)" "--max-batch-rows" "$(SPECWIRE_MAX_BATCH_ROWS)") -}}
+{{- $args = concat $args (list "--max-tokens-per-step" "$(SPECWIRE_MAX_TOKENS_PER_STEP)" "--max-queued" "$(SPECWIRE_MAX_QUEUED)") -}}
+{{- $args = concat $args (list "--kv-cache-mb" "$(SPECWIRE_KV_CACHE_MB)") -}}
+{{- if hasKey $settings "SPECWIRE_SLOT_TOKENS" -}}
+{{- $args = concat $args (list "--slot-tokens" "$(SPECWIRE_SLOT_TOKENS)") -}}
 {{- end -}}
 {{- end -}}
 {{- toYaml (concat $args ($v.extraArgs | default list)) -}}
