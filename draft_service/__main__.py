@@ -1,6 +1,7 @@
 """`draft-service`: proposes speculative tokens for target services.
 
 Usage: draft-service --host 127.0.0.1 --port 50053 [--model M] [--device D] [--dtype T]
+                     [--prompt-lookup-rule longest|transformers]
 
 Prompt lookup is always available; `--model` adds a draft model (`default-int8` is the embedded
 SmolLM2 quantized to int8, a realistic CPU draft).
@@ -13,6 +14,7 @@ import asyncio
 
 from draft_service.service import DraftServicer
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
+from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.models import load_model
 from specwire.serving import GrpcServer, ServiceBinding, setup_logging
 from specwire.telemetry import setup_telemetry
@@ -20,9 +22,11 @@ from specwire.telemetry import setup_telemetry
 SERVICE_NAME = "specwire.draft.v1.DraftService"
 
 
-def build_server(draft_model=None, host: str = "127.0.0.1", port: int = 0, grace: float = 10.0) -> GrpcServer:
+def build_server(
+    draft_model=None, host: str = "127.0.0.1", port: int = 0, grace: float = 10.0, prompt_lookup_rule: str = "longest"
+) -> GrpcServer:
     """A ready-to-start draft server (prompt lookup, plus `draft_model` if given)."""
-    servicer = DraftServicer(draft_model)
+    servicer = DraftServicer(draft_model, prompt_lookup_rule)
     # Streams are long-lived: a bounded connection age lets targets find replicas added by a scale-up.
     options = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 60_000)]
     return GrpcServer(
@@ -48,13 +52,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--prompt-lookup-rule",
+        default="longest",
+        choices=list(PROMPT_LOOKUP_RULES),
+        help="longest: the longest earlier suffix match of 2+ tokens; transformers: its exact rule "
+        "(n-gram, then shorter ones down to 1). Outputs are the same; drafts differ (default longest)",
+    )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds open streams get on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     setup_telemetry("specwire-draft")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     draft_model = load_model(args.model, device=args.device, dtype=args.dtype) if args.model else None
-    server = build_server(draft_model, args.host, args.port, args.grace)
+    server = build_server(draft_model, args.host, args.port, args.grace, args.prompt_lookup_rule)
     asyncio.run(server.serve_until_signal())
 
 

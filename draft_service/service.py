@@ -29,7 +29,7 @@ MAX_DRAFT_TOKENS = 64
 MAX_ROWS = 256
 
 
-def _open_session(start: pb.DraftStart, draft_model: LoadedModel | None) -> Drafter:
+def _open_session(start: pb.DraftStart, draft_model: LoadedModel | None, prompt_lookup_rule: str) -> Drafter:
     if not start.rows:
         raise InvalidArgument.for_field("start.rows", [], "send at least one row of tokens")
     if len(start.rows) > MAX_ROWS:
@@ -47,7 +47,7 @@ def _open_session(start: pb.DraftStart, draft_model: LoadedModel | None) -> Draf
     except (WireFormatError, TypeError, ValueError) as exc:
         raise InvalidArgument.for_field("start.config", None, f"not a valid GenerationConfig: {exc}") from exc
     if start.method == pb.DRAFT_METHOD_PROMPT_LOOKUP:
-        return PromptLookupDrafter(rows, config, start.vocab_size)
+        return PromptLookupDrafter(rows, config, start.vocab_size, prompt_lookup_rule)
     if start.method == pb.DRAFT_METHOD_MODEL:
         if draft_model is None:
             raise FailedPrecondition(
@@ -106,10 +106,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     Args:
         draft_model (`LoadedModel`, *optional*): the draft LM.
+        prompt_lookup_rule (`str`, defaults to `"longest"`): see `PromptLookupDrafter`.
     """
 
-    def __init__(self, draft_model: LoadedModel | None = None):
+    def __init__(self, draft_model: LoadedModel | None = None, prompt_lookup_rule: str = "longest"):
         self.draft_model = draft_model
+        self.prompt_lookup_rule = prompt_lookup_rule
         self.executor = model_executor("specwire-draft")
         self.open_sessions = 0
 
@@ -125,7 +127,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     if session is not None:
                         raise FailedPrecondition("a stream carries one DraftStart; open a new stream per request")
                     num_tokens = _check_num_tokens(message.start.num_tokens, "start.num_tokens")
-                    session = await loop.run_in_executor(self.executor, _open_session, message.start, self.draft_model)
+                    session = await loop.run_in_executor(
+                        self.executor, _open_session, message.start, self.draft_model, self.prompt_lookup_rule
+                    )
                     self.open_sessions += 1
                     last = await loop.run_in_executor(self.executor, session.propose, num_tokens)
                 elif kind == "feedback":

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import os
 
+from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.models import load_model
 from specwire.serving import GrpcServer, ServiceBinding, setup_logging
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
@@ -77,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds a draft answer may take before the request falls back to plain decoding",
     )
+    parser.add_argument(
+        "--prompt-lookup-rule",
+        default="longest",
+        choices=list(PROMPT_LOOKUP_RULES),
+        help="prompt lookup without a draft service: longest (the longest earlier suffix match of 2+ "
+        "tokens) or transformers (its exact rule); outputs are the same, drafts differ (default longest)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
@@ -127,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    drafting = DraftPolicy(args.draft_address, args.default_proposer, args.draft_timeout)
+    drafting = DraftPolicy(
+        args.draft_address, args.default_proposer, args.draft_timeout, prompt_lookup_rule=args.prompt_lookup_rule
+    )
     options = SchedulerOptions(
         max_batch_rows=args.max_batch_rows,
         max_tokens_per_step=args.max_tokens_per_step,

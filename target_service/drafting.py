@@ -117,12 +117,15 @@ class DraftPolicy:
             `draft_model`); a request setting `prompt_lookup_num_tokens` always gets prompt lookup.
         round_timeout_s (`float`): deadline of each draft answer before falling back.
         prompt_lookup_tokens (`int`): draft length for prompt lookup when the request gives none.
+        prompt_lookup_rule (`str`): matching rule of in-process prompt lookup (no draft service), see
+            `PromptLookupDrafter`; the draft service has its own `--prompt-lookup-rule`.
     """
 
     draft_address: str | None = None
     default_proposer: str = "none"
     round_timeout_s: float = 5.0
     prompt_lookup_tokens: int = 10
+    prompt_lookup_rule: str = "longest"
 
     def __post_init__(self) -> None:
         self._channel = None
@@ -149,7 +152,7 @@ class DraftPolicy:
             sampling = bool(config.do_sample)
             if proposer == "prompt_lookup":
                 if self.draft_address is None:
-                    return PromptLookupDrafter(rows, config, vocab_size)
+                    return PromptLookupDrafter(rows, config, vocab_size, self.prompt_lookup_rule)
                 method = pb.DRAFT_METHOD_PROMPT_LOOKUP
             else:
                 if self.draft_address is None:

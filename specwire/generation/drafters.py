@@ -22,10 +22,10 @@ from typing import Any, Protocol
 
 import torch
 
-from specwire.generation.prompt_lookup import banned_fn_from_processors, prompt_lookup_candidates
+from specwire.generation.prompt_lookup import SuffixMatcher, banned_fn_from_processors, prompt_lookup_candidates
 from specwire.generation.schedules import ConfidenceStop
 
-__all__ = ["Drafter", "ModelDrafter", "PromptLookupDrafter", "Proposal"]
+__all__ = ["PROMPT_LOOKUP_RULES", "Drafter", "ModelDrafter", "PromptLookupDrafter", "Proposal"]
 
 
 @dataclass
@@ -86,23 +86,36 @@ def _draft_processors(config: Any, prompt: list[int], vocab_size: int, model: An
     )
 
 
+PROMPT_LOOKUP_RULES = ("longest", "transformers")
+
+
 class PromptLookupDrafter:
-    """Prompt lookup with transformers' matching rule, per row (see `prompt_lookup`).
+    """Prompt lookup, per row (see `prompt_lookup`).
 
     Args:
         rows (`list[list[int]]`): each row's tokens so far (prompt without padding).
         config (`GenerationConfig`): the request's effective config (`max_matching_ngram_size`,
             `eos_token_id`, and the processors used for transformers' banned-token check).
         vocab_size (`int`): the target model's vocabulary size.
+        rule (`str`, defaults to `"longest"`): `"longest"`, specwire's rule (`SuffixMatcher`: the
+            longest suffix match of at least 2 tokens, or 1 when `max_matching_ngram_size=1`), or
+            `"transformers"`, transformers' exact candidate rule. Proposals of either rule are cut
+            before the first token the request's processors ban and before the first EOS.
     """
 
-    def __init__(self, rows: list[list[int]], config: Any, vocab_size: int):
+    def __init__(self, rows: list[list[int]], config: Any, vocab_size: int, rule: str = "longest"):
+        if rule not in PROMPT_LOOKUP_RULES:
+            raise ValueError(f"rule must be one of {PROMPT_LOOKUP_RULES}, got {rule!r}")
+        self.rule = rule
         self.rows = [list(r) for r in rows]
         self.finished = [False] * len(rows)
         self.ngram = config.max_matching_ngram_size
         self.eos = _eos_list(config)
-        processors = [_draft_processors(config, r, vocab_size) for r in rows]
+        # An empty processor list never bans a token: skip transformers' check for it.
+        processors = [p if len(p) else None for p in (_draft_processors(config, r, vocab_size) for r in rows)]
         self.banned_fn = banned_fn_from_processors(processors, vocab_size)
+        self.checks = [p is not None for p in processors]
+        self.matchers = [SuffixMatcher(r, min_match=min(self.ngram or 2, 2)) for r in self.rows]
         self._last: list[list[int]] = [[] for _ in rows]
 
     def propose(self, num_tokens: int) -> Proposal:
@@ -110,27 +123,43 @@ class PromptLookupDrafter:
         for i, row in enumerate(self.rows):
             if self.finished[i] or num_tokens <= 0:
                 tokens.append([])
-                continue
-            candidates, lengths = prompt_lookup_candidates(
-                torch.tensor([row], dtype=torch.long),
-                num_tokens,
-                # The target bounds the draft length by its own max_length; no second bound here.
-                max_length=len(row) + num_tokens + 1,
-                max_matching_ngram_size=self.ngram,
-                eos_token_ids=self.eos or None,
-                banned_fn=lambda _row, prefix, cand, i=i: self.banned_fn(i, prefix, cand),
-            )
-            tokens.append(candidates[0, : int(lengths[0])].tolist())
+            elif self.rule == "longest":
+                tokens.append(self._checked(i, self.matchers[i].propose(num_tokens)))
+            else:
+                candidates, lengths = prompt_lookup_candidates(
+                    torch.tensor([row], dtype=torch.long),
+                    num_tokens,
+                    # The target bounds the draft length by its own max_length; no second bound here.
+                    max_length=len(row) + num_tokens + 1,
+                    max_matching_ngram_size=self.ngram,
+                    eos_token_ids=self.eos or None,
+                    banned_fn=lambda _row, prefix, cand, i=i: self.banned_fn(i, prefix, cand),
+                )
+                tokens.append(candidates[0, : int(lengths[0])].tolist())
         self._last = tokens
         return Proposal(tokens, [None] * len(tokens))
 
+    def _checked(self, i: int, proposal: list[int]) -> list[int]:
+        """`proposal` cut before its first banned token, then before its first EOS."""
+        if proposal and self.checks[i]:
+            banned = self.banned_fn(i, torch.tensor(self.rows[i]), torch.tensor(proposal)).nonzero()
+            if banned.numel():
+                proposal = proposal[: int(banned[0, 0])]
+        for position, token in enumerate(proposal):
+            if token in self.eos:
+                return proposal[:position]
+        return proposal
+
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
         for i, (n, extra) in enumerate(zip(num_accepted, appended, strict=True)):
-            self.rows[i] += self._last[i][:n] + list(extra)
+            new = self._last[i][:n] + list(extra)
+            self.rows[i] += new
+            self.matchers[i].extend(new)
             self.finished[i] = self.finished[i] or finished[i]
 
     def close(self) -> None:
         self.rows = []
+        self.matchers = []
 
 
 class _RowCache:

@@ -21,6 +21,15 @@ Prompt lookup has no draft distribution: verify its candidates with `greedy_acce
 
 Unlike transformers (batch size 1), rows are independent: each has its own valid tokens (padding
 excluded through `attention_mask`) and may have its own lengths and limits.
+
+specwire's own rule (`SuffixMatcher`, the default of `PromptLookupDrafter`): propose what followed
+the earlier occurrence that shares the *longest* suffix with the row (at least `min_match` tokens,
+compared up to `max_match`; the first occurrence wins ties), and never fall back to a one-token
+match. A draft costs verification compute whether or not it is accepted (on 2 CPU cores with
+SmolLM2 a 10-token block costs 2.1x a plain step), and one-token matches are mostly wrong: on the
+benchmark's code-edit prompt, transformers' rule drafts 410 tokens to get 64 accepted over 128 new
+tokens, this rule 170 for 58 (simulated on the greedy output with measured step costs: 1.14x vs
+1.41x over plain greedy). The output is the same either way: only the drafts differ.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 __all__ = [
     "BannedFn",
     "DEFAULT_MAX_MATCHING_NGRAM_SIZE",
+    "SuffixMatcher",
     "banned_fn_from_processors",
     "prompt_lookup_candidates",
 ]
@@ -250,3 +260,50 @@ def prompt_lookup_candidates(
     for row, proposal in enumerate(proposals):
         candidates[row, : proposal.shape[0]] = proposal
     return candidates, lengths
+
+
+class SuffixMatcher:
+    """specwire's prompt-lookup rule for one row (module doc), with an index kept as the row grows.
+
+    Args:
+        tokens (`list[int]`): the row's tokens so far.
+        min_match (`int`, defaults to 2): shortest suffix match that proposes anything.
+        max_match (`int`, defaults to 8): longest suffix compared (longer matches rank equal).
+    """
+
+    def __init__(self, tokens: Sequence[int], min_match: int = 2, max_match: int = 8):
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match} and {max_match}")
+        self.min_match, self.max_match = min_match, max_match
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}  # min_match-gram -> end positions, ascending
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the row."""
+        n = self.min_match
+        for token in tokens:
+            self.tokens.append(int(token))
+            if len(self.tokens) >= n:
+                self._ends.setdefault(tuple(self.tokens[-n:]), []).append(len(self.tokens) - 1)
+
+    def propose(self, num_tokens: int) -> list[int]:
+        """Up to `num_tokens` tokens that followed the best earlier match of the row's suffix."""
+        ids, n = self.tokens, self.min_match
+        last = len(ids) - 1
+        if num_tokens <= 0 or len(ids) <= n:
+            return []
+        best, best_length = -1, 0
+        for end in self._ends.get(tuple(ids[-n:]), ()):
+            if end >= last:  # the suffix itself: nothing follows it
+                break
+            length = n
+            while length < self.max_match and end - length >= 0 and ids[end - length] == ids[last - length]:
+                length += 1
+            if length > best_length:
+                best, best_length = end, length
+                if length == self.max_match:
+                    break
+        if best < 0:
+            return []
+        return ids[best + 1 : best + 1 + num_tokens]

@@ -79,17 +79,32 @@ def feedback(accepted, appended, num_tokens=4, finished=None) -> pb.DraftRequest
 
 def test_prompt_lookup_session_follows_accepted_tokens(server):
     stream = Stream(server.address)
-    rows = [[10, 11, 12, 13, 14, 10, 11], [7, 8, 9]]
+    rows = [[10, 11, 12, 13, 14, 10, 11], [7, 8, 9], [11, 12, 13, 19, 12, 13, 14, 19, 12, 13]]
     first = stream.send(start(rows, pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=3))
-    # Row 0 ends with the bigram (10, 11), first seen at position 0: propose what followed it.
+    # Row 0 ends with (10, 11), first seen at position 0: propose what followed it.
     assert list(first.rows[0].token_ids) == [12, 13, 14]
     assert list(first.rows[1].token_ids) == []
+    # Row 2 ends (19, 12, 13): (12, 13) occurs twice, the second one is preceded by 19 too: it wins.
+    assert list(first.rows[2].token_ids) == [14, 19, 12]
     # The target accepted 2 of row 0's tokens and appended 99; row 1 got 9 appended.
-    second = stream.send(feedback([2, 0], [[99], [9]], num_tokens=3))
-    # Row 0 is now ... 10 11 12 13 99: no earlier (13, 99) or (99,) -> nothing; row 1 ends (9, 9)/(9,) -> [9].
-    assert list(second.rows[0].token_ids) == []
-    assert list(second.rows[1].token_ids) == [9]
+    second = stream.send(feedback([2, 0, 0], [[99], [9], [5]], num_tokens=3))
+    # Row 0 is now ... 10 11 12 13 99: no earlier (13, 99); row 1 ends (9, 9): no earlier (9, 9), and
+    # the default rule does not fall back to a one-token match.
+    assert [list(r.token_ids) for r in second.rows] == [[], [], []]
     stream.close()
+
+
+def test_prompt_lookup_transformers_rule(draft_loaded):
+    with threaded_server(lambda: build_server(draft_loaded, prompt_lookup_rule="transformers")) as server:
+        stream = Stream(server.address)
+        rows = [[10, 11, 12, 13, 14, 10, 11], [7, 8, 9], [11, 12, 13, 19, 12, 13, 14, 19, 12, 13]]
+        first = stream.send(start(rows, pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=3))
+        # transformers' rule takes the first occurrence of the bigram (12, 13), not the longest match.
+        assert [list(r.token_ids) for r in first.rows] == [[12, 13, 14], [], [19, 12, 13]]
+        second = stream.send(feedback([2, 0, 0], [[99], [9], [5]], num_tokens=3))
+        # Row 1 ends (9, 9): no earlier bigram, so it falls back to the unigram (9,) -> [9].
+        assert [list(r.token_ids) for r in second.rows] == [[], [9], []]
+        stream.close()
 
 
 def test_model_session_matches_greedy_of_the_draft_model(server, tiny_draft_dir):

@@ -216,3 +216,56 @@ def test_rejects_bad_arguments():
         prompt_lookup_candidates(ids, [3, 4], max_length=10)
     with pytest.raises(ValueError, match="attention_mask"):
         prompt_lookup_candidates(ids, 3, max_length=10, attention_mask=torch.ones(1, 2))
+
+
+# --- specwire's default rule: the longest suffix match (SuffixMatcher, PromptLookupDrafter) -------------
+
+
+def brute_force_longest(ids: list[int], k: int, min_match: int, max_match: int) -> list[int]:
+    """The rule written out directly: the earliest earlier position with the longest suffix match."""
+    best, best_length = None, 0
+    for end in range(len(ids) - 1):
+        length = 0
+        while length < max_match and end - length >= 0 and ids[end - length] == ids[len(ids) - 1 - length]:
+            length += 1
+        if length >= min_match and length > best_length:
+            best, best_length = end, length
+    return [] if best is None else ids[best + 1 : best + 1 + k]
+
+
+def test_suffix_matcher_equals_the_rule_written_out_while_the_row_grows():
+    from specwire.generation.prompt_lookup import SuffixMatcher
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        ids = torch.randint(0, 4, (int(torch.randint(1, 40, (1,), generator=generator)),), generator=generator)
+        ids = ids.tolist()
+        min_match, max_match = (1, 3) if trial % 3 == 0 else (2, 8)
+        matcher = SuffixMatcher(ids[:3], min_match=min_match, max_match=max_match)
+        for cut in range(3, len(ids) + 1):
+            matcher.extend(ids[len(matcher.tokens) : cut])
+            for k in (1, 4):
+                assert matcher.propose(k) == brute_force_longest(ids[:cut], k, min_match, max_match), (ids[:cut], k)
+
+
+def test_drafter_rules_and_cuts():
+    from specwire.generation.config import GenerationConfig
+    from specwire.generation.drafters import PromptLookupDrafter
+
+    ids = [11, 12, 13, 19, 12, 13, 14, 19, 12, 13]
+    greedy = GenerationConfig(do_sample=False, eos_token_id=14)
+    # Longest match (19, 12, 13) proposes [14, ...]; 14 is the EOS, so nothing is left.
+    assert PromptLookupDrafter([ids], greedy, 30).propose(3).tokens == [[]]
+    assert PromptLookupDrafter([ids], GenerationConfig(do_sample=False), 30).propose(3).tokens == [[14, 19, 12]]
+    # transformers' rule: the first occurrence of the bigram.
+    transformers_rule = PromptLookupDrafter([ids], greedy, 30, rule="transformers")
+    assert transformers_rule.propose(3).tokens == [[19, 12, 13]]
+    # A processor that bans a token cuts the proposal before it (here: token 12 suppressed).
+    suppress = GenerationConfig(do_sample=False, suppress_tokens=[12])
+    assert PromptLookupDrafter([ids], suppress, 30).propose(3).tokens == [[14, 19]]
+    # max_matching_ngram_size=1 allows one-token matches; the default does not.
+    short = [5, 6, 7, 8, 6]
+    assert PromptLookupDrafter([short], GenerationConfig(do_sample=False), 30).propose(2).tokens == [[]]
+    assert PromptLookupDrafter([short], GenerationConfig(max_matching_ngram_size=1), 30).propose(2).tokens == [[7, 8]]
+    with pytest.raises(ValueError, match="rule must be one of"):
+        PromptLookupDrafter([ids], greedy, 30, rule="fastest")
