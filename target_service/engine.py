@@ -62,12 +62,11 @@ class Engine:
         self.active = 0  # requests between their first and last step
         self._lane_steps = 0
         self._lock = threading.Lock()
-        self.model_lock = threading.Lock()  # every forward of the model holds it
         self.scheduler = scheduler
         self.batcher: BatchScheduler | None = None
         if scheduler == "batched":
             self.batcher = BatchScheduler(
-                loaded.model, self._start, self.model_lock, scheduler_options, loaded.max_position_embeddings
+                loaded.model, self._start, scheduler_options, loaded.max_position_embeddings
             )
         # Every forward runs on one thread (`specwire.model_thread`): the scheduler's when it runs
         # (the sequential lane's steps run between its packed forwards), else a worker of our own.
@@ -119,8 +118,7 @@ class Engine:
     def _step(self, steps):
         self._lane_steps += 1  # only the worker thread writes it
         try:
-            with self.model_lock:
-                return next(steps)
+            return next(steps)
         except StopIteration as stop:
             return _DONE, stop.value
 

@@ -36,7 +36,7 @@ Threads. Every forward runs on the scheduler thread (see `specwire.model_thread`
 forwards, and the steps of the sequential lane (`executor`), run between two packed forwards.
 
 The sequential lane. Requests the slot cache cannot serve run the per-request path of `Engine`
-(one request per forward, with a `DynamicCache`), one step at a time under the same model lock:
+(one request per forward, with a `DynamicCache`), one step at a time on the scheduler thread:
 `use_cache=False`, classifier-free guidance (its processor runs its own forward), prompts with
 padding that is not left padding, more rows than slots, longer than a slot, or a model
 `slot_support` refuses (checked once at start-up with a probe against `RowBatch`).
@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -157,7 +158,6 @@ class BatchScheduler:
     Args:
         model (`PreTrainedModel`): the served model.
         start (`Callable`): `start(job, rows_factory) -> step generator` (the engine's loop factory).
-        model_lock (`threading.Lock`): held during every forward of this model.
         options (`SchedulerOptions`, *optional*): limits.
         max_position_embeddings (`int`, *optional*): the model's context length.
     """
@@ -166,13 +166,11 @@ class BatchScheduler:
         self,
         model: Any,
         start: Callable[..., Any],
-        model_lock: threading.Lock,
         options: SchedulerOptions | None = None,
         max_position_embeddings: int | None = None,
     ):
         self.model = model
         self.start = start
-        self.model_lock = model_lock
         self.options = options or SchedulerOptions()
         self.max_position_embeddings = max_position_embeddings
         self.cond = threading.Condition()
@@ -216,7 +214,7 @@ class BatchScheduler:
         if slots < 1:
             self.unsupported = f"kv_cache_mb={options.kv_cache_mb} holds no slot of {slot_tokens} tokens"
             return
-        with self.model_lock, torch.inference_mode():
+        with torch.inference_mode():
             install_slot_attention(self.model)
             problem = self._probe()
             if problem:
@@ -500,7 +498,7 @@ class BatchScheduler:
             self.gather_seconds += started - self._last_forward_end
             failure = None
             try:
-                with self.model_lock, torch.inference_mode():
+                with torch.inference_mode():
                     ran = execute(self.model, self.cache, works, budget)
             except Exception as exc:  # noqa: BLE001 - fails the requests in this forward, not the server
                 log.exception("batched forward failed")
@@ -573,6 +571,4 @@ class _SchedulerThreadCalls(Executor):
         self.scheduler = scheduler
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        if kwargs:
-            return self.scheduler.call(lambda: fn(*args, **kwargs))
-        return self.scheduler.call(fn, *args)
+        return self.scheduler.call(functools.partial(fn, *args, **kwargs))

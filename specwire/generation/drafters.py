@@ -107,7 +107,6 @@ class PromptLookupDrafter:
         if rule not in PROMPT_LOOKUP_RULES:
             raise ValueError(f"rule must be one of {PROMPT_LOOKUP_RULES}, got {rule!r}")
         self.rule = rule
-        self.rows = [list(r) for r in rows]
         self.finished = [False] * len(rows)
         self.ngram = config.max_matching_ngram_size
         self.eos = _eos_list(config)
@@ -115,16 +114,18 @@ class PromptLookupDrafter:
         processors = [p if len(p) else None for p in (_draft_processors(config, r, vocab_size) for r in rows)]
         self.banned_fn = banned_fn_from_processors(processors, vocab_size)
         self.checks = [p is not None for p in processors]
-        self.matchers = [SuffixMatcher(r, min_match=min(self.ngram or 2, 2)) for r in self.rows]
+        # Each row's tokens so far live in its matcher (`.tokens`), kept in step by `feedback`.
+        self.matchers = [SuffixMatcher(r, min_match=min(self.ngram or 2, 2)) for r in rows]
         self._last: list[list[int]] = [[] for _ in rows]
 
     def propose(self, num_tokens: int) -> Proposal:
         tokens: list[list[int]] = []
-        for i, row in enumerate(self.rows):
+        for i, matcher in enumerate(self.matchers):
+            row = matcher.tokens
             if self.finished[i] or num_tokens <= 0:
                 tokens.append([])
             elif self.rule == "longest":
-                tokens.append(self._checked(i, self.matchers[i].propose(num_tokens)))
+                tokens.append(self._checked(i, matcher.propose(num_tokens)))
             else:
                 candidates, lengths = prompt_lookup_candidates(
                     torch.tensor([row], dtype=torch.long),
@@ -142,7 +143,7 @@ class PromptLookupDrafter:
     def _checked(self, i: int, proposal: list[int]) -> list[int]:
         """`proposal` cut before its first banned token, then before its first EOS."""
         if proposal and self.checks[i]:
-            banned = self.banned_fn(i, torch.tensor(self.rows[i]), torch.tensor(proposal)).nonzero()
+            banned = self.banned_fn(i, torch.tensor(self.matchers[i].tokens), torch.tensor(proposal)).nonzero()
             if banned.numel():
                 proposal = proposal[: int(banned[0, 0])]
         for position, token in enumerate(proposal):
@@ -152,13 +153,10 @@ class PromptLookupDrafter:
 
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
         for i, (n, extra) in enumerate(zip(num_accepted, appended, strict=True)):
-            new = self._last[i][:n] + list(extra)
-            self.rows[i] += new
-            self.matchers[i].extend(new)
+            self.matchers[i].extend(self._last[i][:n] + list(extra))
             self.finished[i] = self.finished[i] or finished[i]
 
     def close(self) -> None:
-        self.rows = []
         self.matchers = []
 
 
