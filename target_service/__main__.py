@@ -126,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.kv_cache_mb,
         help="batched: memory budget of the KV slots",
     )
+    parser.add_argument(
+        "--packed-forward",
+        default="lean",
+        choices=["lean", "transformers"],
+        help="batched: run packed forwards through specwire's lean decoder (Llama-layout models whose "
+        "logits it reproduces bitwise, checked at start-up) or always through the model's own forward "
+        "(default lean)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         max_queued=args.max_queued,
         slot_tokens=args.slot_tokens,
         kv_cache_mb=args.kv_cache_mb,
+        lean_forward=args.packed_forward == "lean",
     )
     server = build_server(
         loaded, args.config_address, args.host, args.port, args.grace, drafting, args.scheduler, options

@@ -60,6 +60,7 @@ import torch
 
 from specwire.errors import ResourceExhausted
 from specwire.generation.decoding import RowBatch, prepare_generation
+from specwire.generation.lean_decoder import LeanDecoder
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.slot_cache import (
     SlotKVCache,
@@ -98,6 +99,10 @@ class SchedulerOptions:
             still preparing their next step.
         min_prefill_tokens (`int`, defaults to 32):
             Prefill tokens every forward runs when some are waiting, even past the token budget.
+        lean_forward (`bool`, defaults to `True`):
+            Run packed forwards through `LeanDecoder` (same ops and logits as the model's own forward,
+            without its module machinery) when the model has the Llama layout and the start-up probe
+            finds its logits bitwise equal to the model's; else through `model(...)`.
     """
 
     max_batch_rows: int = 16
@@ -107,6 +112,7 @@ class SchedulerOptions:
     kv_cache_mb: float = 2048.0
     gather_fraction: float = 0.5
     min_prefill_tokens: int = 32
+    lean_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_tokens_per_step", "min_prefill_tokens"):
@@ -192,6 +198,7 @@ class BatchScheduler:
         self._calls: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
         self.executor = _SchedulerThreadCalls(self)
         self.cache: SlotKVCache | None = None
+        self.decoder: LeanDecoder | None = None  # see `SchedulerOptions.lean_forward`
         self.unsupported = slot_support(model)
         self.threads = torch.get_num_threads()
         if not self.unsupported:
@@ -220,18 +227,58 @@ class BatchScheduler:
             if problem:
                 self.unsupported = problem
                 return
+            if options.lean_forward:
+                self.decoder = self._lean_decoder()
             self.cache = SlotKVCache(self.model, slots, slot_tokens)
-        log.info("batched scheduler: %d slots x %d tokens (%.0f MiB)", slots, slot_tokens, slots * per_slot / 2**20)
+        log.info(
+            "batched scheduler: %d slots x %d tokens (%.0f MiB), %s forward",
+            slots,
+            slot_tokens,
+            slots * per_slot / 2**20,
+            "lean" if self.decoder is not None else "transformers",
+        )
+
+    def _lean_decoder(self) -> LeanDecoder | None:
+        """A `LeanDecoder` when this model supports one and it reproduces the model's logits bitwise."""
+        problem = LeanDecoder.unsupported(self.model)
+        if not problem:
+            decoder = LeanDecoder(self.model)
+            try:
+                same = all(
+                    torch.equal(want, got)
+                    for want, got in zip(self._packed_outputs(None), self._packed_outputs(decoder), strict=True)
+                )
+                problem = "" if same else "its logits differ from the model's own forward"
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the model's forward
+                problem = f"it failed: {type(exc).__name__}: {exc}"
+        if problem:
+            log.info("lean forward not used: %s", problem)
+            return None
+        return decoder
 
     def _probe(self) -> str:
         """Packed forwards must give what `RowBatch` gives on this model (else: serve sequentially)."""
-        cache = SlotKVCache(self.model, 3, 16)
-        vocab = int(self.model.config.get_text_config().vocab_size)
-        ids = (torch.arange(8).view(2, 4) * 7 + 3) % vocab
-        ids = ids.to(cache.device)
         reference = RowBatch(self.model, attention_mask=None, prompt_length=4, rows=2)
+        ids = self._probe_ids()
+        try:
+            wanted = [reference.prefill(ids), reference.verify(ids[:, :2])]
+            got = self._packed_outputs(None)
+        except Exception as exc:  # noqa: BLE001 - any failure means: not supported
+            return f"packed forward failed: {type(exc).__name__}: {exc}"
+        for want, have in zip(wanted, got, strict=True):
+            if want.shape != have.shape or not torch.allclose(want, have, rtol=1e-3, atol=1e-3):
+                return "packed forwards do not reproduce this model's logits"
+        return ""
+
+    def _probe_ids(self) -> torch.Tensor:
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        return ((torch.arange(8).view(2, 4) * 7 + 3) % vocab).to(self.model.device)
+
+    def _packed_outputs(self, decoder: LeanDecoder | None) -> list[torch.Tensor]:
+        """The probe's logits through packed forwards: a 2-row prefill, then a 2-token verify."""
+        cache = SlotKVCache(self.model, 3, 16)
         rows = SlotRows(
-            lambda work: execute(self.model, cache, [work]),
+            lambda work: execute(self.model, cache, [work], decoder=decoder),
             cache.release,
             [1, 2],
             attention_mask=None,
@@ -239,16 +286,8 @@ class BatchScheduler:
             rows=2,
             device=cache.device,
         )
-        try:
-            pairs = [(reference.prefill(ids), rows.prefill(ids))]
-            step = ids[:, :2]
-            pairs.append((reference.verify(step), rows.verify(step)))
-        except Exception as exc:  # noqa: BLE001 - any failure means: not supported
-            return f"packed forward failed: {type(exc).__name__}: {exc}"
-        for want, got in pairs:
-            if want.shape != got.shape or not torch.allclose(want, got, rtol=1e-3, atol=1e-3):
-                return "packed forwards do not reproduce this model's logits"
-        return ""
+        ids = self._probe_ids()
+        return [rows.prefill(ids), rows.verify(ids[:, :2])]
 
     @property
     def enabled(self) -> bool:
@@ -499,7 +538,7 @@ class BatchScheduler:
             failure = None
             try:
                 with torch.inference_mode():
-                    ran = execute(self.model, self.cache, works, budget)
+                    ran = execute(self.model, self.cache, works, budget, self.decoder)
             except Exception as exc:  # noqa: BLE001 - fails the requests in this forward, not the server
                 log.exception("batched forward failed")
                 failure, ran = exc, 0

@@ -297,7 +297,7 @@ class PackedStep:
 
 
 def run_packed(model: Any, cache: SlotKVCache, pieces: Sequence[tuple[int, int, list[int]]],
-               keep: Sequence[int]) -> torch.Tensor:
+               keep: Sequence[int], decoder: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """
     One packed forward.
 
@@ -306,6 +306,8 @@ def run_packed(model: Any, cache: SlotKVCache, pieces: Sequence[tuple[int, int, 
         cache (`SlotKVCache`): where the rows' histories live.
         pieces (`list[tuple[int, int, list[int]]]`): `(slot, cursor, tokens)` per row piece, in packed order.
         keep (`list[int]`): packed indices whose next-token logits are wanted.
+        decoder (`LeanDecoder`, *optional*): runs the forward instead of `model(...)`, with the same
+            logits (`specwire.generation.lean_decoder`).
 
     Returns:
         `torch.FloatTensor` of shape `(len(keep), vocab_size)`: float32 logits.
@@ -313,6 +315,10 @@ def run_packed(model: Any, cache: SlotKVCache, pieces: Sequence[tuple[int, int, 
     step = PackedStep(cache, [(slot, cursor, len(tokens)) for slot, cursor, tokens in pieces])
     ids = torch.tensor([t for _, _, tokens in pieces for t in tokens], dtype=torch.long, device=cache.device)
     keep_index = torch.tensor(list(keep), dtype=torch.long, device=cache.device)
+    if decoder is not None:
+        with torch.no_grad():
+            logits = decoder(ids[None], step.positions[None], step, keep_index)
+        return logits[0].to(dtype=torch.float32, copy=True)
     with torch.no_grad():
         outputs = model(
             input_ids=ids[None],
@@ -450,7 +456,8 @@ class SlotRows:
             self.attention_mask = self.attention_mask.index_select(0, rows.to(self.device).long())
 
 
-def execute(model: Any, cache: SlotKVCache, works: Sequence[SlotWork], token_budget: int | None = None) -> int:
+def execute(model: Any, cache: SlotKVCache, works: Sequence[SlotWork], token_budget: int | None = None,
+            decoder: Callable[..., torch.Tensor] | None = None) -> int:
     """
     Runs `works` (or, for prefills, as much as `token_budget` allows) in one packed forward.
 
@@ -462,6 +469,7 @@ def execute(model: Any, cache: SlotKVCache, works: Sequence[SlotWork], token_bud
         cache (`SlotKVCache`): the shared cache.
         works (`list[SlotWork]`): step works first, then prefills in admission order.
         token_budget (`int`, *optional*): most tokens to run (step works are never cut).
+        decoder (`LeanDecoder`, *optional*): runs the forward instead of `model(...)` (see `run_packed`).
 
     Returns:
         `int`: the number of tokens run.
@@ -475,7 +483,10 @@ def execute(model: Any, cache: SlotKVCache, works: Sequence[SlotWork], token_bud
         if work.copies:
             cache.copy(work.copies, work.copy_length)
             work.copies = []
-        for r, tokens in enumerate(work.tokens):
+        # Rows in slot order: after a beam reorder, a request's adjacent slots are attended as one
+        # group again (see `PackedStep`); each row's logits still land in its own `outputs[r]`.
+        for r in sorted(range(len(work.tokens)), key=work.slots.__getitem__):
+            tokens = work.tokens[r]
             done = work.done_tokens[r]
             left = len(tokens) - done
             take = left if work.keep_all else min(left, budget)
@@ -493,7 +504,7 @@ def execute(model: Any, cache: SlotKVCache, works: Sequence[SlotWork], token_bud
             budget -= take
     if not pieces:
         return 0
-    logits = run_packed(model, cache, pieces, keep)
+    logits = run_packed(model, cache, pieces, keep, decoder)
     offset = 0
     for work, r, n in owners:
         work.outputs[r].append(logits[offset : offset + n])

@@ -92,6 +92,8 @@ def wait_for(predicate, timeout=20.0):
 def test_batched_scheduler_is_enabled_on_the_tiny_model(batched):
     batcher = batcher_of(batched)
     assert batcher is not None and batcher.enabled, batcher and batcher.unsupported
+    # The Llama layout runs through the lean decoder (its logits checked bitwise at start-up).
+    assert batcher.decoder is not None
 
 
 def test_eight_concurrent_mixed_clients_get_their_sequential_results(sequential, batched):

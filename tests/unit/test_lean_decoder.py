@@ -1,0 +1,111 @@
+"""`LeanDecoder` gives bitwise the logits (and KV cache) of the model's own packed forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specwire.generation.lean_decoder import LeanDecoder
+from specwire.generation.slot_cache import SlotKVCache, install_slot_attention, run_packed
+from specwire.models import load_model
+
+# Packed steps as (pieces, keep): (slot, cursor, tokens) per row piece.
+STEPS = [
+    # Two prompts, the second one chunked: its first 5 tokens now, the rest with the next step.
+    ([(0, 0, [5, 6, 7, 8, 9, 10, 11]), (1, 0, [20, 21, 22, 23, 24])], [6, 11]),
+    # A decode row, a verify block of 3 and the rest of a prefill in one forward.
+    ([(0, 7, [12]), (1, 5, [25, 26]), (2, 0, [30, 31, 32, 33])], [0, 1, 2, 6]),
+    # Two rows with equal cursors and adjacent slots: attended as one group.
+    ([(0, 8, [13]), (1, 7, [27]), (2, 4, [34])], [0, 1, 2]),
+]
+
+
+def _run_steps(model, decoder):
+    cache = SlotKVCache(model, 3, 32)
+    with torch.inference_mode():
+        logits = [run_packed(model, cache, pieces, keep, decoder) for pieces, keep in STEPS]
+    return logits, cache
+
+
+def _assert_same_as_model(model):
+    install_slot_attention(model)
+    assert LeanDecoder.unsupported(model) == ""
+    want, want_cache = _run_steps(model, None)
+    got, got_cache = _run_steps(model, LeanDecoder(model))
+    for a, b in zip(want, got, strict=True):
+        assert a.shape == b.shape
+        assert torch.equal(a, b), (a - b).abs().max()
+    lengths = [9, 8, 5]  # positions each slot holds after STEPS
+    for layer in range(want_cache.num_layers):
+        for slot, n in enumerate(lengths):
+            assert torch.equal(want_cache.keys[layer][slot, :, :n], got_cache.keys[layer][slot, :, :n])
+            assert torch.equal(want_cache.values[layer][slot, :, :n], got_cache.values[layer][slot, :, :n])
+
+
+def test_lean_forward_is_bitwise_the_model_forward_on_a_saved_llama(tiny_model_dir):
+    _assert_same_as_model(load_model(str(tiny_model_dir), progress=False).model)
+
+
+def _random(config_class_name, model_class_name, **extra):
+    import transformers
+
+    config = getattr(transformers, config_class_name)(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **extra,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, model_class_name)(config).eval()
+
+
+def test_lean_forward_uses_projection_biases_and_rope_scaling():
+    # Qwen2 has q/k/v biases; llama3 RoPE scaling goes through the model's own rotary module.
+    qwen = _random("Qwen2Config", "Qwen2ForCausalLM", use_sliding_window=False)
+    assert qwen.model.layers[0].self_attn.q_proj.bias is not None
+    _assert_same_as_model(qwen)
+    scaled = _random(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
+    _assert_same_as_model(scaled)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "model_class", "reason"),
+    [
+        ("Qwen3Config", "Qwen3ForCausalLM", "model type 'qwen3'"),
+        ("GPT2Config", "GPT2LMHeadModel", "model type 'gpt2'"),
+    ],
+)
+def test_other_layouts_are_refused_with_a_reason(config_class, model_class, reason):
+    import transformers
+
+    if config_class == "GPT2Config":
+        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4)
+    else:
+        config = getattr(transformers, config_class)(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2,
+        )
+    model = getattr(transformers, model_class)(config)
+    assert reason in LeanDecoder.unsupported(model)
+
+
+def test_a_llama_typed_model_with_q_norms_is_refused():
+    model = _random("LlamaConfig", "LlamaForCausalLM")
+    model.model.layers[1].self_attn.q_norm = torch.nn.Identity()
+    assert LeanDecoder.unsupported(model) == "attention with q/k norms"
