@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# GGUF conversions (specwire.models.gguf_cache) of this session go to a folder of its own, shared with
+# the services it starts and removed at the end: tests neither read nor fill the user's cache.
+if "SPECWIRE_CACHE_DIR" not in os.environ:
+    os.environ["SPECWIRE_CACHE_DIR"] = tempfile.mkdtemp(prefix="specwire-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SPECWIRE_CACHE_DIR"], True)
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,7 @@ from specwire.models.default import (
     DefaultModelNotFound,
     default_gguf_path,
 )
+from specwire.models.gguf_cache import converted_folder
 
 if TYPE_CHECKING:
     from specwire.generation.config import GenerationConfig
@@ -115,7 +116,8 @@ class LoadedModel:
         max_position_embeddings (`int`, *optional*):
             The model's context length, or `None` when its config does not say.
         source (`str`):
-            The folder or file the weights were read from.
+            The folder or file the model was loaded from (the GGUF file also when its weights were read
+            from its converted cache folder, see `specwire.models.gguf_cache`).
         load_seconds (`float`):
             Wall time spent loading.
     """
@@ -422,6 +424,12 @@ def load_model(
     started = time.perf_counter()
     with _library_progress_bars(progress):
         source = _find_source(str(name), revision, tried, report)
+        origin = str(source.folder / source.gguf_file) if source.gguf_file else str(source.folder)
+        if source.gguf_file is not None:
+            converted = converted_folder(source.folder / source.gguf_file, report, progress)
+            if converted is not None:  # the same weights, read from a safetensors folder (see gguf_cache)
+                tried.append(f"converted GGUF folder {converted}")
+                source = dataclasses.replace(source, folder=converted, gguf_file=None)
         from_where = f"{source.folder}" + (f" (gguf_file={source.gguf_file})" if source.gguf_file else "")
         report(f"loading {source.model_id} from {from_where} as {torch_dtype} on {torch_device}")
         model, tokenizer = _load_from_source(name, source, torch_dtype, torch_device, tried, report)
@@ -445,7 +453,7 @@ def load_model(
         dtype=torch_dtype,
         vocab_size=vocab_size,
         max_position_embeddings=int(max_positions) if max_positions is not None else None,
-        source=str(source.folder / source.gguf_file) if source.gguf_file else str(source.folder),
+        source=origin,
         load_seconds=elapsed,
     )
 

@@ -678,6 +678,7 @@ def test_secrets_are_referenced_not_embedded(renders):
         hf = env_of(r.container(c))["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
         assert hf == {"name": "specwire-hf-token", "key": "HF_TOKEN"}
         assert r.settings(c)["HF_HOME"] == "/models/huggingface"
+        assert r.settings(c)["SPECWIRE_CACHE_DIR"] == "/models/specwire"
         volumes = {v["name"]: v for v in r.pod_spec(c)["volumes"]}
         assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == "specwire-hf-cache"
     assert "HF_TOKEN" not in env_of(r.container("config"))

@@ -151,6 +151,7 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $_ := set $s "SPECWIRE_MODEL" $v.model.name -}}
 {{- end -}}
 {{- $_ := set $s "HF_HOME" (printf "%s/huggingface" (trimSuffix "/" $v.model.cache.mountPath)) -}}
+{{- $_ := set $s "SPECWIRE_CACHE_DIR" (printf "%s/specwire" (trimSuffix "/" $v.model.cache.mountPath)) -}}
 {{- if $v.model.offline -}}
 {{- $_ := set $s "HF_HUB_OFFLINE" "1" -}}
 {{- end -}}

@@ -1,0 +1,134 @@
+"""GGUF files converted once to a safetensors folder, then loaded from there.
+
+Why. transformers dequantizes a GGUF file into a full float32 state dict and then copies it into the
+model, so loading holds the weights twice: the embedded SmolLM2-135M peaks at ~1170 MB resident and
+takes ~18 s. A folder of float32 safetensors loads in ~2 s at ~520 MB peak (the weights are mapped
+from the file, not copied). So the first load of a GGUF file converts it, in a child process (its
+memory peak stays out of the serving process), into a cache folder; every later load reads that
+folder. The folder holds bitwise the weights, tokenizer and generation config the GGUF load gives.
+
+Cache. `SPECWIRE_CACHE_DIR`, else `$XDG_CACHE_HOME/specwire`, else `~/.cache/specwire`; one folder
+per GGUF file, keyed by its resolved path, size, modification time and the transformers version, so a
+changed file or library converts again. Concurrent first loads (the demo starts two services at once)
+take a file lock: one converts, the others wait and read its result. A folder is renamed into place
+only when complete. `SPECWIRE_GGUF_CACHE=off` loads GGUF files directly, as does any failure to
+convert or to write the cache (logged, never fatal). About 4 bytes per parameter of disk per model.
+
+  python -m specwire.models.gguf_cache FILE.gguf OUT_FOLDER [--quiet]   (the child process's entry point)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "SPECWIRE_CACHE_DIR"
+SWITCH_ENV = "SPECWIRE_GGUF_CACHE"
+FORMAT = 1  # bump when the folder layout changes
+_COMPLETE = "specwire-conversion.json"
+
+
+def cache_root() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specwire"
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH_ENV, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def _key(gguf: Path) -> str:
+    import transformers
+
+    stat = gguf.stat()
+    identity = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{FORMAT}"
+    return f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def converted_folder(gguf: Path, report: Callable[[str], None], progress: bool = True) -> Path | None:
+    """
+    The cache folder of `gguf` (converting it first when needed), or `None` to load the GGUF directly.
+
+    Args:
+        gguf (`Path`): the GGUF file.
+        report (`Callable[[str], None]`): progress lines.
+        progress (`bool`, *optional*, defaults to `True`): show transformers' progress bars while converting.
+    """
+    if not enabled():
+        return None
+    root = cache_root()
+    try:
+        folder = root / _key(gguf)
+        if (folder / _COMPLETE).is_file():
+            return folder
+        root.mkdir(parents=True, exist_ok=True)
+        with _locked(root / f"{folder.name}.lock"):
+            if (folder / _COMPLETE).is_file():  # converted by another process while we waited
+                return folder
+            report(f"converting {gguf.name} once to safetensors in {folder} (later loads read it)")
+            staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=root))
+            try:
+                quiet = [] if progress else ["--quiet"]
+                subprocess.run([sys.executable, "-m", __name__, str(gguf), str(staging), *quiet], check=True)
+                for path in (staging, *staging.iterdir()):  # readable by other users (an init container)
+                    path.chmod(0o755 if path.is_dir() else 0o644)
+                if folder.exists():
+                    shutil.rmtree(folder)
+                staging.rename(folder)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        return folder
+    except (OSError, subprocess.SubprocessError) as error:
+        logger.warning("GGUF conversion cache not used (%s); loading %s directly", error, gguf)
+        return None
+
+
+def convert(gguf: Path, out: Path) -> None:
+    """Write `gguf` as a float32 safetensors model folder (config, weights, tokenizer, generation config)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(out / "model.safetensors"))  # tied weights are stored once
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # the folder holds plain float32 weights
+    model.config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    model.generation_config.save_pretrained(str(out))
+    stat = gguf.stat()
+    marker = {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "format": FORMAT}
+    (out / _COMPLETE).write_text(json.dumps(marker, indent=2))  # written last: the folder is complete
+
+
+if __name__ == "__main__":
+    if "--quiet" in sys.argv[3:]:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    convert(Path(sys.argv[1]), Path(sys.argv[2]))
