@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="batched: memory budget of the KV slots",
     )
     parser.add_argument(
+        "--max-lane-requests",
+        type=int,
+        default=defaults.max_lane_requests,
+        help="batched: requests running at once in the sequential lane (no cache, guidance, too wide or "
+        "too long for a slot), whose KV caches are outside --kv-cache-mb",
+    )
+    parser.add_argument(
         "--packed-forward",
         default="lean",
         choices=["lean", "transformers"],
@@ -152,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         max_queued=args.max_queued,
         slot_tokens=args.slot_tokens,
         kv_cache_mb=args.kv_cache_mb,
+        max_lane_requests=args.max_lane_requests,
         lean_forward=args.packed_forward == "lean",
     )
     server = build_server(

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
+from specwire.errors import ResourceExhausted
 from specwire.generation.decoding import iter_generate
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.speculative_loop import iter_speculative
@@ -60,6 +61,7 @@ class Engine:
         self.loaded = loaded
         self.drafting = drafting or DraftPolicy()
         self.active = 0  # requests between their first and last step
+        self.lane_active = 0  # requests in the batched scheduler's sequential lane
         self._lane_steps = 0
         self._lock = threading.Lock()
         self.scheduler = scheduler
@@ -137,6 +139,28 @@ class Engine:
                         self.active -= 1
                 return
             log.debug("request %s runs in the sequential lane: %s", job.request_id or "-", lane)
+            limit = self.batcher.options.max_lane_requests
+            with self._lock:
+                if self.lane_active >= limit:
+                    raise ResourceExhausted(
+                        f"the target service's sequential lane (requests the batched scheduler cannot "
+                        f"serve; this one: {lane}) is full: {self.lane_active} running "
+                        f"(--max-lane-requests {limit}); retry later",
+                        retry_after_s=1.0,
+                    )
+                self.lane_active += 1
+            try:
+                async for item in self._run_one_per_step(job):
+                    yield item
+            finally:
+                with self._lock:
+                    self.lane_active -= 1
+            return
+        async for item in self._run_one_per_step(job):
+            yield item
+
+    async def _run_one_per_step(self, job: GenerationJob) -> AsyncIterator[StepEvent | GenerationResult]:
+        """The one-request-per-step path: every step of `job` a call on the model thread."""
         loop = asyncio.get_running_loop()
         # run_in_executor does not carry contextvars: the worker runs each call inside the request's
         # context, so the draft stream's client span is a child of the request's span (tracing).

@@ -99,6 +99,9 @@ class SchedulerOptions:
             still preparing their next step.
         min_prefill_tokens (`int`, defaults to 32):
             Prefill tokens every forward runs when some are waiting, even past the token budget.
+        max_lane_requests (`int`, defaults to 4):
+            Requests running in the sequential lane at once (their `DynamicCache`s live outside
+            `kv_cache_mb`); beyond that a lane request fails with RESOURCE_EXHAUSTED and a retry hint.
         lean_forward (`bool`, defaults to `True`):
             Run packed forwards through `LeanDecoder` (same ops and logits as the model's own forward,
             without its module machinery) when the model has the Llama layout and the start-up probe
@@ -112,10 +115,11 @@ class SchedulerOptions:
     kv_cache_mb: float = 2048.0
     gather_fraction: float = 0.5
     min_prefill_tokens: int = 32
+    max_lane_requests: int = 4
     lean_forward: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_rows", "max_tokens_per_step", "min_prefill_tokens"):
+        for name in ("max_batch_rows", "max_tokens_per_step", "min_prefill_tokens", "max_lane_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued < 0:

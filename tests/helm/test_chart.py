@@ -540,7 +540,8 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
         expected += ["--model"] if "SPECWIRE_MODEL" in data else []
         if c == "target":
             expected += ["--device", "--dtype", "--config-address", "--draft-address", "--scheduler"]
-            expected += ["--max-batch-rows", "--max-tokens-per-step", "--max-queued", "--kv-cache-mb"]
+            expected += ["--max-batch-rows", "--max-tokens-per-step", "--max-queued", "--max-lane-requests"]
+            expected += ["--kv-cache-mb"]
             expected += ["--slot-tokens"] if "SPECWIRE_SLOT_TOKENS" in data else []
         assert [a for a in args if a.startswith("--")] == expected, (c, args)
         (ref,) = [e["configMapRef"]["name"] for e in container["envFrom"] if "configMapRef" in e][:1]
@@ -563,18 +564,19 @@ def test_scheduler_values_reach_the_target_command_line(tools, renders):
 
     defaults = parsed(renders["default"])
     cli_defaults = build_parser().parse_args([])
-    for name in ("scheduler", "max_batch_rows", "max_tokens_per_step", "max_queued", "slot_tokens", "kv_cache_mb"):
+    names = ("scheduler", "max_batch_rows", "max_tokens_per_step", "max_queued", "max_lane_requests")
+    for name in (*names, "slot_tokens", "kv_cache_mb"):
         assert getattr(defaults, name) == getattr(cli_defaults, name), name
     custom = Rendered(
         template(
             tools,
             "--set",
-            "target.scheduler.mode=sequential,target.scheduler.maxBatchRows=4,target.scheduler.maxQueued=0,"
+            "target.scheduler.mode=sequential,target.scheduler.maxBatchRows=4,target.scheduler.maxQueued=0,target.scheduler.maxLaneRequests=2,"
             "target.scheduler.slotTokens=4096,target.scheduler.kvCacheMb=512,target.scheduler.maxTokensPerStep=64",
         ).stdout
     )
     args = parsed(custom)
-    assert (args.scheduler, args.max_batch_rows, args.max_queued) == ("sequential", 4, 0)
+    assert (args.scheduler, args.max_batch_rows, args.max_queued, args.max_lane_requests) == ("sequential", 4, 0, 2)
     assert (args.slot_tokens, args.kv_cache_mb, args.max_tokens_per_step) == (4096, 512.0, 64)
 
 

@@ -147,6 +147,29 @@ def test_full_queue_is_resource_exhausted_with_a_retry_hint(loaded, sequential):
         wait_for(lambda: batcher.free_slots == 2)
 
 
+def test_full_sequential_lane_is_resource_exhausted_while_batched_requests_run(loaded, sequential):
+    options = SchedulerOptions(max_lane_requests=1)
+    lane = dict(use_cache=False)  # a request the slot cache cannot serve
+    with threaded_server(lambda: build_server(loaded, scheduler="batched", scheduler_options=options)) as server:
+        engine = server.server.bindings[0].servicer.engine
+        with TargetClient(server.address) as a, TargetClient(server.address) as b:
+            stream = a.stream(PROMPTS[:1], max_new_tokens=200, min_new_tokens=200, **lane)
+            next(stream)
+            assert engine.lane_active == 1
+            with pytest.raises(SpecwireRpcError) as info:
+                b.generate(PROMPTS[:1], max_new_tokens=4, **lane)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "sequential lane" in info.value.message and "use_cache=False" in info.value.message
+            assert info.value.retry_after_s is not None
+            # The batched path is not limited by the lane.
+            want = expected(sequential, [(PROMPTS[1:], dict(max_new_tokens=5))])[0]
+            assert torch.equal(b.generate(PROMPTS[1:], max_new_tokens=5).sequences, want)
+            stream.close()
+            wait_for(lambda: engine.lane_active == 0)
+            want = expected(sequential, [(PROMPTS[:1], dict(max_new_tokens=4, **lane))])[0]
+            assert torch.equal(b.generate(PROMPTS[:1], max_new_tokens=4, **lane).sequences, want)
+
+
 def test_cancel_and_deadline_free_the_slot_within_one_step(loaded):
     with threaded_server(lambda: build_server(loaded, scheduler="batched")) as server:
         batcher = batcher_of(server)

@@ -170,6 +170,7 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $_ := set $s "SPECWIRE_MAX_BATCH_ROWS" (toString $q.maxBatchRows) -}}
 {{- $_ := set $s "SPECWIRE_MAX_TOKENS_PER_STEP" (toString $q.maxTokensPerStep) -}}
 {{- $_ := set $s "SPECWIRE_MAX_QUEUED" (toString $q.maxQueued) -}}
+{{- $_ := set $s "SPECWIRE_MAX_LANE_REQUESTS" (toString $q.maxLaneRequests) -}}
 {{- $_ := set $s "SPECWIRE_KV_CACHE_MB" (toString $q.kvCacheMb) -}}
 {{- if $q.slotTokens -}}
 {{- $_ := set $s "SPECWIRE_SLOT_TOKENS" (toString $q.slotTokens) -}}
@@ -218,6 +219,7 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- end -}}
 {{- $args = concat $args (list "--scheduler" "$(SPECWIRE_SCHEDULER)" "--max-batch-rows" "$(SPECWIRE_MAX_BATCH_ROWS)") -}}
 {{- $args = concat $args (list "--max-tokens-per-step" "$(SPECWIRE_MAX_TOKENS_PER_STEP)" "--max-queued" "$(SPECWIRE_MAX_QUEUED)") -}}
+{{- $args = concat $args (list "--max-lane-requests" "$(SPECWIRE_MAX_LANE_REQUESTS)") -}}
 {{- $args = concat $args (list "--kv-cache-mb" "$(SPECWIRE_KV_CACHE_MB)") -}}
 {{- if hasKey $settings "SPECWIRE_SLOT_TOKENS" -}}
 {{- $args = concat $args (list "--slot-tokens" "$(SPECWIRE_SLOT_TOKENS)") -}}
