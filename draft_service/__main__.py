@@ -15,6 +15,7 @@ import asyncio
 from draft_service.service import DraftServicer
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
+from specwire.heap import fix_mmap_threshold
 from specwire.models import load_model
 from specwire.serving import GrpcServer, ServiceBinding, setup_logging
 from specwire.telemetry import setup_telemetry
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-draft")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     draft_model = load_model(args.model, device=args.device, dtype=args.dtype) if args.model else None
     server = build_server(draft_model, args.host, args.port, args.grace, args.prompt_lookup_rule)

@@ -11,6 +11,7 @@ import asyncio
 import os
 
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
+from specwire.heap import fix_mmap_threshold
 from specwire.models import load_model
 from specwire.serving import GrpcServer, ServiceBinding, setup_logging
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
@@ -148,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     drafting = DraftPolicy(

@@ -32,6 +32,11 @@ Admission and fairness.
 - Cancellation and deadlines: the RPC's coroutine ending marks its request cancelled; before the
   next forward the scheduler frees its slots and wakes its thread, which stops (within one step).
 
+The forward. Through `LeanDecoder` (`specwire.generation.lean_decoder`: the model's own ops without
+transformers' module machinery, ~13% less time per SmolLM2 decode step on 2 CPU cores) when the model
+has the Llama layout and a start-up probe finds its logits bitwise equal to `model(...)`'s; else
+through `model(...)` (`SchedulerOptions.lean_forward=False`, `--packed-forward transformers`).
+
 Threads. Every forward runs on the scheduler thread (see `specwire.model_thread` for why): the packed
 forwards, and the steps of the sequential lane (`executor`), run between two packed forwards.
 

@@ -205,8 +205,10 @@ def speculative_loop(
         scores = row.processors(row.ids(), logits[r : r + 1])[0]
         token = _greedy_or_sample(plan, scores, generator)
         row.generated.append(token)
-        row.scores.append(scores)
-        row.logits.append(logits[r])
+        if keep_scores:
+            row.scores.append(scores)
+        if keep_logits:
+            row.logits.append(logits[r].clone())  # not a view: it would keep every row's logits alive
         code = int(row.criteria(row.ids(), scores[None])[0])
         tokens.append([token])
         reasons.append(finish(row, code) if code else None)
@@ -291,8 +293,12 @@ def speculative_loop(
                     row.generated += emitted
             else:
                 row.generated += emitted
-            row.scores += list(scores[: len(emitted)])
-            row.logits += list(logits[r, : len(emitted)])
+            # Kept only when asked for, and copied: a view would keep the round's whole block alive
+            # (a request otherwise holds ~2 x (k + 1) x vocab floats per round until it ends).
+            if keep_scores:
+                row.scores += list(scores[: len(emitted)].clone())
+            if keep_logits:
+                row.logits += list(logits[r, : len(emitted)].clone())
             emitted_per_row.append(emitted)
             accepted_per_row.append(min(n_acc, len(drafts[r])))
             # What the caller sees: real tokens up to the finish, and the reason once.

@@ -14,7 +14,6 @@ take a file lock: one converts, the others wait and read its result. A folder is
 only when complete. `SPECWIRE_GGUF_CACHE=off` loads GGUF files directly, as does any failure to
 convert or to write the cache (logged, never fatal). About 4 bytes per parameter of disk per model.
 
-  python -m specwire.models.gguf_cache FILE.gguf OUT_FOLDER [--quiet]   (the child process's entry point)
 """
 
 from __future__ import annotations
@@ -92,8 +91,10 @@ def converted_folder(gguf: Path, report: Callable[[str], None], progress: bool =
             report(f"converting {gguf.name} once to safetensors in {folder} (later loads read it)")
             staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=root))
             try:
+                # `-c`, not `-m`: this module is already imported by its package when `-m` would run it.
+                child = f"import sys; from {__name__} import main; main(sys.argv[1:])"
                 quiet = [] if progress else ["--quiet"]
-                subprocess.run([sys.executable, "-m", __name__, str(gguf), str(staging), *quiet], check=True)
+                subprocess.run([sys.executable, "-c", child, str(gguf), str(staging), *quiet], check=True)
                 for path in (staging, *staging.iterdir()):  # readable by other users (an init container)
                     path.chmod(0o755 if path.is_dir() else 0o644)
                 if folder.exists():
@@ -126,9 +127,10 @@ def convert(gguf: Path, out: Path) -> None:
     (out / _COMPLETE).write_text(json.dumps(marker, indent=2))  # written last: the folder is complete
 
 
-if __name__ == "__main__":
-    if "--quiet" in sys.argv[3:]:
+def main(argv: list[str]) -> None:
+    """The conversion child process: `GGUF OUT [--quiet]`."""
+    if "--quiet" in argv[2:]:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-    convert(Path(sys.argv[1]), Path(sys.argv[2]))
+    convert(Path(argv[0]), Path(argv[1]))
