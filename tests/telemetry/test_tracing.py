@@ -72,12 +72,16 @@ def _one(finished, name, kind=None):
     return found[0]
 
 
-def _finished(spans, count_at_least: int, servers=(TARGET,)):
-    # Server spans end a moment after the client has its answer (the draft stream's after the target
-    # closed it).
+def _finished(spans, count_at_least: int, servers=(TARGET,), clients=()):
+    # Server spans end a moment after the client has its answer, and the draft stream's spans (client
+    # and server) after the target's request thread closed the stream.
     for _ in range(100):
         finished = spans.get_finished_spans()
-        if len(finished) >= count_at_least and all(_by_name(finished, s, SpanKind.SERVER) for s in servers):
+        if (
+            len(finished) >= count_at_least
+            and all(_by_name(finished, s, SpanKind.SERVER) for s in servers)
+            and all(_by_name(finished, c, SpanKind.CLIENT) for c in clients)
+        ):
             return finished
         import time
 
@@ -90,7 +94,7 @@ def test_one_speculative_request_is_one_trace_across_the_three_services(stack, s
         output = client.generate(PROMPT, generation_config="spec-greedy", proposer="draft_model")
     stats = output.speculation
     assert stats.proposer == "draft_model" and stats.rounds > 0 and stats.fallback_reason == ""
-    finished = _finished(spans, 8, servers=(TARGET, DRAFT))
+    finished = _finished(spans, 8, servers=(TARGET, DRAFT), clients=(DRAFT,))
 
     assert len({s.context.trace_id for s in finished}) == 1, [(s.name, s.kind) for s in finished]
     client_span = _one(finished, TARGET, SpanKind.CLIENT)
