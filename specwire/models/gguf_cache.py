@@ -13,7 +13,6 @@ changed file or library converts again. Concurrent first loads (the demo starts 
 take a file lock: one converts, the others wait and read its result. A folder is renamed into place
 only when complete. `SPECWIRE_GGUF_CACHE=off` loads GGUF files directly, as does any failure to
 convert or to write the cache (logged, never fatal). About 4 bytes per parameter of disk per model.
-
 """
 
 from __future__ import annotations
@@ -61,11 +60,8 @@ def _key(gguf: Path) -> str:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
+        yield
 
 
 def converted_folder(gguf: Path, report: Callable[[str], None], progress: bool = True) -> Path | None:

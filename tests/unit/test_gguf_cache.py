@@ -76,7 +76,7 @@ def test_an_unwritable_cache_falls_back_to_loading_the_gguf(gguf, tmp_path, monk
     assert loaded.source == str(gguf.resolve())
 
 
-def test_concurrent_first_loads_convert_once(gguf, cache):
+def test_concurrent_first_loads_share_one_complete_folder(gguf, cache):
     results, errors = [], []
 
     def load():
