@@ -9,9 +9,16 @@ work of every running request, runs ONE packed forward over all of it (decode ro
 verify rows their own block length, rows with no draft just 1, new requests' prefills share the same
 forward up to the token budget, chunked when longer) and hands each request its logits.
 
-Because every request samples with its own generator and applies its own processors to its own
-rows, a seeded request gives the same tokens whatever its neighbours; only float noise of a wider
-matrix product differs from running alone (see the slot cache's docstring).
+Logits processing is shared the same way. After a forward, each request hands its logits to its
+processors through its rows (`SlotRows.process`); when its processor list is batchable (repetition
+penalty, temperature, top-k, top-p, min-p: `specwire.generation.processors.batched`) it posts a
+`_ProcessWork` instead, and the scheduler runs every posted one as one `BatchedChains.apply`, with
+each row's parameters as `[rows]` tensors (rebuilt only when the batch's requests change). It runs
+as soon as every request of the last forward that shares processing has posted, or after the gather
+window. Other processor lists run in the request's own thread. Sampling stays in the request's
+thread, with its own `torch.Generator`: the batched processing gives every row bitwise its own
+list's scores, so a seeded request gives the same tokens whatever its neighbours; only float noise
+of a wider matrix product differs from running alone (see the slot cache's docstring).
 
 KV cache. A `SlotKVCache` with `max_batch_rows` slots of `slot_tokens` positions each, allocated at
 start-up (the memory budget, `kv_cache_mb`, caps the slot count). A request takes one slot per row
@@ -67,6 +74,7 @@ from specwire.errors import ResourceExhausted
 from specwire.generation.decoding import RowBatch, prepare_generation
 from specwire.generation.lean_decoder import LeanDecoder
 from specwire.generation.outputs import GenerationResult, StepEvent
+from specwire.generation.processors.batched import BatchedChains, RowChain
 from specwire.generation.slot_cache import (
     SlotKVCache,
     SlotRows,
@@ -137,6 +145,14 @@ class RequestCancelled(Exception):
     """Raised inside a request's thread when its RPC went away (cancelled, deadline exceeded)."""
 
 
+class _ProcessWork:
+    """A request's batchable logits processing, `(RowChain, input_ids, scores)` items, run with others'."""
+
+    def __init__(self, items: list[tuple[RowChain, torch.Tensor, torch.Tensor]]):
+        self.items = items
+        self.outputs: list[torch.Tensor] | None = None
+
+
 class _Request:
     """One request in the batched path."""
 
@@ -148,7 +164,9 @@ class _Request:
         self.seq = seq
         self.events: asyncio.Queue = asyncio.Queue()
         self.slots: list[int] = []
-        self.work: SlotWork | None = None
+        self.work: SlotWork | _ProcessWork | None = None
+        self.chains: dict[int, tuple[Any, RowChain | None]] = {}  # id(processors) -> (processors, chain)
+        self.shares_processing = False  # has posted a `_ProcessWork`
         self.failure: BaseException | None = None
         self.in_cycle = False  # has posted work before: the gather window waits for it
         self.ready_since = 0.0
@@ -198,6 +216,10 @@ class BatchScheduler:
         self.forward_seconds = 0.0  # time in forwards, and between them (requests' own work, gathering)
         self.gather_seconds = 0.0
         self.requests_peak = 0  # most requests in one forward
+        self.process_batches = 0  # batched logits-processing runs, and those with two requests or more
+        self.shared_process_batches = 0
+        self.chains = BatchedChains()
+        self._last_batch: set[int] = set()  # `seq` of the requests in the last forward
         # (forward count when cancelled, when its slots were freed) of the last cancelled requests.
         self.cancellations: deque[tuple[int, int]] = deque(maxlen=64)
         self._seq = 0
@@ -455,7 +477,29 @@ class BatchScheduler:
             prompt_length=prompt_length,
             rows=rows,
             device=self.cache.device,
+            process=lambda items: self._process(request, items),
         )
+
+    def _process(self, request: _Request, items: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Logits processing of `request`: batchable chains with other requests' (one `_ProcessWork`), the rest here."""
+        chains = []
+        for processors, _, _ in items:
+            known = request.chains.get(id(processors))
+            if known is None:
+                known = request.chains[id(processors)] = (processors, RowChain.of(processors))
+            chains.append(known[1])
+        outputs: list[torch.Tensor | None] = [
+            None if chain is not None else processors(input_ids, scores)
+            for chain, (processors, input_ids, scores) in zip(chains, items, strict=True)
+        ]
+        shared = [i for i, chain in enumerate(chains) if chain is not None]
+        if shared:
+            work = _ProcessWork([(chains[i], items[i][1], items[i][2]) for i in shared])
+            request.shares_processing = True
+            self._submit(request, work)
+            for i, output in zip(shared, work.outputs, strict=True):
+                outputs[i] = output
+        return outputs
 
     def _release(self, request: _Request, slots: list[int]) -> None:
         with self.cond:
@@ -466,8 +510,8 @@ class BatchScheduler:
             self.cache.release(slots)
             self.cond.notify_all()
 
-    def _submit(self, request: _Request, work: SlotWork) -> None:
-        """Post `work` and block until a forward ran it (or the request is cancelled)."""
+    def _submit(self, request: _Request, work: SlotWork | _ProcessWork) -> None:
+        """Post `work` and block until the scheduler ran it (or the request is cancelled)."""
         with self.cond:
             if request.cancelled:
                 raise RequestCancelled()
@@ -499,6 +543,11 @@ class BatchScheduler:
             if self._calls:  # sequential-lane steps go first; the forward follows right after
                 return []
             ready = [r for r in self.running if r.work is not None]
+            if any(isinstance(r.work, _ProcessWork) for r in ready) and not any(
+                r.work is None and r.shares_processing and r.seq in self._last_batch for r in self.running
+            ):
+                # Every request of the last forward that shares processing has posted it: run it now.
+                return ready
             if ready:
                 busy = any(r.work is None and r.in_cycle for r in self.running)
                 if not busy:
@@ -529,7 +578,8 @@ class BatchScheduler:
                     break
                 calls = list(self._calls)
                 self._calls.clear()
-                if not calls:
+                processing = [r for r in ready if isinstance(r.work, _ProcessWork)]
+                if not calls and not processing:
                     steps = [r for r in ready if r.work.keep_all]
                     prefills = sorted((r for r in ready if not r.work.keep_all), key=lambda r: r.seq)
                     step_tokens = sum(r.work.remaining for r in steps)
@@ -541,6 +591,9 @@ class BatchScheduler:
             if calls:
                 for future, fn, args in calls:
                     _run_call(future, fn, args)
+                continue
+            if processing:
+                self._run_processing(processing)
                 continue
             started = time.perf_counter()
             self.gather_seconds += started - self._last_forward_end
@@ -560,6 +613,7 @@ class BatchScheduler:
                 self.forwards += 1
                 self.tokens_run += ran
                 self.requests_peak = max(self.requests_peak, len(batch))
+                self._last_batch = {r.seq for r in batch}
                 if len(batch) > 1:
                     self.shared_forwards += 1
                 for request, work in zip(batch, works, strict=True):
@@ -576,6 +630,30 @@ class BatchScheduler:
             self._calls.clear()
         for future, _, _ in calls:
             future.cancel()
+
+    def _run_processing(self, requests: list[_Request]) -> None:
+        """One `BatchedChains.apply` over the posted processing of `requests` (on the scheduler thread)."""
+        works = [r.work for r in requests]
+        items = [item for work in works for item in work.items]
+        failure = None
+        try:
+            with torch.inference_mode():
+                outputs = self.chains.apply(items)
+        except Exception as exc:  # noqa: BLE001 - fails these requests, not the server
+            log.exception("batched logits processing failed")
+            failure = exc
+        with self.cond:
+            self.process_batches += 1
+            if len(requests) > 1:
+                self.shared_process_batches += 1
+            for request, work in zip(requests, works, strict=True):
+                if failure is not None:
+                    request.failure = failure
+                else:
+                    work.outputs, outputs = outputs[: len(work.items)], outputs[len(work.items) :]
+                if request.work is work:
+                    request.work = None
+            self.cond.notify_all()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run `fn(*args)` on the scheduler thread between forwards (the sequential lane's steps)."""

@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -186,6 +186,23 @@ class RowBatch:
         if self.attention_mask is None:
             return None
         return (self.attention_mask != 0).int().argmax(dim=1)
+
+    @staticmethod
+    def process(items: Sequence[tuple[Any, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """
+        Applies logits processors: `processors(input_ids, scores)` for each item, here one call each.
+
+        The loops process through their rows, so that rows sharing forwards with other requests (the
+        target service's `SlotRows`) can share the processing too, batched with theirs.
+
+        Args:
+            items (`Sequence[tuple[LogitsProcessorList, torch.LongTensor, torch.FloatTensor]]`):
+                `(processors, input_ids [n, len], scores [n, vocab])` per item.
+
+        Returns:
+            `list[torch.FloatTensor]`: the processed scores of each item.
+        """
+        return [processors(input_ids, scores) for processors, input_ids, scores in items]
 
     def _grow(self, n: int) -> None:
         """Extend mask and positions by `n` new positions per row."""
@@ -847,7 +864,7 @@ def _sample_loop(
     step = 0
     while True:
         with torch.no_grad():
-            next_scores = processors(input_ids, logits)  # [rows, V]
+            next_scores = rows.process([(processors, input_ids, logits)])[0]  # [rows, V]
             if keep_scores:
                 scores += (next_scores,)
             if keep_logits:
@@ -931,7 +948,7 @@ def _beam_loop(
     while True:
         with torch.no_grad():
             log_probs = torch.log_softmax(logits, dim=-1)
-            log_probs = processors(sequences, log_probs)  # [batch * num_beams, V]
+            log_probs = rows.process([(processors, sequences, log_probs)])[0]  # [batch * num_beams, V]
             if keep_logits:
                 raw_logits += (logits,)
             if keep_scores:

@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from specwire.generation.decoding import RowBatch
+
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "PackedStep",
@@ -353,11 +355,16 @@ class SlotRows:
             Length of the prompts `prefill` will receive.
         rows (`int`):
             Number of rows.
+        device (`torch.device`):
+            The cache's device.
+        process (`Callable`, *optional*):
+            Applies logits processors (`RowBatch.process`'s contract), e.g. batched with other
+            requests' rows; defaults to one call per item, here.
     """
 
     def __init__(self, submit: Callable[[SlotWork], None], release: Callable[[list[int]], None],
                  slots: list[int], *, attention_mask: torch.Tensor | None, prompt_length: int, rows: int,
-                 device: torch.device):
+                 device: torch.device, process: Callable[[list], list[torch.Tensor]] | None = None):
         if len(slots) != rows:
             raise ValueError(f"{rows} rows need {rows} slots, got {len(slots)}")
         self.submit = submit
@@ -371,6 +378,7 @@ class SlotRows:
             self.attention_mask = attention_mask.to(device)
         self._copies: list[tuple[int, int]] = []
         self._copy_length = 0
+        self.process = process or RowBatch.process
 
     @property
     def padding_lengths(self) -> torch.Tensor | None:

@@ -201,8 +201,9 @@ def speculative_loop(
     # Step 0: the first token comes from the prefill's logits, as in plain decoding.
     logits = rows.prefill(input_ids)  # [rows, V]
     tokens, reasons = [], []
+    first = rows.process([(row.processors, row.ids(), logits[r : r + 1]) for r, row in enumerate(state)])
     for r, row in enumerate(state):
-        scores = row.processors(row.ids(), logits[r : r + 1])[0]
+        scores = first[r][0]
         token = _greedy_or_sample(plan, scores, generator)
         row.generated.append(token)
         if keep_scores:
@@ -265,13 +266,20 @@ def speculative_loop(
         started = time.perf_counter()
         logits = rows.verify(candidates, valid)  # [rows, k + 1, V]
 
-        # 3. Processors at every position with its own prefix, acceptance, and the stopping cut.
+        # 3. Processors at every position with its own prefix (all rows and positions in one call),
+        # acceptance, and the stopping cut.
+        processed = rows.process(
+            [
+                (row.processors, row.ids(blocks[r][:j]), logits[r : r + 1, j])
+                for r, row in enumerate(state)
+                for j in range(len(blocks[r]) + 1)
+            ]
+        )
         emitted_per_row, accepted_per_row, events = [], [], []
         for r, row in enumerate(state):
             block = blocks[r]
-            scores = torch.stack(
-                [row.processors(row.ids(block[:j]), logits[r : r + 1, j])[0] for j in range(len(block) + 1)]
-            )  # [len(block) + 1, V]
+            scores = torch.cat(processed[: len(block) + 1])  # [len(block) + 1, V]
+            del processed[: len(block) + 1]
             if row.finished:
                 emitted, n_acc = (
                     [*block, pad if pad is not None else _greedy_or_sample(plan, scores[-1], generator)],

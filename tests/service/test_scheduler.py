@@ -100,15 +100,59 @@ def test_eight_concurrent_mixed_clients_get_their_sequential_results(sequential,
     want = expected(sequential, MIXED)
     batcher = batcher_of(batched)
     shared_before = batcher.shared_forwards
+    processing_before = batcher.shared_process_batches
     got = run_concurrently(batched.address, MIXED)
     for (_, kw), ours, theirs in zip(MIXED, got, want, strict=True):
         assert torch.equal(ours, theirs), (kw, ours, theirs)
-    # They really shared forwards (not one request per forward).
+    # They really shared forwards (not one request per forward), and logits processing: the
+    # sampling, repetition-penalty and beam-sample requests' processors ran as one batch.
     shared = batcher.shared_forwards - shared_before
     assert shared >= 5 and batcher.requests_peak >= 4, (shared, batcher.requests_peak)
+    assert batcher.shared_process_batches - processing_before >= 3
     # And the batched server alone, one request at a time, gives the same as well.
-    assert all(torch.equal(a, b) for a, b in zip(expected(batched, MIXED), want, strict=True))
+    alone = expected(batched, MIXED)
+    for i, (a, b) in enumerate(zip(alone, want, strict=True)):
+        assert torch.equal(a, b), (i, MIXED[i], a, b)
     assert batcher.free_slots == batcher.cache.num_slots
+
+
+# Seeded sampling with every batchable processor, in different combinations, scores returned.
+SAMPLING = [
+    (PROMPTS[:1], dict(do_sample=True, seed=1, temperature=0.7, top_k=30, top_p=0.9)),
+    (PROMPTS[1:], dict(do_sample=True, seed=2, temperature=1.4, min_p=0.05, top_k=0)),
+    (PROMPTS, dict(do_sample=True, seed=3, repetition_penalty=1.4, top_p=0.8)),  # left padded
+    (PROMPTS[:1], dict(do_sample=True, seed=4, num_beams=2, temperature=0.5)),  # beam-sample
+]
+
+
+def test_concurrent_sampling_shares_processing_and_keeps_every_rows_scores(sequential, batched):
+    """Rows processed in one batch with other requests' get their own processors' scores and tokens."""
+    cases = [(p, dict(kw, max_new_tokens=14, output_scores=True, return_dict_in_generate=True)) for p, kw in SAMPLING]
+    with TargetClient(sequential.address) as client:
+        want = [client.generate(prompts, **kw) for prompts, kw in cases]
+    batcher = batcher_of(batched)
+    before = batcher.shared_process_batches
+    got = [None] * len(cases)
+    start = threading.Barrier(len(cases))
+
+    def worker(i):
+        with TargetClient(batched.address) as client:
+            start.wait(30)
+            got[i] = client.generate(cases[i][0], **cases[i][1])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert batcher.shared_process_batches - before >= 3
+    for (_, kw), ours, theirs in zip(cases, got, want, strict=True):
+        assert torch.equal(ours.sequences, theirs.sequences), kw
+        assert len(ours.scores) == len(theirs.scores)
+        for a, b in zip(ours.scores, theirs.scores, strict=True):
+            # Same -inf pattern (same kept sets); finite values up to the packed forward's float noise.
+            assert torch.equal(torch.isinf(a), torch.isinf(b)), kw
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_full_queue_is_resource_exhausted_with_a_retry_hint(loaded, sequential):
