@@ -105,11 +105,14 @@ class BatchedChains:
         if "top_k" in params:
             k, uses = params["top_k"]
             kth = torch.topk(scores, int(min(k.max(), vocab))).values.gather(1, (k.clamp(max=vocab) - 1)[:, None])
-            scores = scores.masked_fill((scores < kth) & uses[:, None], NEG_INF)
+            scores = scores.masked_fill(_only(scores < kth, uses), NEG_INF)
         if "top_p" in params:
             scores = _top_p(scores, *params["top_p"])
         if "min_p" in params:
             scores = _min_p(scores, *params["min_p"])
+        if len(items) == 1:
+            return [scores]  # a new tensor: every stage returns one
+        # Copies: a view would keep the whole batch's scores alive as long as a request keeps its own.
         return [part.clone() for part in torch.split(scores, sizes)]
 
     def _gather(self, chains: list[RowChain], sizes: list[int], device: torch.device) -> dict[str, Any]:
@@ -129,7 +132,10 @@ class BatchedChains:
         def tensor(stage: str, read, default, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(per_row(stage, read, default), dtype=dtype, device=device)
 
-        def uses(stage: str) -> torch.Tensor:
+        def uses(stage: str) -> torch.Tensor | None:
+            """`[rows]` mask of the rows using `stage`; `None` when all do (no masking needed)."""
+            if all(getattr(chain, stage) is not None for chain in chains):
+                return None
             return tensor(stage, lambda _: True, False, torch.bool)
 
         used = {stage for chain in chains for stage in _STAGE_NAMES if getattr(chain, stage) is not None}
@@ -145,7 +151,8 @@ class BatchedChains:
         if "top_p" in used:
             # `1 - top_p` in Python, then float32: what `tensor <= (1 - top_p)` compares against.
             below = tensor("top_p", lambda p: 1 - p.top_p, 0.0, torch.float32)[:, None]
-            keep = tensor("top_p", lambda p: p.min_tokens_to_keep, 1, torch.long)
+            keep = per_row("top_p", lambda p: p.min_tokens_to_keep, 1)
+            keep = keep[0] if len(set(keep)) == 1 else torch.tensor(keep, dtype=torch.long, device=device)
             params["top_p"] = (below, keep, uses("top_p"))
         if "min_p" in used:
             min_p = tensor("min_p", lambda p: p.min_p, 0.0, torch.float32)[:, None]
@@ -175,22 +182,30 @@ def _repetition(scores: torch.Tensor, items, penalty: torch.Tensor, vocab: int) 
     return torch.where(present, penalised, scores)
 
 
-def _top_p(scores: torch.Tensor, below: torch.Tensor, keep: torch.Tensor, uses: torch.Tensor) -> torch.Tensor:
+def _only(drop: torch.Tensor, uses: torch.Tensor | None) -> torch.Tensor:
+    """`drop` limited to the rows in `uses` (`None`: every row)."""
+    return drop if uses is None else drop & uses[:, None]
+
+
+def _top_p(scores: torch.Tensor, below: torch.Tensor, keep: int | torch.Tensor, uses: torch.Tensor | None):
     """`TopPLogitsWarper` per row: drop the ascending tail whose mass is at most `1 - top_p`."""
     vocab = scores.shape[-1]
     ascending, order = torch.sort(scores, descending=False)
     drop_sorted = ascending.softmax(dim=-1).cumsum(dim=-1) <= below
-    # The `min_tokens_to_keep` highest stay; rows without top-p drop nothing.
-    columns = torch.arange(vocab, device=scores.device)
-    drop_sorted &= (columns[None, :] < (vocab - keep)[:, None]) & uses[:, None]
+    # The `min_tokens_to_keep` highest stay (`keep`: one count for all rows, or one per row).
+    if isinstance(keep, int):
+        drop_sorted[..., -keep:] = False
+    else:
+        drop_sorted &= torch.arange(vocab, device=scores.device)[None, :] < (vocab - keep)[:, None]
+    drop_sorted = _only(drop_sorted, uses)
     drop = drop_sorted.scatter(1, order, drop_sorted)
     return scores.masked_fill(drop, NEG_INF)
 
 
-def _min_p(scores: torch.Tensor, min_p: torch.Tensor, keep: list[int], uses: torch.Tensor) -> torch.Tensor:
+def _min_p(scores: torch.Tensor, min_p: torch.Tensor, keep: list[int], uses: torch.Tensor | None) -> torch.Tensor:
     """`MinPLogitsWarper` per row: drop tokens below `min_p` times the top probability."""
     probs = torch.softmax(scores, dim=-1)
-    drop = (probs < min_p * probs.amax(dim=-1, keepdim=True)) & uses[:, None]
+    drop = _only(probs < min_p * probs.amax(dim=-1, keepdim=True), uses)
     # The `min_tokens_to_keep` most probable stay: one top-k per distinct count, as each row's own.
     for count in sorted(set(keep) - {0}):
         rows = torch.tensor([r for r, c in enumerate(keep) if c == count], device=scores.device)
