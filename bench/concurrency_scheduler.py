@@ -2,10 +2,12 @@
 
   python -m bench.concurrency_scheduler --model default            # embedded SmolLM2, 64 new tokens
   python -m bench.concurrency_scheduler --model PATH --clients 8 --requests 2 --schedulers batched
+  python -m bench.concurrency_scheduler --sampling --schedulers batched   # seeded top-p/top-k sampling
 
 For each scheduler (`sequential`, `batched`) starts a target service process on loopback (its own
 process, as deployed: two schedulers' model threads in one process would slow each other, see
-`specwire.model_thread`), warms it up, and runs greedy requests (64 new tokens by default) from 1
+`specwire.model_thread`), warms it up, and runs greedy requests (64 new tokens by default; with
+`--sampling`, seeded sampling with temperature 0.7, top-k 50 and top-p 0.9) from 1
 client, then from N concurrent clients (each its own channel and prompt, each sending `--requests`
 requests back to back). Aggregate tokens/s = generated tokens of all clients / wall time. Prints one
 line per run and the N-vs-1 ratio per scheduler; `--json PATH` also writes the figures.
@@ -41,6 +43,9 @@ PROMPTS = [
 ]
 
 
+SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9}
+
+
 def _run_clients(
     address: str,
     prompts: list[list[int]],
@@ -48,6 +53,7 @@ def _run_clients(
     requests: int,
     max_new_tokens: int,
     verbose: bool = False,
+    sampling: bool = False,
 ) -> dict:
     from client import TargetClient
 
@@ -61,7 +67,8 @@ def _run_clients(
                 barrier.wait(60)
                 for j in range(requests):
                     prompt = prompts[(i + j * clients) % len(prompts)]
-                    out = target.generate([prompt], max_new_tokens=max_new_tokens, do_sample=False)
+                    mode = SAMPLING if sampling else {"do_sample": False}
+                    out = target.generate([prompt], max_new_tokens=max_new_tokens, seed=i * 1000 + j, **mode)
                     tokens[i] += out.sequences.shape[1] - len(prompt)
                     if verbose:
                         print(
@@ -113,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schedulers", default="sequential,batched")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--verbose", action="store_true", help="print every finished request")
+    parser.add_argument("--sampling", action="store_true", help="seeded sampling (T 0.7, top-k 50, top-p 0.9)")
     args = parser.parse_args(argv)
 
     from bench.services import Service, free_port, wait_healthy
@@ -134,8 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         try:
             wait_healthy(server, 900)
             _run_clients(server.address, prompts, 2, 1, 8)  # warm-up
-            one = _run_clients(server.address, prompts, 1, args.requests, args.max_new_tokens, args.verbose)
-            many = _run_clients(server.address, prompts, args.clients, args.requests, args.max_new_tokens, args.verbose)
+            run = dict(max_new_tokens=args.max_new_tokens, verbose=args.verbose, sampling=args.sampling)
+            one = _run_clients(server.address, prompts, 1, args.requests, **run)
+            many = _run_clients(server.address, prompts, args.clients, args.requests, **run)
         finally:
             server.stop()
         ratio = many["tokens_per_s"] / one["tokens_per_s"]
