@@ -276,10 +276,11 @@ def speculative_loop(
             ]
         )
         emitted_per_row, accepted_per_row, events = [], [], []
+        offset = 0
         for r, row in enumerate(state):
             block = blocks[r]
-            scores = torch.cat(processed[: len(block) + 1])  # [len(block) + 1, V]
-            del processed[: len(block) + 1]
+            scores = torch.cat(processed[offset : offset + len(block) + 1])  # [len(block) + 1, V]
+            offset += len(block) + 1
             if row.finished:
                 emitted, n_acc = (
                     [*block, pad if pad is not None else _greedy_or_sample(plan, scores[-1], generator)],

@@ -141,7 +141,7 @@ class BatchedChains:
         used = {stage for chain in chains for stage in _STAGE_NAMES if getattr(chain, stage) is not None}
         params: dict[str, Any] = {}
         if "repetition" in used:
-            # Rows without a penalty get 1.0, which is exact.
+            # Rows without a penalty have no ids present (and a penalty of 1.0, which would be exact).
             params["repetition"] = tensor("repetition", lambda p: p.penalty, 1.0, torch.float32)[:, None]
         if "temperature" in used:
             # Rows without temperature divide by 1.0, which is exact.
@@ -165,8 +165,11 @@ def _repetition(scores: torch.Tensor, items, penalty: torch.Tensor, vocab: int) 
     """`RepetitionPenaltyLogitsProcessor` per row: one presence mask for every row, ids padded with `vocab`."""
     ids = []
     for chain, input_ids, _ in items:
+        if chain.repetition is None:
+            ids.append(input_ids[:, :0])  # nothing present: the row passes through
+            continue
         rows = input_ids
-        ignore = chain.repetition.prompt_ignore_length if chain.repetition is not None else None
+        ignore = chain.repetition.prompt_ignore_length
         if isinstance(ignore, torch.Tensor):
             positions = torch.arange(rows.shape[1], device=rows.device)
             rows = rows.masked_fill(positions[None, :] < ignore.to(rows.device)[:, None], vocab)
