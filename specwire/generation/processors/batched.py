@@ -25,9 +25,7 @@ from typing import Any
 import torch
 
 from .penalties import RepetitionPenaltyLogitsProcessor
-from .warpers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-NEG_INF = -float("inf")
+from .warpers import NEG_INF, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 # Stage order: the factory's (transformers') order of these processors.
 _STAGES = (
