@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from specwire.generation.lean_decoder import LeanDecoder
+from specwire.generation.lean_decoder import LeanDecoder, _Head
 from specwire.generation.slot_cache import SlotKVCache, install_slot_attention, run_packed
 from specwire.models import load_model
 
@@ -49,16 +50,16 @@ def test_lean_forward_is_bitwise_the_model_forward_on_a_saved_llama(tiny_model_d
 def _random(config_class_name, model_class_name, **extra):
     import transformers
 
-    config = getattr(transformers, config_class_name)(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        **extra,
-    )
+    settings = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    config = getattr(transformers, config_class_name)(**{**settings, **extra})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return getattr(transformers, model_class_name)(config).eval()
@@ -82,6 +83,45 @@ def test_lean_forward_uses_projection_biases_and_rope_scaling():
         },
     )
     _assert_same_as_model(scaled)
+
+
+def test_lean_forward_with_a_chunked_head_is_bitwise_the_model_forward():
+    # A vocabulary over one head chunk, and a verify block of 11 kept positions (prompt lookup's 10 + 1).
+    model = _random("LlamaConfig", "LlamaForCausalLM", vocab_size=1500)
+    install_slot_attention(model)
+    steps = [([(0, 0, list(range(3, 12)))], [8]), ([(0, 9, list(range(40, 51)))], list(range(11)))]
+    cache, lean_cache = SlotKVCache(model, 1, 32), SlotKVCache(model, 1, 32)
+    decoder = LeanDecoder(model)
+    with torch.inference_mode():
+        for pieces, keep in steps:
+            want = run_packed(model, cache, pieces, keep)
+            assert torch.equal(want, run_packed(model, lean_cache, pieces, keep, decoder))
+
+
+@pytest.mark.parametrize(("hidden", "vocab", "bias"), [(32, 1500, False), (576, 4100, True), (64, 3000, True)])
+def test_the_head_is_bitwise_the_plain_product_for_every_row_count(hidden, vocab, bias):
+    # `_Head` chunks only the row counts where chunks give bitwise one product; on this machine's MKL
+    # (576, 4100) is a shape where they do not, so a head that chunked without checking fails here.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(hidden, vocab, bias=bias)
+    head = _Head(linear)
+    with torch.no_grad():
+        for rows in range(1, 21):
+            hidden_states = torch.randn(1, rows, hidden)
+            assert torch.equal(head(hidden_states), F.linear(hidden_states, linear.weight, linear.bias)), rows
+
+
+def test_a_chunked_head_computes_the_product(monkeypatch):
+    monkeypatch.setattr(_Head, "_same_when_chunked", lambda self, rows, generator: True)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 2500)
+    head = _Head(linear)
+    assert head.chunked_rows == frozenset(range(4, 16)) and len(head.chunks) == 3
+    with torch.no_grad():
+        hidden_states = torch.randn(1, 11, 32)
+        got = head(hidden_states)
+        assert got.shape == (1, 11, 2500)
+        assert torch.allclose(got, F.linear(hidden_states, linear.weight, linear.bias), atol=1e-6)
 
 
 @pytest.mark.parametrize(
