@@ -1,4 +1,4 @@
-"""`fix_mmap_threshold` reaches glibc's mallopt on this platform."""
+"""`fix_mmap_threshold` reaches glibc's mallopt on this platform: large frees go back, the heap's top stays."""
 
 from __future__ import annotations
 
@@ -33,6 +33,33 @@ print(rss() - base)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout.strip()) < 20_000, out.stdout  # KiB: the 200 MB went back (without: ~205 000)
+
+
+@pytest.mark.skipif(not ctypes.util.find_library("c"), reason="no C library to load")
+def test_freed_activations_are_reused_without_page_faults():
+    # A forward's activations (here 16 blocks of 900 KB, under the mmap threshold) are freed at its
+    # end. With the trim threshold at its 128 KiB default the heap's top went back to the system every
+    # time and the next forward faulted all its pages in again (~35 000 faults over 10 forwards here).
+    code = """
+import ctypes, ctypes.util, resource
+from specwire.heap import fix_mmap_threshold
+assert fix_mmap_threshold()
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+def forward():
+    blocks = [libc.malloc(900_000) for _ in range(16)]
+    for block in blocks:
+        ctypes.memset(block, 1, 900_000)
+    for block in reversed(blocks):
+        libc.free(block)
+forward()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    forward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip()) < 1_000, out.stdout  # minor page faults over 10 forwards
 
 
 def test_is_callable_in_process():
