@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specwire.generation.lean_decoder import LeanDecoder, _Head
+from specwire.generation.lean_decoder import LeanDecoder, _activation, _Head
 from specwire.generation.slot_cache import SlotKVCache, install_slot_attention, run_packed
 from specwire.models import load_model
 
@@ -83,6 +83,23 @@ def test_lean_forward_uses_projection_biases_and_rope_scaling():
         },
     )
     _assert_same_as_model(scaled)
+
+
+def test_lean_forward_in_bfloat16_and_with_another_activation_is_bitwise_the_model_forward():
+    # bfloat16 takes RMSNorm's float32 round trip (skipped on float32); GELU is called as the model's module.
+    _assert_same_as_model(_random("LlamaConfig", "LlamaForCausalLM").to(torch.bfloat16))
+    gelu = _random("LlamaConfig", "LlamaForCausalLM", hidden_act="gelu")
+    assert LeanDecoder(gelu).layers[0].act is gelu.model.layers[0].mlp.act_fn
+    _assert_same_as_model(gelu)
+
+
+def test_silu_modules_are_called_as_f_silu():
+    from transformers.activations import SiLUActivation
+
+    assert _activation(SiLUActivation()) is F.silu
+    assert _activation(torch.nn.SiLU()) is F.silu
+    inplace = torch.nn.SiLU(inplace=True)
+    assert _activation(inplace) is inplace
 
 
 def test_lean_forward_with_a_chunked_head_is_bitwise_the_model_forward():
