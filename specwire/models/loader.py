@@ -22,6 +22,7 @@ import json
 import logging
 import re
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -50,6 +51,11 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# transformers' `from_pretrained` swaps class attributes for its duration (`PreTrainedModel.tie_weights`
+# and `init_weights`, torch's init functions) and puts back what it found: two loads in two threads can
+# interleave so that the no-op stays, and every later load in the process skips weight tying (a tied
+# embedding left randomly initialised). So model loads in one process take turns.
+_TRANSFORMERS_LOAD_LOCK = threading.Lock()
 # Common spellings people pass on command lines; they map onto the three supported dtypes.
 _DTYPE_ALIASES = {
     "fp32": "float32",
@@ -528,7 +534,8 @@ def _load_from_source(
 
     step = time.perf_counter()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=dtype, **extra)
+        with _TRANSFORMERS_LOAD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=dtype, **extra)
     except Exception as error:  # noqa: BLE001 -- e.g. SafetensorError, which is no OSError
         raise ModelLoadError(
             name, f"model weights could not be loaded: {error}", tried=tried, hint=hint

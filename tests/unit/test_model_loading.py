@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,47 @@ def test_dtype(tiny_model_dir, dtype):
     expected = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     assert loaded.dtype == expected
     assert {p.dtype for p in loaded.model.parameters()} == {expected}
+
+
+def test_loads_in_threads_take_turns_and_leave_weight_tying_working(tiny_model_dir, monkeypatch):
+    # transformers' `from_pretrained` swaps `PreTrainedModel.tie_weights` for a no-op while it runs and
+    # puts back what it found: two interleaved loads used to leave the no-op in place for good, and a
+    # later load of a checkpoint storing only `lm_head.weight` got a random embedding.
+    import threading
+
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    original = AutoModelForCausalLM.from_pretrained.__func__
+    active, most = [0], [0]
+    guard = threading.Lock()
+
+    def tracked(cls, *args, **kwargs):
+        with guard:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            time.sleep(0.2)  # widen the window two unserialized loads would overlap in
+            return original(cls, *args, **kwargs)
+        finally:
+            with guard:
+                active[0] -= 1
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(tracked))
+    errors = []
+
+    def load():
+        try:
+            load_model(str(tiny_model_dir), progress=False)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and most[0] == 1
+    assert PreTrainedModel.tie_weights.__name__ == "tie_weights"
 
 
 def test_progress_off_is_quiet(tiny_model_dir, capsys):
