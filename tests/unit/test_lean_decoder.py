@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specwire.generation.lean_decoder import LeanDecoder, _activation, _Head
+from specwire.generation.lean_decoder import LeanDecoder, _activation, _Head, _rotate, _signed_sin
 from specwire.generation.slot_cache import SlotKVCache, install_slot_attention, run_packed
 from specwire.models import load_model
 
@@ -91,6 +91,24 @@ def test_lean_forward_in_bfloat16_and_with_another_activation_is_bitwise_the_mod
     gelu = _random("LlamaConfig", "LlamaForCausalLM", hidden_act="gelu")
     assert LeanDecoder(gelu).layers[0].act is gelu.model.layers[0].mlp.act_fn
     _assert_same_as_model(gelu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_rolled_rotation_is_bitwise_transformers_rotation(dtype):
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, 7, 64).to(dtype)
+    x[0, 0, 0, :8] = 0.0  # signed zeros
+    x[0, 1, 0, 40:48] = -0.0
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # a transposed view, as the decoder passes
+    angles = torch.randn(1, 1, 7, 64)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want = (x * cos) + (rotate_half(x) * sin)
+    got = _rotate(x, cos, _signed_sin(sin))
+    assert torch.equal(got, want)
+    assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want.view(torch.int16 if dtype != torch.float32 else torch.int32))  # zero signs too
 
 
 def test_silu_modules_are_called_as_f_silu():
