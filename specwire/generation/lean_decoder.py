@@ -2,7 +2,7 @@
 
 Why. On a small model most of a decode step is not arithmetic: SmolLM2-135M on 2 CPU cores spends
 ~20 ms of a ~32 ms forward in matrix products and the rest in module calls, decorators, keyword
-plumbing, mask and output bookkeeping around ~800 small ops. `LeanDecoder` runs the same ops on the
+plumbing, mask and output bookkeeping around ~800 small ops. `LeanDecoder` computes the same on the
 same weights (no copies) without that machinery: ~27 ms per decode step (~31.7 through `model(...)`).
 At ~2,000 torch calls per step, each call counts: RMSNorm's float32 round trip is skipped on float32
 hidden states (where `.to` returns the same tensor), a SiLU module is called as `F.silu` (its whole
@@ -15,9 +15,8 @@ as `weight * (x * rsqrt(mean(x^2) + eps))` with the float32 round trip (an ident
 q/k/v projections, the rotation `x * cos + rotate_half(x) * sin` (the same products, from a roll:
 see `_rotate`), attention through `PackedStep.attend` (transformers' sdpa function), the o
 projection, the gated MLP with the model's own activation, the final norm and the LM head on the
-kept positions only. The logits are therefore
-bitwise those of `model(...)`; the batched scheduler checks that with a probe at start-up and falls
-back to `model(...)` otherwise.
+kept positions only. The logits are therefore bitwise those of `model(...)`; the batched scheduler
+checks that with a probe at start-up and falls back to `model(...)` otherwise.
 
 LM head. On CPU, MKL's matrix product for 4-15 rows against the tall `[vocab, hidden]` head weight is
 slow: SmolLM2's head takes ~18 ms for 11 rows against ~9 ms for 16 (2 cores). Computed in chunks of
