@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from specwire.models import gguf_cache, load_model
-from tests.unit.test_model_loading import write_tiny_gguf
+from tests.unit.test_model_loading import load_in_threads, write_tiny_gguf
 
 
 @pytest.fixture
@@ -77,19 +76,7 @@ def test_an_unwritable_cache_falls_back_to_loading_the_gguf(gguf, tmp_path, monk
 
 
 def test_concurrent_first_loads_share_one_complete_folder(gguf, cache):
-    results, errors = [], []
-
-    def load():
-        try:
-            results.append(load_model(str(gguf), progress=False))
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=load) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors and len(results) == 2
+    results = load_in_threads(str(gguf), 2)
+    assert len(results) == 2
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 1  # no staging folder left behind
     assert torch.equal(_logits(results[0].model), _logits(results[1].model))

@@ -157,6 +157,28 @@ def test_dtype(tiny_model_dir, dtype):
     assert {p.dtype for p in loaded.model.parameters()} == {expected}
 
 
+def load_in_threads(name: str, count: int) -> list[LoadedModel]:
+    """`load_model(name)` from `count` threads at once; re-raises the first failure."""
+    import threading
+
+    results, errors = [], []
+
+    def load():
+        try:
+            results.append(load_model(name, progress=False))
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
 def test_loads_in_threads_take_turns_and_leave_weight_tying_working(tiny_model_dir, monkeypatch):
     # transformers' `from_pretrained` swaps `PreTrainedModel.tie_weights` for a no-op while it runs and
     # puts back what it found: two interleaved loads used to leave the no-op in place for good, and a
@@ -181,20 +203,8 @@ def test_loads_in_threads_take_turns_and_leave_weight_tying_working(tiny_model_d
                 active[0] -= 1
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(tracked))
-    errors = []
-
-    def load():
-        try:
-            load_model(str(tiny_model_dir), progress=False)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=load) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors and most[0] == 1
+    assert len(load_in_threads(str(tiny_model_dir), 3)) == 3
+    assert most[0] == 1
     assert PreTrainedModel.tie_weights.__name__ == "tie_weights"
 
 
