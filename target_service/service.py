@@ -58,6 +58,11 @@ class TextDeltas:
         return rest
 
 
+def peak_device_memory_bytes(device: torch.device) -> int:
+    """Peak bytes torch's CUDA allocator has reserved on `device`; 0 for the CPU."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+
+
 def speculation_to_proto(stats: SpeculationStats) -> pb.SpeculationStats:
     return pb.SpeculationStats(
         proposer=PROPOSERS.get(stats.proposer, pb.PROPOSER_UNSPECIFIED),
@@ -212,4 +217,5 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."),
             architecture=type(loaded.model).__name__,
+            peak_device_memory_bytes=peak_device_memory_bytes(loaded.device),
         )

@@ -154,6 +154,7 @@ def test_model_info(target, loaded):
     assert info.max_position_embeddings == 256
     assert list(info.eos_token_ids) == [2] and info.bos_token_id == 1
     assert info.architecture == "LlamaForCausalLM" and info.dtype == "float32"
+    assert info.device == "cpu" and info.peak_device_memory_bytes == 0  # device memory is a CUDA figure
     assert target.model_generation_config().eos_token_id == 2
 
 

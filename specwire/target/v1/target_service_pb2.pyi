@@ -164,7 +164,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "bos_token_id", "eos_token_ids", "pad_token_id", "max_position_embeddings", "generation_config", "device", "dtype", "architecture")
+    __slots__ = ("model_id", "vocab_size", "bos_token_id", "eos_token_ids", "pad_token_id", "max_position_embeddings", "generation_config", "device", "dtype", "architecture", "peak_device_memory_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class GetModelInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    PEAK_DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     bos_token_id: int
@@ -185,4 +186,5 @@ class GetModelInfoResponse(_message.Message):
     device: str
     dtype: str
     architecture: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., generation_config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ...) -> None: ...
+    peak_device_memory_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., generation_config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., peak_device_memory_bytes: _Optional[int] = ...) -> None: ...
