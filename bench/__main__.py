@@ -8,6 +8,7 @@ repeat), and writes results.json, results.md and PNG plots into the output folde
   python -m bench --quick                  CI-sized smoke run (32 new tokens, 1 repeat, a subset)
   python -m bench --model PATH --out DIR   another model (folder, .gguf, Hub id in the offline cache)
   python -m bench --workloads greedy,beam --repeats 5
+  python -m bench --device cuda --dtype bfloat16   on a GPU: services and transformers on the same device
 
 Workloads: greedy, sampling, beam, prompt_lookup, draft_model, concurrency, draft_length, roundtrip, memory.
 """
@@ -63,6 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft model of the draft service and of transformers' assisted generation "
         "(default: default-int8 for the default model, else the target model itself)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of the target service and of transformers: cpu, cuda, cuda:N (default cpu)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights dtype of the target, the draft and transformers (default float32)",
+    )
+    parser.add_argument(
+        "--draft-device",
+        default=None,
+        help="torch device of the draft service and of transformers' assistant "
+        "(default: cpu for default-int8, which is CPU-only, else --device)",
+    )
     parser.add_argument("--out", default=None, help="results folder (default: results/<UTC date-time>)")
     parser.add_argument(
         "--workloads",
@@ -88,6 +106,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra target-service option, repeatable (e.g. --target-arg=--scheduler=batched)",
     )
     return parser
+
+
+def check_devices(args: argparse.Namespace, draft_name: str) -> None:
+    """Fail before anything starts when a device is unusable here, or given twice."""
+    from specwire.models.loader import DEFAULT_INT8_NAME, resolve_device
+
+    for option, device in (("--device", args.device), ("--draft-device", args.draft_device)):
+        try:
+            resolve_device(device)
+        except ValueError as error:
+            raise SystemExit(f"{option}: {error}") from None
+    if draft_name == DEFAULT_INT8_NAME and resolve_device(args.draft_device).type != "cpu":
+        raise SystemExit(
+            f"--draft-device {args.draft_device}: the {DEFAULT_INT8_NAME} draft runs on the CPU only; "
+            "leave --draft-device out (cpu), or pass --draft-model default to draft on the GPU"
+        )
+    for arg in args.target_arg:
+        if arg.split("=")[0] in ("--device", "--dtype"):
+            raise SystemExit(
+                f"--target-arg={arg}: pass the bench's own --device/--dtype instead, "
+                "so transformers runs on the same device and dtype as the services"
+            )
 
 
 def _interrupt(signum, frame):
@@ -133,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         selected = QUICK_WORKLOADS if args.quick else list(WORKLOADS)
     order = [name for name in WORKLOADS if name in selected]
     draft_name = args.draft_model or ("default-int8" if args.model == "default" else args.model)
+    if args.draft_device is None:
+        args.draft_device = "cpu" if draft_name == "default-int8" else args.device
+    check_devices(args, draft_name)
     # The draft-length sweep runs the draft model too, except in quick mode (its load dominates a smoke run).
     sweep_draft_model = "draft_length" in order and not args.quick
     serve_draft_model = bool(NEEDS_DRAFT_MODEL & set(order)) or sweep_draft_model
@@ -144,10 +187,17 @@ def main(argv: list[str] | None = None) -> int:
         f"benchmark of {args.model!r}: workloads {','.join(order)}; {settings['max_new_tokens']} new tokens, "
         f"{settings['repeats']} repeat(s); results in {out}"
     )
-    stack = ServiceStack(args.model, draft_name if serve_draft_model else None, target_args=args.target_arg)
+    stack = ServiceStack(
+        args.model,
+        draft_name if serve_draft_model else None,
+        device=args.device,
+        dtype=args.dtype,
+        draft_device=args.draft_device,
+        target_args=args.target_arg,
+    )
     stack.start()
     try:
-        reference = Reference(args.model)  # loads while the services load
+        reference = Reference(args.model, args.device, args.dtype, args.draft_device)  # loads while services do
         stack.wait()
         specwire = Specwire(stack.address("target"))
         ctx = Context(
@@ -205,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model,
             "model_id": reference.loaded.model_id,
             "draft_model": draft_name,
+            "device": args.device,
+            "dtype": args.dtype,
+            "draft_device": args.draft_device,
             "target_args": args.target_arg,
             "draft_service_note": draft_note,
             "quick": args.quick,

@@ -15,19 +15,25 @@ import torch
 from bench.progress import log
 
 
-def load_draft(name: str, target_loaded: Any = None) -> tuple[Any, str]:
+def load_draft(name: str, target_loaded: Any = None, device: str = "cpu", dtype: str = "float32") -> tuple[Any, str]:
     """The draft model for transformers' assisted generation, and a note on how it was made.
 
-    `default-int8` is made from the already loaded target weights with the same
-    `specwire.models.quantize_int8` the draft service uses, so the GGUF is not loaded twice.
+    `default-int8` is made from the already loaded target weights (when they are float32 on the CPU)
+    with the same `specwire.models.quantize_int8` the draft service uses, so the GGUF is not loaded twice.
     """
     from specwire.models import load_model, quantize_int8
 
-    if name == "default-int8" and target_loaded is not None:
+    reusable = (
+        target_loaded is not None
+        and target_loaded.device.type == "cpu"
+        and target_loaded.dtype == torch.float32
+    )
+    if name == "default-int8" and reusable:
         return quantize_int8(
             target_loaded, progress=False
         ).model, "default-int8 (specwire.models.quantize_int8)"
-    return load_model(name, progress=False).model, f"{name} via specwire.models.load_model"
+    loaded = load_model(name, device=device, dtype=dtype, progress=False)
+    return loaded.model, f"{name} via specwire.models.load_model on {loaded.device}"
 
 
 class _FirstTokenTimer:
@@ -41,6 +47,8 @@ class _FirstTokenTimer:
         # generate() first puts the prompt, then each step's new tokens.
         self.calls += 1
         if self.calls == 2 and self.first_token_at is None:
+            if value.is_cuda:
+                torch.cuda.synchronize(value.device)  # the token exists once its kernels have run
             self.first_token_at = time.perf_counter()
 
     def end(self) -> None:
@@ -62,23 +70,35 @@ class Run:
 
 
 class Reference:
-    """transformers' `generate()` in this process, on the model the target service serves."""
+    """transformers' `generate()` in this process, on the model the target service serves.
 
-    def __init__(self, model_name: str):
+    Args:
+        model_name (`str`): as the target service's `--model`.
+        device, dtype (`str`): as the target service's `--device` and `--dtype`.
+        draft_device (`str`): where the assistant of assisted generation runs (the draft service's device).
+    """
+
+    def __init__(self, model_name: str, device: str = "cpu", dtype: str = "float32", draft_device: str = "cpu"):
         from specwire.models import load_model
 
         started = time.perf_counter()
-        self.loaded = load_model(model_name, progress=False)
+        self.loaded = load_model(model_name, device=device, dtype=dtype, progress=False)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
-        log(f"transformers reference loaded {self.loaded.model_id} in {time.perf_counter() - started:.1f}s")
+        self.device = self.loaded.device
+        self.dtype = dtype
+        self.draft_device = draft_device
+        log(
+            f"transformers reference loaded {self.loaded.model_id} on {self.device} as "
+            f"{str(self.loaded.dtype).removeprefix('torch.')} in {time.perf_counter() - started:.1f}s"
+        )
         self._draft = None
         self.draft_note = ""
 
     def draft(self, name: str) -> Any:
         if self._draft is None:
             started = time.perf_counter()
-            self._draft, self.draft_note = load_draft(name, self.loaded)
+            self._draft, self.draft_note = load_draft(name, self.loaded, self.draft_device, self.dtype)
             log(
                 f"transformers reference draft ready ({self.draft_note}) "
                 f"in {time.perf_counter() - started:.1f}s"
@@ -116,7 +136,7 @@ class Reference:
         **kwargs,
     ) -> Run:
         """Time one `model.generate()` call; `kwargs` are generation arguments."""
-        input_ids = torch.tensor([prompt], dtype=torch.long)
+        input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         streamer = _FirstTokenTimer() if ttft else None
         if assistant is not None:
             kwargs["assistant_model"] = assistant
@@ -126,6 +146,8 @@ class Reference:
         output = self.model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **kwargs
         )
+        if output.is_cuda:
+            torch.cuda.synchronize(output.device)
         seconds = time.perf_counter() - started
         sequence = output[0].tolist()
         first = (

@@ -124,15 +124,20 @@ def evaluate_targets(results: dict) -> list[dict]:
     mem = w.get("memory")
     peak = _get(mem, "services", "target", "peak_rss_mb")
     budget = _get(mem, "target_budget_mb")
+    device = _get(results, "meta", "device", default="cpu")
+    if budget is None:
+        detail = "workload not run"
+    elif device != "cpu":
+        detail = f"a CPU target, not evaluated: the weights are on {device} (device memory in section 9)"
+    else:
+        detail = f"budget {budget:.0f} MB (float32 weights {mem['model_float32_mb']:.0f} MB)"
     targets.append(
         _target(
             "target service peak resident memory",
             "<= 1.5 x float32 weights + 300 MB",
             peak,
-            None if peak is None or budget is None else peak <= budget,
-            f"budget {budget:.0f} MB (float32 weights {mem['model_float32_mb']:.0f} MB)"
-            if budget is not None
-            else "workload not run",
+            None if peak is None or budget is None or device != "cpu" else peak <= budget,
+            detail,
         )
     )
     return targets
@@ -312,6 +317,11 @@ def markdown(results: dict, plots: list[str]) -> str:
     )
     dirty = " (with uncommitted changes)" if meta.get("git_dirty") else ""
     out.append(f"- commit: `{meta['git_commit']}`{dirty}; command: `{meta['command']}`")
+    device = meta.get("device", "cpu")
+    out.append(
+        f"- device: {device}, dtype {meta.get('dtype', 'float32')}; draft on {meta.get('draft_device', 'cpu')}"
+        + ("; the targets below are defined for a 2-core CPU and shown for reference" if device != "cpu" else "")
+    )
     out.append(
         f"- model: `{meta['model']}` ({meta.get('model_id', '')}); draft: `{meta['draft_model']}`; "
         f"{meta['max_new_tokens']} new tokens; {meta['repeats']} repeat(s)"
@@ -379,6 +389,9 @@ def markdown(results: dict, plots: list[str]) -> str:
             f"| budget for the target | 1.5 x {mem['model_float32_mb']:.0f} MB float32 + 300 MB | "
             f"{mem['target_budget_mb']:.0f} | |"
         )
+        if mem.get("device_peak_mb"):
+            out += ["", f"| peak device memory on {mem['device']} | MB |", "|---|---|"]
+            out += [f"| {side} | {_num(mb, 0)} |" for side, mb in mem["device_peak_mb"].items()]
     out += ["", "## Checks", ""]
     for name, workload in w.items():
         for check in workload.get("checks", []):

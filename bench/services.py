@@ -118,11 +118,17 @@ class ServiceStack:
         draft_model (`str`, *optional*): the draft service's model; None starts it with prompt lookup only.
             If the draft service cannot load it, it is restarted without a model and
             `draft_model_error` says why.
+        device, dtype (`str`): the target's torch device and weights dtype (`--device`, `--dtype`).
+        draft_device (`str`): the draft model's device (its dtype is `dtype`).
+        target_args (`list[str]`): further target-service options.
         timeout (`float`): seconds to wait for each service to become healthy (model loading included).
     """
 
     model: str
     draft_model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    draft_device: str = "cpu"
     target_args: list[str] = field(default_factory=list)
     timeout: float = 900.0
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specwire-bench-")))
@@ -160,6 +166,10 @@ class ServiceStack:
                 f"127.0.0.1:{config_port}",
                 "--draft-address",
                 f"127.0.0.1:{draft_port}",
+                "--device",
+                self.device,
+                "--dtype",
+                self.dtype,
                 *self.target_args,
             ],
             target_port,
@@ -171,7 +181,7 @@ class ServiceStack:
             service.start(env)
 
     def _draft_service(self, port: int, model: str | None) -> Service:
-        args = ["--model", model] if model else []
+        args = ["--model", model, "--device", self.draft_device, "--dtype", self.dtype] if model else []
         return Service("draft-service", "draft_service", args, port, self.log_dir / "draft.log")
 
     def wait(self) -> None:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from bench.progress import log
 from bench.prompts import CHAT_PROMPT, CODE_EDIT_PROMPT
 from bench.reference import Reference, Run
@@ -679,7 +681,11 @@ def draft_length(ctx: Context) -> dict:
 
 
 def memory(ctx: Context) -> dict:
-    """9. Peak resident size of each service (VmHWM), against the target's memory budget."""
+    """9. Peak resident size of each service (VmHWM), against the target's memory budget.
+
+    On a GPU the peak device memory of the target (its `GetModelInfo`) and of transformers in this
+    process (`torch.cuda.max_memory_reserved`) are added: the weights live there, not in the RSS.
+    """
     usage = ctx.stack.memory()
     float32_mb = ctx.reference.float32_bytes() / 1e6
     services = {}
@@ -689,18 +695,32 @@ def memory(ctx: Context) -> dict:
             "rss_mb": values.get("VmRSS", 0) * 1024 / 1e6 if values else None,
             "args": " ".join(ctx.stack.services[name].args),
         }
+    notes = [
+        "peak = VmHWM from /proc/PID/status at the end of the run (model loading included); MB = 10^6 bytes."
+    ]
+    device = ctx.reference.device
+    device_peak = None
+    if device.type == "cuda":
+        device_peak = {
+            "target": ctx.specwire.client.model_info().peak_device_memory_bytes / 1e6,
+            "transformers": torch.cuda.max_memory_reserved(device) / 1e6,
+        }
+        notes.append(
+            f"device peak = bytes torch's caching allocator reserved on {device} (max_memory_reserved), "
+            "for the target service and for transformers in the benchmark process; the draft service's "
+            "device memory is not reported."
+        )
     return {
         "title": "Memory: peak resident size per service",
         "status": "ok",
         "reason": None,
+        "device": str(device),
         "model_float32_mb": float32_mb,
         "target_budget_mb": 1.5 * float32_mb + 300,
         "services": services,
+        "device_peak_mb": device_peak,
         "checks": [],
-        "notes": [
-            "peak = VmHWM from /proc/PID/status at the end of the run (model loading included); "
-            "MB = 10^6 bytes."
-        ],
+        "notes": notes,
     }
 
 

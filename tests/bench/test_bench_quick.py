@@ -64,6 +64,7 @@ def test_quick_mode_writes_json_markdown_and_plots(tiny_model_dir, tiny_draft_di
     ):
         assert key in meta, key
     assert meta["quick"] is True and meta["max_new_tokens"] == 16 and meta["repeats"] == 1
+    assert (meta["device"], meta["dtype"], meta["draft_device"]) == ("cpu", "float32", "cpu")
     assert {"cpu_model", "logical_cores", "ram_gib"} <= set(meta["machine"])
     assert {"python", "torch", "transformers", "specwire"} <= set(meta["versions"])
 
@@ -85,7 +86,10 @@ def test_quick_mode_writes_json_markdown_and_plots(tiny_model_dir, tiny_draft_di
     assert [p["draft_length"] for p in workloads["draft_length"]["points"]] == [2, 8]
     assert set(workloads["concurrency"]["levels"]) == {"1", "2"}
     assert workloads["roundtrip"]["direct"]["empty_round"]["p50_ms"]["median"] > 0
-    assert workloads["memory"]["services"]["target"]["peak_rss_mb"] > 0
+    memory = workloads["memory"]
+    assert memory["services"]["target"]["peak_rss_mb"] > 0 and memory["device_peak_mb"] is None
+    assert "--device cpu --dtype float32" in memory["services"]["target"]["args"]
+    assert "--device cpu --dtype float32" in memory["services"]["draft"]["args"]
 
     # Every speculative run of ours that ran matched plain greedy (lossless speculation).
     checks = [c for w in workloads.values() for c in w["checks"]]
@@ -109,3 +113,33 @@ def test_quick_mode_writes_json_markdown_and_plots(tiny_model_dir, tiny_draft_di
     for plot in results["plots"]:
         assert (out / plot).read_bytes()[:8] == PNG_MAGIC
         assert f"]({plot})" in markdown
+
+
+def test_dtype_reaches_both_sides(tiny_model_dir, tmp_path):
+    """--dtype bfloat16: the target serves bfloat16 and transformers runs bfloat16, with the same greedy tokens."""
+    out = tmp_path / "results"
+    command = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--quick",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "bfloat16",
+        "--workloads",
+        "greedy,memory",
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(out),
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["dtype"] == "bfloat16"
+    assert "--dtype bfloat16" in results["workloads"]["memory"]["services"]["target"]["args"]
+    assert "on cpu as bfloat16" in done.stderr  # the transformers side
+    checks = {c["name"]: c for c in results["workloads"]["greedy"]["checks"]}
+    assert checks["specwire greedy equals transformers greedy"]["passed"] is True
