@@ -15,7 +15,7 @@ import torch
 from client import SpecwireRpcError, TargetClient
 from specwire.models import load_model
 from target_service.__main__ import build_server
-from target_service.scheduler import SchedulerOptions
+from target_service.scheduler import BatchScheduler, SchedulerOptions, close_logits
 from tests.servers import threaded_server
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26]]
@@ -309,3 +309,26 @@ def test_sequential_lane_runs_between_packed_forwards_on_the_scheduler_thread(se
         assert torch.equal(ours, theirs), (kw, ours, theirs)
     assert engine._lane_steps - lane_before >= 18  # the two lane requests' steps
     assert engine.batcher.shared_forwards > shared_before  # while the batched ones shared forwards
+
+
+@pytest.mark.smollm
+def test_bfloat16_smollm_keeps_the_batched_scheduler_and_the_lean_forward():
+    # Packed and RowBatch forwards round bfloat16 sums in a different order (one ulp, 0.125, on
+    # SmolLM2's logits): the start-up probe must accept that, not fall back to sequential serving.
+    loaded = load_model("default", dtype="bfloat16", progress=False)
+    scheduler = BatchScheduler(loaded.model, lambda *args: None, SchedulerOptions(), loaded.max_position_embeddings)
+    try:
+        assert scheduler.enabled, scheduler.unsupported
+        assert scheduler.decoder is not None  # and the lean forward reproduces bfloat16 logits bitwise
+    finally:
+        scheduler.close()
+
+
+def test_logits_tolerance_follows_the_dtype():
+    want = torch.tensor([[28.0, -3.5, 0.25]])
+    one_bf16_ulp = want + torch.tensor([[0.125, 0.0, 0.0]])
+    wrong = want + torch.tensor([[0.0, 1.0, 0.0]])
+    assert close_logits(want, one_bf16_ulp, torch.bfloat16)
+    assert not close_logits(want, wrong, torch.bfloat16)
+    assert not close_logits(want, one_bf16_ulp, torch.float32)  # float32 keeps its 1e-3
+    assert close_logits(want, want + 5e-4, torch.float32)
