@@ -245,13 +245,17 @@ class ModelDrafter:
                         if self.return_probs:
                             row_probs.append(scores.softmax(-1)[0])
                     drafted.append(token)
-                    if token in self.eos or bool(self.confidence(torch.tensor([token]), scores)[0]):
+                    if token in self.eos or self._unsure(token, scores):
                         break
                     new = [token]
             row.drafted = drafted
             tokens.append(drafted)
             probs.append(torch.stack(row_probs).cpu() if row_probs and self.return_probs else None)
         return Proposal(tokens, probs)
+
+    def _unsure(self, token: int, scores: torch.Tensor) -> bool:
+        """Whether the draft's confidence in the token it just drafted is below the threshold."""
+        return bool(self.confidence(torch.tensor([token], device=scores.device), scores)[0])
 
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
         for i, (n, extra) in enumerate(zip(num_accepted, appended, strict=True)):

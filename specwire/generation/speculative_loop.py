@@ -380,8 +380,8 @@ def speculative_loop(
 def _accept(plan, block, draft_probs, scores, generator) -> tuple[list[int], int]:
     """Acceptance for one row: (emitted tokens, accepted drafts)."""
     k = len(block)
-    drafts = torch.tensor([block], dtype=torch.long)  # [1, k]
-    lengths = torch.tensor([k])
+    drafts = torch.tensor([block], dtype=torch.long, device=scores.device)  # [1, k]
+    lengths = torch.tensor([k])  # only read on the host (`_check_drafts`): it stays on the CPU
     if not plan.do_sample:
         result = greedy_accept(drafts, lengths, scores[None])
     elif draft_probs is not None and k:

@@ -29,7 +29,8 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
             The causal LM, called as `model(ids, attention_mask=..., use_cache=..., past_key_values=...)`
             and returning an object with `.logits` (and `past_key_values` when caching).
         unconditional_ids (`torch.LongTensor` of shape `(rows, neg_len)`, *optional*):
-            The negative prompt. Defaults to the last token of each row at the first call.
+            The negative prompt (moved to the rows' device at the first call). Defaults to the last token
+            of each row at the first call.
         unconditional_attention_mask (`torch.LongTensor` of shape `(rows, neg_len)`, *optional*):
             Its attention mask; defaults to all ones.
         use_cache (`bool`, *optional*, defaults to `True`):
@@ -61,10 +62,12 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
     def _unconditional_logits(self, input_ids: torch.LongTensor) -> torch.Tensor:
         cur_len = input_ids.shape[-1]
         if self._last_len is None:
-            if self._ids is None:
-                self._ids = input_ids[:, -1:]
+            # A negative prompt from the wire is on the CPU; the model may be elsewhere.
+            self._ids = input_ids[:, -1:] if self._ids is None else self._ids.to(input_ids.device)
             if self._mask is None:
                 self._mask = torch.ones_like(self._ids, dtype=torch.long)
+            else:
+                self._mask = self._mask.to(input_ids.device)
             feed = self._ids
         else:
             if cur_len != self._last_len + 1:
