@@ -173,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         selected = QUICK_WORKLOADS if args.quick else list(WORKLOADS)
     order = [name for name in WORKLOADS if name in selected]
     draft_name = args.draft_model or ("default-int8" if args.model == "default" else args.model)
+    int8_draft = draft_name == "default-int8"  # int8 layers on the CPU, computing in float32
     if args.draft_device is None:
-        args.draft_device = "cpu" if draft_name == "default-int8" else args.device
+        args.draft_device = "cpu" if int8_draft else args.device
     check_devices(args, draft_name)
+    draft_dtype = "float32" if int8_draft else args.dtype
     # The draft-length sweep runs the draft model too, except in quick mode (its load dominates a smoke run).
     sweep_draft_model = "draft_length" in order and not args.quick
     serve_draft_model = bool(NEEDS_DRAFT_MODEL & set(order)) or sweep_draft_model
@@ -193,11 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         dtype=args.dtype,
         draft_device=args.draft_device,
+        draft_dtype=draft_dtype,
         target_args=args.target_arg,
     )
     stack.start()
     try:
-        reference = Reference(args.model, args.device, args.dtype, args.draft_device)  # loads while services do
+        # transformers loads while the services load.
+        reference = Reference(args.model, args.device, args.dtype, args.draft_device, draft_dtype)
         stack.wait()
         specwire = Specwire(stack.address("target"))
         ctx = Context(
@@ -258,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": args.device,
             "dtype": args.dtype,
             "draft_device": args.draft_device,
+            "draft_dtype": draft_dtype,
             "target_args": args.target_arg,
             "draft_service_note": draft_note,
             "quick": args.quick,

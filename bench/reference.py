@@ -75,10 +75,17 @@ class Reference:
     Args:
         model_name (`str`): as the target service's `--model`.
         device, dtype (`str`): as the target service's `--device` and `--dtype`.
-        draft_device (`str`): where the assistant of assisted generation runs (the draft service's device).
+        draft_device, draft_dtype (`str`): the assistant's device and dtype (as the draft service's).
     """
 
-    def __init__(self, model_name: str, device: str = "cpu", dtype: str = "float32", draft_device: str = "cpu"):
+    def __init__(
+        self,
+        model_name: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        draft_device: str = "cpu",
+        draft_dtype: str = "float32",
+    ):
         from specwire.models import load_model
 
         started = time.perf_counter()
@@ -86,8 +93,7 @@ class Reference:
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.device = self.loaded.device
-        self.dtype = dtype
-        self.draft_device = draft_device
+        self.draft_device, self.draft_dtype = draft_device, draft_dtype
         log(
             f"transformers reference loaded {self.loaded.model_id} on {self.device} as "
             f"{str(self.loaded.dtype).removeprefix('torch.')} in {time.perf_counter() - started:.1f}s"
@@ -98,7 +104,7 @@ class Reference:
     def draft(self, name: str) -> Any:
         if self._draft is None:
             started = time.perf_counter()
-            self._draft, self.draft_note = load_draft(name, self.loaded, self.draft_device, self.dtype)
+            self._draft, self.draft_note = load_draft(name, self.loaded, self.draft_device, self.draft_dtype)
             log(
                 f"transformers reference draft ready ({self.draft_note}) "
                 f"in {time.perf_counter() - started:.1f}s"

@@ -319,7 +319,8 @@ def markdown(results: dict, plots: list[str]) -> str:
     out.append(f"- commit: `{meta['git_commit']}`{dirty}; command: `{meta['command']}`")
     device = meta.get("device", "cpu")
     out.append(
-        f"- device: {device}, dtype {meta.get('dtype', 'float32')}; draft on {meta.get('draft_device', 'cpu')}"
+        f"- device: {device}, dtype {meta.get('dtype', 'float32')}; draft on {meta.get('draft_device', 'cpu')} "
+        f"in {meta.get('draft_dtype', 'float32')}"
         + ("; the targets below are defined for a 2-core CPU and shown for reference" if device != "cpu" else "")
     )
     out.append(

@@ -119,7 +119,7 @@ class ServiceStack:
             If the draft service cannot load it, it is restarted without a model and
             `draft_model_error` says why.
         device, dtype (`str`): the target's torch device and weights dtype (`--device`, `--dtype`).
-        draft_device (`str`): the draft model's device (its dtype is `dtype`).
+        draft_device, draft_dtype (`str`): the draft model's device and dtype.
         target_args (`list[str]`): further target-service options.
         timeout (`float`): seconds to wait for each service to become healthy (model loading included).
     """
@@ -129,6 +129,7 @@ class ServiceStack:
     device: str = "cpu"
     dtype: str = "float32"
     draft_device: str = "cpu"
+    draft_dtype: str = "float32"
     target_args: list[str] = field(default_factory=list)
     timeout: float = 900.0
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specwire-bench-")))
@@ -181,7 +182,7 @@ class ServiceStack:
             service.start(env)
 
     def _draft_service(self, port: int, model: str | None) -> Service:
-        args = ["--model", model, "--device", self.draft_device, "--dtype", self.dtype] if model else []
+        args = ["--model", model, "--device", self.draft_device, "--dtype", self.draft_dtype] if model else []
         return Service("draft-service", "draft_service", args, port, self.log_dir / "draft.log")
 
     def wait(self) -> None:

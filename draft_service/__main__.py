@@ -16,7 +16,7 @@ from draft_service.service import DraftServicer
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
-from specwire.models import load_model
+from specwire.models import ModelLoadError, load_model
 from specwire.serving import GrpcServer, ServiceBinding, setup_logging
 from specwire.telemetry import setup_telemetry
 
@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-draft")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
-    draft_model = load_model(args.model, device=args.device, dtype=args.dtype) if args.model else None
+    try:
+        draft_model = load_model(args.model, device=args.device, dtype=args.dtype) if args.model else None
+    except ModelLoadError as error:  # what was tried and the fix, without a traceback
+        raise SystemExit(f"draft-service: {error}") from None
     server = build_server(draft_model, args.host, args.port, args.grace, args.prompt_lookup_rule)
     asyncio.run(server.serve_until_signal())
 

@@ -12,7 +12,7 @@ import os
 
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
-from specwire.models import load_model
+from specwire.models import ModelLoadError, load_model
 from specwire.serving import GrpcServer, ServiceBinding, setup_logging
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.telemetry import setup_telemetry
@@ -151,7 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    try:
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    except ModelLoadError as error:  # what was tried and the fix, without a traceback
+        raise SystemExit(f"target-service: {error}") from None
     drafting = DraftPolicy(
         args.draft_address, args.default_proposer, args.draft_timeout, prompt_lookup_rule=args.prompt_lookup_rule
     )

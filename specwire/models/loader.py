@@ -418,7 +418,7 @@ def load_model(
             was tried and how to fix it.
     """
     if name == DEFAULT_INT8_NAME:
-        return _load_int8_default(device=device, progress=progress)
+        return _load_int8_default(device=device, dtype=dtype, progress=progress)
     report = _Progress(progress)
     tried: list[str] = []
     try:
@@ -467,14 +467,18 @@ def load_model(
 DEFAULT_INT8_NAME = "default-int8"
 
 
-def _load_int8_default(device: str | torch.device, progress: bool) -> LoadedModel:
+def _load_int8_default(device: str | torch.device, dtype: str | torch.dtype, progress: bool) -> LoadedModel:
     try:
         torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype)
     except ValueError as error:
         raise ModelLoadError(DEFAULT_INT8_NAME, str(error)) from error
     if torch_device.type != "cpu":
         raise ModelLoadError(DEFAULT_INT8_NAME, "dynamic int8 quantization runs on the CPU only",
                              hint="use 'default' with --dtype bfloat16 on a GPU")
+    if torch_dtype != torch.float32:
+        raise ModelLoadError(DEFAULT_INT8_NAME, f"its int8 layers compute in float32, not {torch_dtype}",
+                             hint="leave --dtype at float32 for this model, or use 'default' in bfloat16")
     return quantize_int8(load_model("default", device="cpu", dtype="float32", progress=progress), progress=progress)
 
 
@@ -486,6 +490,11 @@ def quantize_int8(loaded: LoadedModel, progress: bool = True) -> LoadedModel:
         loaded (`LoadedModel`): a model loaded on the CPU in float32.
         progress (`bool`, *optional*, defaults to `True`): write a progress line to stderr.
     """
+    if loaded.device.type != "cpu" or loaded.dtype != torch.float32:
+        raise ValueError(
+            f"quantize_int8 needs a float32 model on the CPU, got {loaded.dtype} on {loaded.device}: "
+            "load it with device='cpu', dtype='float32'"
+        )
     started = time.perf_counter()
     with warnings.catch_warnings():
         # torch marks its quantized tensor constructors deprecated; dynamic quantization still works.

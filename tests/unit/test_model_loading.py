@@ -293,6 +293,21 @@ def test_int8_default_refuses_gpu():
     assert "CPU only" in str(caught.value) or "cuda" in str(caught.value).lower()
 
 
+def test_int8_default_refuses_a_half_precision_dtype():
+    with pytest.raises(ModelLoadError, match="int8 layers compute in float32, not torch.bfloat16"):
+        load_model("default-int8", dtype="bfloat16", progress=False)
+
+
+def test_quantize_int8_needs_a_float32_cpu_model(smollm):
+    import dataclasses
+
+    from specwire.models import quantize_int8
+
+    half = dataclasses.replace(smollm, dtype=torch.bfloat16)  # only the recorded dtype: nothing is converted
+    with pytest.raises(ValueError, match="needs a float32 model on the CPU, got torch.bfloat16 on cpu"):
+        quantize_int8(half, progress=False)
+
+
 def test_default_missing_package(monkeypatch):
     import specwire.models.default as default_module
 
