@@ -27,30 +27,28 @@ ALL_WORKLOADS = [
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def run_quick(out: Path, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m bench --quick` with 16 new tokens into `out`: the finished process and its results."""
+    command = [sys.executable, "-m", "bench", "--quick", "--max-new-tokens", "16", "--out", str(out), *options]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done, json.loads((out / "results.json").read_text())
+
+
 def test_quick_mode_writes_json_markdown_and_plots(tiny_model_dir, tiny_draft_dir, tmp_path):
     out = tmp_path / "results"
-    command = [
-        sys.executable,
-        "-m",
-        "bench",
-        "--quick",
+    done, results = run_quick(
+        out,
         "--model",
         str(tiny_model_dir),
         "--draft-model",
         str(tiny_draft_dir),
         "--workloads",
         ",".join(ALL_WORKLOADS),
-        "--max-new-tokens",
-        "16",
-        "--out",
-        str(out),
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
+    )
     assert "[bench" in done.stderr  # progress goes to stderr
 
-    results = json.loads((out / "results.json").read_text())
     meta = results["meta"]
     for key in (
         "date",
@@ -117,27 +115,9 @@ def test_quick_mode_writes_json_markdown_and_plots(tiny_model_dir, tiny_draft_di
 
 def test_dtype_reaches_both_sides(tiny_model_dir, tmp_path):
     """--dtype bfloat16: the target serves bfloat16 and transformers runs bfloat16, with the same greedy tokens."""
-    out = tmp_path / "results"
-    command = [
-        sys.executable,
-        "-m",
-        "bench",
-        "--quick",
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "bfloat16",
-        "--workloads",
-        "greedy,memory",
-        "--max-new-tokens",
-        "16",
-        "--out",
-        str(out),
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads((out / "results.json").read_text())
+    done, results = run_quick(
+        tmp_path / "results", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--workloads", "greedy,memory"
+    )
     assert results["meta"]["dtype"] == "bfloat16"
     assert "--dtype bfloat16" in results["workloads"]["memory"]["services"]["target"]["args"]
     assert "on cpu as bfloat16" in done.stderr  # the transformers side
