@@ -115,11 +115,13 @@ def test_quick_mode_writes_json_markdown_and_plots(tiny_model_dir, tiny_draft_di
 
 def test_dtype_reaches_both_sides(tiny_model_dir, tmp_path):
     """--dtype bfloat16: the target serves bfloat16 and transformers runs bfloat16, with the same greedy tokens."""
+    out = tmp_path / "results"
     done, results = run_quick(
-        tmp_path / "results", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--workloads", "greedy,memory"
+        out, "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--workloads", "greedy,memory"
     )
     assert results["meta"]["dtype"] == "bfloat16"
     assert "--dtype bfloat16" in results["workloads"]["memory"]["services"]["target"]["args"]
     assert "on cpu as bfloat16" in done.stderr  # the transformers side
     checks = {c["name"]: c for c in results["workloads"]["greedy"]["checks"]}
     assert checks["specwire greedy equals transformers greedy"]["passed"] is True
+    assert "In bfloat16 a verify forward over several tokens rounds differently" in (out / "results.md").read_text()
