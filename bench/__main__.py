@@ -108,18 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_devices(args: argparse.Namespace, draft_name: str) -> None:
+def check_devices(args: argparse.Namespace, int8_draft: bool) -> None:
     """Fail before anything starts when a device is unusable here, or given twice."""
-    from specwire.models.loader import DEFAULT_INT8_NAME, resolve_device
+    from specwire.models.loader import resolve_device
 
+    devices = {}
     for option, device in (("--device", args.device), ("--draft-device", args.draft_device)):
         try:
-            resolve_device(device)
+            devices[option] = resolve_device(device)
         except ValueError as error:
             raise SystemExit(f"{option}: {error}") from None
-    if draft_name == DEFAULT_INT8_NAME and resolve_device(args.draft_device).type != "cpu":
+    if int8_draft and devices["--draft-device"].type != "cpu":
         raise SystemExit(
-            f"--draft-device {args.draft_device}: the {DEFAULT_INT8_NAME} draft runs on the CPU only; "
+            f"--draft-device {args.draft_device}: the default-int8 draft runs on the CPU only; "
             "leave --draft-device out (cpu), or pass --draft-model default to draft on the GPU"
         )
     for arg in args.target_arg:
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     int8_draft = draft_name == "default-int8"  # int8 layers on the CPU, computing in float32
     if args.draft_device is None:
         args.draft_device = "cpu" if int8_draft else args.device
-    check_devices(args, draft_name)
+    check_devices(args, int8_draft)
     draft_dtype = "float32" if int8_draft else args.dtype
     # The draft-length sweep runs the draft model too, except in quick mode (its load dominates a smoke run).
     sweep_draft_model = "draft_length" in order and not args.quick
