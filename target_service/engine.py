@@ -67,9 +67,7 @@ class Engine:
         self.scheduler = scheduler
         self.batcher: BatchScheduler | None = None
         if scheduler == "batched":
-            self.batcher = BatchScheduler(
-                loaded.model, self._start, scheduler_options, loaded.max_position_embeddings
-            )
+            self.batcher = BatchScheduler(loaded.model, self._start, scheduler_options, loaded.max_position_embeddings)
         # Every forward runs on one thread (`specwire.model_thread`): the scheduler's when it runs
         # (the sequential lane's steps run between its packed forwards), else a worker of our own.
         if self.batcher is not None and self.batcher.enabled:
@@ -182,6 +180,13 @@ class Engine:
                 self.active -= 1
             # Closing runs the generator's cleanup on the worker, after any step in flight.
             self.executor.submit(_close_quietly, steps, job.request_id)
+
+    def queue_full(self) -> float | None:
+        """A retry hint in seconds when the batched scheduler's queue is full, else None (a cheap probe:
+        the service refuses a request with it before preparing the request)."""
+        if self.batcher is not None and self.batcher.enabled:
+            return self.batcher.queue_full()
+        return None
 
 
 def _in_inference_mode(fn, *args):
