@@ -699,6 +699,8 @@ class BatchScheduler:
         with self.cond:
             if self.cache is None or len(self.waiting) < self.options.max_queued:
                 return None
+            if not self.waiting and self.cache.free:
+                return None  # a request that fits the free slots starts without queueing
             return self._retry_hint()
 
 

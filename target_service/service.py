@@ -155,8 +155,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         """The cheap capacity checks, before the request costs anything (no tokenizing, no validation)."""
         retry_after_s = self.engine.queue_full()
         if retry_after_s is not None:
+            queued, limit = len(self.engine.batcher.waiting), self.engine.batcher.options.max_queued
             raise ResourceExhausted(
-                "the target service's queue is full (--max-queued); retry later", retry_after_s=retry_after_s
+                f"the target service is at capacity: {queued} requests queued (--max-queued {limit}); retry later",
+                retry_after_s=retry_after_s,
             )
         self.pool.admit()
 
