@@ -45,7 +45,9 @@ def error_status(error: SpecwireError) -> tuple[grpc.StatusCode, str, tuple[tupl
     if error.violations:
         bad_request = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=f"{v.message} (got {v.value!r})")
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=v.field, description=f"{v.message} (got {v.value!r})"
+                )
                 for v in error.violations
             ]
         )
@@ -173,7 +175,9 @@ class GrpcServer:
         )
         credentials = server_credentials()
         address = f"{self.host}:{self.requested_port}"
-        self.port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        self.port = (
+            server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        )
         if not self.port:
             raise OSError(f"could not bind {self.host}:{self.requested_port}")
         await server.start()

@@ -75,7 +75,8 @@ class ConfigResolver:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument.for_field(field, ref, exc.details() or "not a valid reference") from exc
             raise Unavailable(
-                f"config registry at {self.address} failed resolving {ref!r}: {exc.code().name}: {exc.details()}"
+                f"config registry at {self.address} failed resolving {ref!r}: "
+                f"{exc.code().name}: {exc.details()}"
             ) from exc
         record = response.record
         resolved = ResolvedConfig(record.name, record.version, config_from_proto(record.config))

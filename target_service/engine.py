@@ -67,7 +67,9 @@ class Engine:
         self.scheduler = scheduler
         self.batcher: BatchScheduler | None = None
         if scheduler == "batched":
-            self.batcher = BatchScheduler(loaded.model, self._start, scheduler_options, loaded.max_position_embeddings)
+            self.batcher = BatchScheduler(
+                loaded.model, self._start, scheduler_options, loaded.max_position_embeddings
+            )
         # Every forward runs on one thread (`specwire.model_thread`): the scheduler's when it runs
         # (the sequential lane's steps run between its packed forwards), else a worker of our own.
         if self.batcher is not None and self.batcher.enabled:

@@ -93,7 +93,9 @@ def effective_config(
     if limits is not None:
         check_config(merged, limits)  # before validation: its cost grows with the lists it checks
     violations = merged.validate()
-    errors = [FieldProblem(f"config.{v.field}", v.value, v.message) for v in violations if v.severity == "error"]
+    errors = [
+        FieldProblem(f"config.{v.field}", v.value, v.message) for v in violations if v.severity == "error"
+    ]
     if errors:
         summary = "; ".join(f"{p.field}={p.value!r}: {p.message}" for p in errors)
         raise InvalidArgument(f"invalid generation config: {summary}", errors)
@@ -101,7 +103,9 @@ def effective_config(
     # decoding loop itself with UNIMPLEMENTED, naming the field.
     for name in UNSERVED_FIELDS:
         if getattr(merged, name) not in (None, False):
-            raise Unimplemented(f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it")
+            raise Unimplemented(
+                f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it"
+            )
     warnings = [FieldProblem(f"config.{v.field}", v.value, v.message, "warning") for v in violations]
     return merged, warnings, caller_set_length
 
@@ -237,7 +241,9 @@ def prepare_job(
         )
     negative_ids = negative_mask = None
     if request.HasField("negative_prompt"):
-        negative_ids, negative_mask = prompt_tensors([request.negative_prompt], loaded, False, pad, "negative_prompt")
+        negative_ids, negative_mask = prompt_tensors(
+            [request.negative_prompt], loaded, False, pad, "negative_prompt"
+        )
     return GenerationJob(
         input_ids=input_ids,
         attention_mask=attention_mask,

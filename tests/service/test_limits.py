@@ -37,9 +37,7 @@ def loaded(tiny_model_dir):
 @pytest.fixture(scope="module")
 def server(loaded):
     limits = RequestLimits.for_model(loaded.max_position_embeddings, **LIMITS)
-    with threaded_server(
-        lambda: build_server(loaded, limits=limits, max_message_bytes=MAX_MESSAGE_BYTES)
-    ) as running:
+    with threaded_server(lambda: build_server(loaded, limits=limits, max_message_bytes=MAX_MESSAGE_BYTES)) as running:
         yield running
 
 
