@@ -96,10 +96,6 @@ class RequestLimits:
         return cls(max_model_len=max_model_len, **given)
 
 
-def _refuse(problems: list[FieldProblem], summary: str) -> InvalidArgument:
-    return InvalidArgument(summary, problems)
-
-
 def _too_many(field: str, value: Any, message: str) -> InvalidArgument:
     return InvalidArgument.for_field(field, value, message)
 
@@ -110,8 +106,8 @@ def _too_many(field: str, value: Any, message: str) -> InvalidArgument:
 def check_prompts(prompts, limits: RequestLimits, field_name: str = "prompts") -> None:
     """Prompt count, text size and token counts of a wire request, before anything is tokenized.
 
-    Text is capped by characters (a token is at least one character of most tokenizers' input, so
-    a text longer than this cannot be worth tokenizing); token prompts by their count.
+    Text is capped by characters, which costs nothing, since tokenizing an oversized text is the very
+    work to avoid; token prompts by their count (each must leave room for one new token).
     """
     if len(prompts) > limits.max_prompts:
         raise _too_many(
