@@ -245,6 +245,11 @@ class TargetClient:
         """The served model's generation_config.json as our GenerationConfig."""
         return config_from_proto(self.model_info().generation_config)
 
+    def request_limits(self) -> pb.RequestLimits:
+        """What one request may ask of this target (`max_model_len`, `max_new_tokens`, ...), as `GetModelInfo`
+        reports them: check a request against them before sending it."""
+        return self.model_info().limits
+
     @staticmethod
     def compute_transition_scores(sequences, scores, beam_indices=None, normalize_logits: bool = False):
         """Same as transformers' `model.compute_transition_scores`."""
@@ -311,5 +316,9 @@ class AsyncTargetClient:
     @raises_rpc_errors
     async def model_info(self) -> pb.GetModelInfoResponse:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+
+    async def request_limits(self) -> pb.RequestLimits:
+        """What one request may ask of this target, as `GetModelInfo` reports them."""
+        return (await self.model_info()).limits
 
     compute_transition_scores = staticmethod(TargetClient.compute_transition_scores)

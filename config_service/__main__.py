@@ -9,20 +9,39 @@ import argparse
 import asyncio
 import logging
 
-from config_service.service import ConfigServicer
+from config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_EXTRA_BYTES, ConfigServicer
 from config_service.storage import ConfigStore
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
-from specwire.serving import GrpcServer, ServiceBinding, setup_logging
+from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, setup_logging
 from specwire.telemetry import setup_telemetry
 
 SERVICE_NAME = "specwire.config.v1.ConfigService"
+# Registry calls are short; this bounds the memory of a burst (every call holds its request).
+DEFAULT_MAX_CONCURRENT_RPCS = 256
 
 
-def build_server(db: str, host: str = "127.0.0.1", port: int = 0, grace: float = 10.0) -> GrpcServer:
-    """A ready-to-start config server over the SQLite file `db`."""
+def build_server(
+    db: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    grace: float = 10.0,
+    max_config_bytes: int = DEFAULT_MAX_CONFIG_BYTES,
+    max_extra_bytes: int = DEFAULT_MAX_EXTRA_BYTES,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
+) -> GrpcServer:
+    """A ready-to-start config server over the SQLite file `db` (size caps: see `ConfigServicer`)."""
     store = ConfigStore(db)
-    binding = ServiceBinding(pb_grpc.add_ConfigServiceServicer_to_server, ConfigServicer(store), SERVICE_NAME)
-    return GrpcServer([binding], host=host, port=port, grace=grace)
+    servicer = ConfigServicer(store, max_config_bytes, max_extra_bytes)
+    binding = ServiceBinding(pb_grpc.add_ConfigServiceServicer_to_server, servicer, SERVICE_NAME)
+    return GrpcServer(
+        [binding],
+        host=host,
+        port=port,
+        grace=grace,
+        max_message_bytes=max_message_bytes,
+        max_concurrent_rpcs=max_concurrent_rpcs,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,11 +52,46 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--db", default="specwire-registry.db", help="SQLite file (created if missing)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    parser.add_argument(
+        "--max-config-bytes",
+        type=int,
+        default=DEFAULT_MAX_CONFIG_BYTES,
+        help=f"size of one config (wire form or imported JSON), refused before parsing "
+        f"(default {DEFAULT_MAX_CONFIG_BYTES})",
+    )
+    parser.add_argument(
+        "--max-extra-bytes",
+        type=int,
+        default=DEFAULT_MAX_EXTRA_BYTES,
+        help=f"size of a config's extra (custom) entries (default {DEFAULT_MAX_EXTRA_BYTES})",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help=f"largest request or response message (default {DEFAULT_MAX_MESSAGE_BYTES}, 16 MiB)",
+    )
+    parser.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_RPCS,
+        help=f"calls served at once, health checks not counted; beyond it RESOURCE_EXHAUSTED with a retry "
+        f"hint (default {DEFAULT_MAX_CONCURRENT_RPCS})",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     setup_telemetry("specwire-config")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
-    server = build_server(args.db, args.host, args.port, args.grace)
+    server = build_server(
+        args.db,
+        args.host,
+        args.port,
+        args.grace,
+        args.max_config_bytes,
+        args.max_extra_bytes,
+        args.max_message_bytes,
+        args.max_concurrent_rpcs,
+    )
     logging.getLogger("specwire.config_service").info("registry database: %s", args.db)
     asyncio.run(server.serve_until_signal())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -27,6 +28,10 @@ log = logging.getLogger("specwire.config_service")
 
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
+# A generation config is a few hundred bytes; the caps leave room for long bias/bad-word lists and
+# stop strings while keeping parsing and validation of one request in the milliseconds.
+DEFAULT_MAX_CONFIG_BYTES = 256 * 1024
+DEFAULT_MAX_EXTRA_BYTES = 16 * 1024
 
 
 def parse_config(values: dict[str, Any], field: str = "config") -> GenerationConfig:
@@ -89,20 +94,79 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
 
     Args:
         store (`ConfigStore`): the SQLite registry.
+        max_config_bytes (`int`, defaults to 256 KiB): size of one config (its wire form, or the JSON text
+            of ImportConfig); a bigger one is refused with INVALID_ARGUMENT before it is parsed
+            (`--max-config-bytes`).
+        max_extra_bytes (`int`, defaults to 16 KiB): size of a config's `extra` (custom entries)
+            (`--max-extra-bytes`).
+        workers (`int`, defaults to 2): threads that parse and validate configs off the event loop.
     """
 
-    def __init__(self, store: ConfigStore):
+    def __init__(
+        self,
+        store: ConfigStore,
+        max_config_bytes: int = DEFAULT_MAX_CONFIG_BYTES,
+        max_extra_bytes: int = DEFAULT_MAX_EXTRA_BYTES,
+        workers: int = 2,
+    ):
         self.store = store
+        self.max_config_bytes = max_config_bytes
+        self.max_extra_bytes = max_extra_bytes
+        # Parsing and validating a config costs CPU in proportion to its lists: a pool of its own keeps it
+        # off the event loop (health checks, other calls) without queueing behind SQLite calls.
+        self.checker = ThreadPoolExecutor(workers, thread_name_prefix="specwire-config-check")
 
     async def _run(self, fn, *args):
         # SQLite calls are short but blocking: keep them off the event loop.
         return await asyncio.to_thread(fn, *args)
 
+    async def _check(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.checker, fn, *args)
+
+    def _check_size(self, message: Any, field: str = "config") -> None:
+        """Refuse an oversized config before parsing it (`ByteSize` is computed by protobuf, not us)."""
+        size = message.ByteSize()
+        if size > self.max_config_bytes:
+            raise InvalidArgument.for_field(
+                field,
+                f"{size} bytes",
+                f"a config holds at most {self.max_config_bytes} bytes on this registry (--max-config-bytes): "
+                "shorten its lists (bad_words_ids, sequence_bias, stop_strings) or its extra entries",
+            )
+        if message.HasField("extra") and message.extra.ByteSize() > self.max_extra_bytes:
+            raise InvalidArgument.for_field(
+                f"{field}.extra",
+                f"{message.extra.ByteSize()} bytes",
+                f"custom entries hold at most {self.max_extra_bytes} bytes on this registry (--max-extra-bytes)",
+            )
+
+    def _check_extra(self, config: GenerationConfig, field: str = "config") -> None:
+        size = len(json.dumps(config.extra, default=str)) if config.extra else 0
+        if size > self.max_extra_bytes:
+            raise InvalidArgument.for_field(
+                f"{field}.extra",
+                f"{size} bytes",
+                f"custom entries hold at most {self.max_extra_bytes} bytes on this registry (--max-extra-bytes)",
+            )
+
+    def _parsed(self, message: Any, field: str = "config") -> tuple[GenerationConfig, list[dict[str, Any]]]:
+        """Parse and validate (blocking: runs on `self.checker`)."""
+        config = _config_from_request(message, field)
+        return config, checked_config(config, field)
+
+    def _parsed_values(self, values: dict[str, Any]) -> tuple[GenerationConfig, list[dict[str, Any]]]:
+        config = parse_config(values)
+        self._check_extra(config)
+        return config, checked_config(config)
+
+    def _validated(self, message: Any, strict: bool) -> list[Any]:
+        return _config_from_request(message).validate(strict=strict)
+
     @handles_errors
     async def CreateConfig(self, request: pb.CreateConfigRequest, context) -> pb.CreateConfigResponse:
         name = check_name(request.name)
-        config = _config_from_request(request.config)
-        warnings = checked_config(config)
+        self._check_size(request.config)
+        config, warnings = await self._check(self._parsed, request.config)
         record = await self._run(
             self.store.create, name, config.to_dict(), _check_labels(request.labels), warnings
         )
@@ -118,8 +182,8 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
     @handles_errors
     async def UpdateConfig(self, request: pb.UpdateConfigRequest, context) -> pb.UpdateConfigResponse:
         name = check_name(request.name)
-        config = _config_from_request(request.config)
-        warnings = checked_config(config)
+        self._check_size(request.config)
+        config, warnings = await self._check(self._parsed, request.config)
         expected = request.expected_version if request.HasField("expected_version") else None
         labels = _check_labels(request.labels) if request.labels else None
         record = await self._run(self.store.add_version, name, config.to_dict(), labels, warnings, expected)
@@ -159,8 +223,8 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
 
     @handles_errors
     async def ValidateConfig(self, request: pb.ValidateConfigRequest, context) -> pb.ValidateConfigResponse:
-        config = _config_from_request(request.config)
-        violations = config.validate(strict=request.strict)
+        self._check_size(request.config)
+        violations = await self._check(self._validated, request.config, request.strict)
         return pb.ValidateConfigResponse(
             valid=not any(v.severity == "error" for v in violations),
             violations=[violation_to_proto(v, prefix="config.") for v in violations],
@@ -180,6 +244,12 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
             raise InvalidArgument.for_field(
                 "source", None, "set either `hub` (repo_id, revision, filename) or `json`"
             )
+        if len(text) > self.max_config_bytes:  # before parsing: the size of the work is the size of the text
+            raise InvalidArgument.for_field(
+                source,
+                f"{len(text)} characters",
+                f"a config holds at most {self.max_config_bytes} bytes on this registry (--max-config-bytes)",
+            )
         try:
             values = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -189,8 +259,7 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
                 source, text[:200], "a generation_config.json holds a JSON object"
             )
         name = check_name(request.name or default_name)
-        config = parse_config(values)
-        warnings = checked_config(config)
+        config, warnings = await self._check(self._parsed_values, values)
         labels = _check_labels(request.labels)
         try:
             record = await self._run(self.store.add_version, name, config.to_dict(), labels or None, warnings)

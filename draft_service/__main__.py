@@ -17,14 +17,22 @@ from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
-from specwire.serving import GrpcServer, ServiceBinding, setup_logging
+from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, setup_logging
 from specwire.telemetry import setup_telemetry
 
 SERVICE_NAME = "specwire.draft.v1.DraftService"
+# Draft streams served at once: one per speculating target request, open for its whole generation.
+DEFAULT_MAX_CONCURRENT_RPCS = 512
 
 
 def build_server(
-    draft_model=None, host: str = "127.0.0.1", port: int = 0, grace: float = 10.0, prompt_lookup_rule: str = "longest"
+    draft_model=None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    grace: float = 10.0,
+    prompt_lookup_rule: str = "longest",
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
 ) -> GrpcServer:
     """A ready-to-start draft server (prompt lookup, plus `draft_model` if given)."""
     servicer = DraftServicer(draft_model, prompt_lookup_rule)
@@ -36,6 +44,8 @@ def build_server(
         port=port,
         grace=grace,
         options=options,
+        max_message_bytes=max_message_bytes,
+        max_concurrent_rpcs=max_concurrent_rpcs,
     )
 
 
@@ -48,8 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="draft model: 'default-int8', 'default', a folder, a .gguf file or a Hub id "
-        "(omit for prompt lookup only)",
+        help="draft model: 'default-int8', 'default', a folder, a .gguf file or a Hub id (omit for prompt lookup only)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -61,6 +70,19 @@ def main(argv: list[str] | None = None) -> None:
         "(n-gram, then shorter ones down to 1). Outputs are the same; drafts differ (default longest)",
     )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds open streams get on SIGTERM")
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help=f"largest message on a draft stream (default {DEFAULT_MAX_MESSAGE_BYTES}, 16 MiB)",
+    )
+    parser.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_RPCS,
+        help=f"draft streams served at once, health checks not counted; beyond it RESOURCE_EXHAUSTED with a "
+        f"retry hint (default {DEFAULT_MAX_CONCURRENT_RPCS})",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
@@ -70,7 +92,15 @@ def main(argv: list[str] | None = None) -> None:
         draft_model = load_model(args.model, device=args.device, dtype=args.dtype) if args.model else None
     except ModelLoadError as error:  # what was tried and the fix, without a traceback
         raise SystemExit(f"draft-service: {error}") from None
-    server = build_server(draft_model, args.host, args.port, args.grace, args.prompt_lookup_rule)
+    server = build_server(
+        draft_model,
+        args.host,
+        args.port,
+        args.grace,
+        args.prompt_lookup_rule,
+        args.max_message_bytes,
+        args.max_concurrent_rpcs,
+    )
     asyncio.run(server.serve_until_signal())
 
 

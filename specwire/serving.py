@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specwire import telemetry
 from specwire.errors import SpecwireError
+from specwire.rpc_limits import ConcurrencyLimitInterceptor
 from specwire.security import server_credentials, server_interceptors
 from specwire.wire.common import violation_to_proto
 
@@ -33,6 +34,8 @@ log = logging.getLogger("specwire.serving")
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 RETRY_AFTER_KEY = "retry-after-s"
+# Largest message a server receives or sends by default: a request or a response must fit in one.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 def error_status(error: SpecwireError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, Any], ...]]:
@@ -115,9 +118,14 @@ class GrpcServer:
         host (`str`): address to bind, e.g. `127.0.0.1` or `0.0.0.0`.
         port (`int`): port to bind; 0 picks a free one (see `.port` after `start()`).
         grace (`float`, defaults to 10.0): seconds in-flight calls get to finish on stop.
-        options (`list`, *optional*): extra grpc channel options (message sizes, keepalive, ...).
+        options (`list`, *optional*): extra grpc channel options (keepalive, ...).
         interceptors (`list`, *optional*): extra `grpc.aio.ServerInterceptor`s. When telemetry is set up
             (`specwire.telemetry`), OpenTelemetry's `aio_server_interceptor` runs before them.
+        max_message_bytes (`int`, defaults to 16 MiB): largest message received or sent; a bigger request
+            is refused by gRPC with RESOURCE_EXHAUSTED before it is parsed (`--max-message-bytes`).
+        max_concurrent_rpcs (`int`, *optional*): application RPCs (streams until they end) served at once;
+            beyond it RESOURCE_EXHAUSTED with a retry hint, before the handler runs. Health checks and
+            reflection are not counted (`--max-concurrent-rpcs`). `None`: no cap.
     """
 
     def __init__(
@@ -128,17 +136,25 @@ class GrpcServer:
         grace: float = 10.0,
         options: list[tuple[str, Any]] | None = None,
         interceptors: list[Any] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_concurrent_rpcs: int | None = None,
     ):
+        if max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
         self.bindings = list(bindings)
         self.host = host
         self.requested_port = port
         self.grace = grace
+        self.max_message_bytes = max_message_bytes
         self.options = [
-            ("grpc.max_send_message_length", 256 * 1024 * 1024),
-            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
             *(options or []),
         ]
-        self.interceptors = interceptors or []
+        # The cap runs after the caller's interceptors (tracing sees refused calls) and before auth
+        # (appended in `start`), so refusing costs no token check.
+        limit = [ConcurrencyLimitInterceptor(max_concurrent_rpcs)] if max_concurrent_rpcs else []
+        self.interceptors = [*(interceptors or []), *limit]
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None

@@ -13,11 +13,13 @@ import os
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
-from specwire.serving import GrpcServer, ServiceBinding, setup_logging
+from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, setup_logging
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.telemetry import setup_telemetry
+from target_service.admission import DEFAULT_MAX_PREPARING, DEFAULT_PREPARE_WORKERS, PreparationPool
 from target_service.config_resolver import ConfigResolver
 from target_service.drafting import DraftPolicy
+from target_service.limits import RequestLimits, default_output_bytes
 from target_service.scheduler import SCHEDULERS, SchedulerOptions
 from target_service.service import TargetServicer
 
@@ -26,6 +28,9 @@ SERVICE_NAME = "specwire.target.v1.TargetService"
 # the whole test suite against the sequential one). Measured on 2 CPU cores with SmolLM2, 64 new
 # tokens: batched 29.1 tokens/s for one client and 95.9 for 8; sequential 26.8 and 25.4.
 DEFAULT_SCHEDULER = os.environ.get("SPECWIRE_TARGET_SCHEDULER", "batched")
+# Generate calls and streams served at once; the scheduler's own limits (--max-batch-rows running,
+# --max-queued waiting, --max-lane-requests) refuse earlier under normal settings.
+DEFAULT_MAX_CONCURRENT_RPCS = 256
 
 
 def build_server(
@@ -37,18 +42,39 @@ def build_server(
     drafting: DraftPolicy | None = None,
     scheduler: str = DEFAULT_SCHEDULER,
     scheduler_options: SchedulerOptions | None = None,
+    limits: RequestLimits | None = None,
+    pool: PreparationPool | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
 ) -> GrpcServer:
     """A ready-to-start target server over an already loaded model.
 
     `scheduler` is `"sequential"` (one request per forward) or `"batched"` (requests share forwards;
-    `scheduler_options` sets its limits), see `target_service.scheduler`.
+    `scheduler_options` sets its limits), see `target_service.scheduler`. `limits` caps what one
+    request may ask (default `RequestLimits.for_model`, its output budget fitted to
+    `max_message_bytes`); `pool` prepares requests off the event loop (see `target_service.admission`).
     """
-    servicer = TargetServicer(loaded, ConfigResolver(config_address), drafting, scheduler, scheduler_options)
+    if limits is None:
+        limits = RequestLimits.for_model(
+            loaded.max_position_embeddings, max_output_bytes=default_output_bytes(max_message_bytes)
+        )
+    servicer = TargetServicer(
+        loaded,
+        ConfigResolver(config_address),
+        drafting,
+        scheduler,
+        scheduler_options,
+        limits=limits,
+        pool=pool,
+        max_message_bytes=max_message_bytes,
+    )
     return GrpcServer(
         [ServiceBinding(pb_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
         host=host,
         port=port,
         grace=grace,
+        max_message_bytes=max_message_bytes,
+        max_concurrent_rpcs=max_concurrent_rpcs,
     )
 
 
@@ -142,8 +168,127 @@ def build_parser() -> argparse.ArgumentParser:
         "logits it reproduces bitwise, checked at start-up) or always through the model's own forward "
         "(default lean)",
     )
+    add_limit_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     return parser
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The per-request limits (`target_service.limits`), message size, RPC and preparation caps."""
+    limits = parser.add_argument_group("request limits (refused with INVALID_ARGUMENT before any model work)")
+    defaults = RequestLimits(max_model_len=2)
+    limits.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt tokens + new tokens per row; a request that sets no length is clipped to it "
+        "(default: the model's max_position_embeddings)",
+    )
+    limits.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="new tokens per row; lengths the request did not set are clipped to it (default: no cap but "
+        "--max-model-len)",
+    )
+    limits.add_argument(
+        "--max-request-rows",
+        type=int,
+        default=defaults.max_request_rows,
+        help="rows one request decodes, prompts x max(num_beams, num_return_sequences); not --max-batch-rows, "
+        f"the KV slots shared by all requests (default {defaults.max_request_rows})",
+    )
+    limits.add_argument(
+        "--max-prompts",
+        type=int,
+        default=defaults.max_prompts,
+        help=f"prompts per request (default {defaults.max_prompts})",
+    )
+    limits.add_argument(
+        "--max-beams", type=int, default=defaults.max_beams, help=f"num_beams (default {defaults.max_beams})"
+    )
+    limits.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=defaults.max_stop_strings,
+        help=f"entries of stop_strings (default {defaults.max_stop_strings})",
+    )
+    limits.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=defaults.max_stop_string_chars,
+        help=f"characters of one stop string (default {defaults.max_stop_string_chars})",
+    )
+    limits.add_argument(
+        "--max-bias-entries",
+        type=int,
+        default=defaults.max_bias_entries,
+        help=f"token ids in sequence_bias + bad_words_ids + force_words_ids (default {defaults.max_bias_entries})",
+    )
+    limits.add_argument(
+        "--max-output-bytes",
+        type=int,
+        default=None,
+        help="bytes of output_scores + output_logits in one response, rows x new tokens x vocab x 4 per "
+        "tensor, computed before decoding (default 3/4 of --max-message-bytes: the response must fit in one "
+        "message)",
+    )
+    limits.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=defaults.max_prompt_chars,
+        help="characters of prompt text per request, checked before tokenization "
+        f"(default {defaults.max_prompt_chars})",
+    )
+    server = parser.add_argument_group("server capacity (refused with RESOURCE_EXHAUSTED and retry-after-s)")
+    server.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help=f"largest request or response message (default {DEFAULT_MAX_MESSAGE_BYTES}, 16 MiB)",
+    )
+    server.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_RPCS,
+        help=f"Generate calls and streams served at once, health checks not counted "
+        f"(default {DEFAULT_MAX_CONCURRENT_RPCS})",
+    )
+    server.add_argument(
+        "--prepare-workers",
+        type=int,
+        default=DEFAULT_PREPARE_WORKERS,
+        help=f"threads that validate and tokenize requests off the event loop (default {DEFAULT_PREPARE_WORKERS})",
+    )
+    server.add_argument(
+        "--max-preparing",
+        type=int,
+        default=DEFAULT_MAX_PREPARING,
+        help=f"requests being validated/tokenized or waiting for a worker (default {DEFAULT_MAX_PREPARING})",
+    )
+
+
+def limits_from_args(args: argparse.Namespace, max_position_embeddings: int | None) -> RequestLimits:
+    """The `RequestLimits` the flags ask for (ValueError naming the bad flag)."""
+    max_output_bytes = args.max_output_bytes or default_output_bytes(args.max_message_bytes)
+    if max_output_bytes > args.max_message_bytes:
+        raise ValueError(
+            f"--max-output-bytes {max_output_bytes} is above --max-message-bytes {args.max_message_bytes}: "
+            "such a response could never be sent; lower it or raise --max-message-bytes"
+        )
+    return RequestLimits.for_model(
+        max_position_embeddings,
+        max_model_len=args.max_model_len,
+        max_new_tokens=args.max_new_tokens,
+        max_request_rows=args.max_request_rows,
+        max_prompts=args.max_prompts,
+        max_beams=args.max_beams,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_bias_entries=args.max_bias_entries,
+        max_output_bytes=max_output_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,8 +312,24 @@ def main(argv: list[str] | None = None) -> None:
         max_lane_requests=args.max_lane_requests,
         lean_forward=args.packed_forward == "lean",
     )
+    try:
+        limits = limits_from_args(args, loaded.max_position_embeddings)
+        pool = PreparationPool(args.prepare_workers, args.max_preparing)
+    except ValueError as error:
+        raise SystemExit(f"target-service: {error}") from None
     server = build_server(
-        loaded, args.config_address, args.host, args.port, args.grace, drafting, args.scheduler, options
+        loaded,
+        args.config_address,
+        args.host,
+        args.port,
+        args.grace,
+        drafting,
+        args.scheduler,
+        options,
+        limits=limits,
+        pool=pool,
+        max_message_bytes=args.max_message_bytes,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
     )
     asyncio.run(server.serve_until_signal())
 

@@ -183,6 +183,13 @@ class Engine:
             # Closing runs the generator's cleanup on the worker, after any step in flight.
             self.executor.submit(_close_quietly, steps, job.request_id)
 
+    def queue_full(self) -> float | None:
+        """A retry hint in seconds when the batched scheduler's queue is full, else None (a cheap probe:
+        the service refuses a request with it before preparing the request)."""
+        if self.batcher is not None and self.batcher.enabled:
+            return self.batcher.queue_full()
+        return None
+
 
 def _in_inference_mode(fn, *args):
     with torch.inference_mode():

@@ -19,9 +19,9 @@ from specwire.generation.speculative_loop import SpeculationStats
 from specwire.models import LoadedModel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.wire.generation_config import WireFormatError, config_from_proto
+from target_service.admission import PreparationPool
 from target_service.config_resolver import ConfigResolver, ResolvedConfig
-
-MAX_BATCH_SIZE = 64
+from target_service.limits import RequestLimits, check_config, check_job, check_prompts
 
 # Drafting methods that need the target's hidden states every round: not servable by a separate
 # draft service, and not implemented in-process either.
@@ -53,16 +53,29 @@ def _config(message: Any, field_name: str) -> GenerationConfig:
         raise InvalidArgument.for_field(field_name, None, f"not a valid GenerationConfig: {exc}") from exc
 
 
-async def effective_config(
-    request: pb.GenerateRequest | pb.GenerateStreamRequest, loaded: LoadedModel, resolver: ConfigResolver
-) -> tuple[GenerationConfig, ResolvedConfig | None, list[FieldProblem]]:
-    """Merge the layers and validate the result like transformers does at generate() time."""
-    source = request.WhichOneof("config_source")
-    resolved = None
-    if source == "config_ref":
-        resolved = await resolver.resolve(request.config_ref)
+async def resolve_source(
+    request: pb.GenerateRequest | pb.GenerateStreamRequest, resolver: ConfigResolver
+) -> ResolvedConfig | None:
+    """The registry config named by `config_ref` (a network call, so on the event loop); else None."""
+    if request.WhichOneof("config_source") == "config_ref":
+        return await resolver.resolve(request.config_ref)
+    return None
+
+
+def effective_config(
+    request: pb.GenerateRequest | pb.GenerateStreamRequest,
+    resolved: ResolvedConfig | None,
+    loaded: LoadedModel,
+    limits: RequestLimits | None = None,
+) -> tuple[GenerationConfig, list[FieldProblem], bool]:
+    """Merge the layers and validate the result like transformers does at generate() time.
+
+    Returns the merged config, its warnings, and whether the request itself (its overrides or its
+    config) set `max_new_tokens` or `max_length` (a length it did not set is clipped to the limits).
+    """
+    if resolved is not None:
         given = resolved.config
-    elif source == "config":
+    elif request.WhichOneof("config_source") == "config":
         given = _config(request.config, "config")
     else:
         given = GenerationConfig()
@@ -74,6 +87,11 @@ async def effective_config(
             f"overrides.{key}", overrides.extra[key], "not a GenerationConfig field: check the spelling"
         )
     merged = merge(overrides, given, loaded.generation_config)
+    caller_set_length = any(
+        getattr(layer, name) is not None for layer in (overrides, given) for name in ("max_new_tokens", "max_length")
+    )
+    if limits is not None:
+        check_config(merged, limits)  # before validation: its cost grows with the lists it checks
     violations = merged.validate()
     errors = [
         FieldProblem(f"config.{v.field}", v.value, v.message) for v in violations if v.severity == "error"
@@ -89,30 +107,49 @@ async def effective_config(
                 f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it"
             )
     warnings = [FieldProblem(f"config.{v.field}", v.value, v.message, "warning") for v in violations]
-    return merged, resolved, warnings
+    return merged, warnings, caller_set_length
 
 
-def _check_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
-    if not ids:
-        raise InvalidArgument.for_field(field_name, [], "a prompt needs at least one token")
-    for j, token in enumerate(ids):
-        if not 0 <= token < vocab_size:
-            raise InvalidArgument.for_field(
-                f"{field_name}[{j}]",
-                token,
-                f"token ids must be in [0, {vocab_size}) for this model's vocabulary",
-            )
+def _token_row(prompt, vocab_size: int, field_name: str) -> torch.Tensor:
+    """One prompt's token ids as a tensor, range-checked with one min/max (not a loop over tokens)."""
+    ids = torch.tensor(prompt.token_ids.ids, dtype=torch.long)
+    if ids.numel() == 0:
+        raise InvalidArgument.for_field(f"{field_name}.token_ids", [], "a prompt needs at least one token")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        j = int((ids == bad).nonzero()[0, 0])
+        raise InvalidArgument.for_field(
+            f"{field_name}.token_ids[{j}]",
+            bad,
+            f"token ids must be in [0, {vocab_size}) for this model's vocabulary",
+        )
+    return ids
 
 
-def _left_pad(
-    rows: list[list[int]], masks: list[list[int]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _mask_row(prompt, length: int, field_name: str) -> torch.Tensor | None:
+    if not prompt.attention_mask:
+        return None
+    mask = torch.tensor(prompt.attention_mask, dtype=torch.long)
+    if mask.numel() != length or bool(((mask != 0) & (mask != 1)).any()):
+        shown = list(prompt.attention_mask[:32]) + (["..."] if mask.numel() > 32 else [])
+        raise InvalidArgument.for_field(
+            f"{field_name}.attention_mask", shown, f"give one 0/1 entry per token ({length} here)"
+        )
+    if not bool(mask.any()):
+        raise InvalidArgument.for_field(
+            f"{field_name}.attention_mask", "all zeros", "at least one token must be unmasked"
+        )
+    return mask
+
+
+def _left_pad(rows: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (row, row_mask) in enumerate(zip(rows, masks, strict=True)):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row) :] = torch.tensor(row_mask, dtype=torch.long)
+        ids[i, width - len(row) :] = row
+        mask[i, width - len(row) :] = row_mask
     return ids, mask
 
 
@@ -122,10 +159,7 @@ def prompt_tensors(
     """Token-id or text prompts as `input_ids` and `attention_mask` (None when transformers would infer it)."""
     if not prompts:
         raise InvalidArgument.for_field(field_name, [], "send at least one prompt (token_ids or text)")
-    if len(prompts) > MAX_BATCH_SIZE:
-        raise InvalidArgument.for_field(
-            field_name, len(prompts), f"at most {MAX_BATCH_SIZE} prompts per request"
-        )
+    # The prompt count is capped earlier, from the wire request (`limits.check_prompts`).
     kinds = {p.WhichOneof("input") for p in prompts}
     if None in kinds:
         index = [p.WhichOneof("input") for p in prompts].index(None)
@@ -136,25 +170,13 @@ def prompt_tensors(
         )
     if kinds == {"text"}:
         return _tokenize([p.text for p in prompts], loaded, apply_chat_template, pad_id, field_name)
-    rows = [list(p.token_ids.ids) for p in prompts]
-    masks = []
-    for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
-        _check_ids(row, loaded.vocab_size, f"{field_name}[{i}].token_ids")
-        mask = list(prompt.attention_mask)
-        if mask and (len(mask) != len(row) or any(m not in (0, 1) for m in mask)):
-            raise InvalidArgument.for_field(
-                f"{field_name}[{i}].attention_mask", mask, f"give one 0/1 entry per token ({len(row)} here)"
-            )
-        if mask and not any(mask):
-            raise InvalidArgument.for_field(
-                f"{field_name}[{i}].attention_mask", mask, "at least one token must be unmasked"
-            )
-        masks.append(mask)
-    if len({len(r) for r in rows}) == 1 and not any(masks):
+    rows = [_token_row(p, loaded.vocab_size, f"{field_name}[{i}]") for i, p in enumerate(prompts)]
+    masks = [_mask_row(p, len(r), f"{field_name}[{i}]") for i, (p, r) in enumerate(zip(prompts, rows, strict=True))]
+    if len({len(r) for r in rows}) == 1 and all(m is None for m in masks):
         # Same as a plain input_ids tensor in transformers: the mask is inferred from the pad id.
-        return torch.tensor(rows, dtype=torch.long), None
-    ids, mask = _left_pad(rows, [m or [1] * len(r) for r, m in zip(rows, masks, strict=True)], pad_id)
-    return ids, mask
+        return torch.stack(rows), None
+    full = [torch.ones_like(r) if m is None else m for r, m in zip(rows, masks, strict=True)]
+    return _left_pad(rows, full, pad_id)
 
 
 def _tokenize(texts, loaded: LoadedModel, apply_chat_template: bool, pad_id: int, field_name: str):
@@ -178,10 +200,10 @@ def _tokenize(texts, loaded: LoadedModel, apply_chat_template: bool, pad_id: int
             ids = tokenizer(text)["input_ids"]
         if not ids:
             raise InvalidArgument.for_field(f"{field_name}[{i}].text", text, "the text tokenizes to nothing")
-        rows.append(list(ids))
+        rows.append(torch.tensor(ids, dtype=torch.long))
     if len({len(r) for r in rows}) == 1:
-        return torch.tensor(rows, dtype=torch.long), torch.ones(len(rows), len(rows[0]), dtype=torch.long)
-    return _left_pad(rows, [[1] * len(r) for r in rows], pad_id)
+        return torch.stack(rows), torch.ones(len(rows), len(rows[0]), dtype=torch.long)
+    return _left_pad(rows, [torch.ones_like(r) for r in rows], pad_id)
 
 
 def pad_token_id(config: GenerationConfig, loaded: LoadedModel) -> int:
@@ -200,11 +222,23 @@ def pad_token_id(config: GenerationConfig, loaded: LoadedModel) -> int:
     )
 
 
-async def build_job(request, loaded: LoadedModel, resolver: ConfigResolver) -> GenerationJob:
-    """Check a Generate/GenerateStream request and turn it into a job."""
-    config, resolved, warnings = await effective_config(request, loaded, resolver)
+def prepare_job(
+    request, resolved: ResolvedConfig | None, loaded: LoadedModel, limits: RequestLimits | None = None
+) -> GenerationJob:
+    """Validate, tokenize and limit-check a request (blocking: run it in the preparation pool)."""
+    config, warnings, caller_set_length = effective_config(request, resolved, loaded, limits)
     pad = pad_token_id(config, loaded)
     input_ids, attention_mask = prompt_tensors(request.prompts, loaded, request.apply_chat_template, pad)
+    if limits is not None:
+        config = check_job(
+            config,
+            input_ids.shape[0],
+            input_ids.shape[1],
+            loaded.vocab_size,
+            limits,
+            caller_set_length,
+            loaded.max_position_embeddings,
+        )
     negative_ids = negative_mask = None
     if request.HasField("negative_prompt"):
         negative_ids, negative_mask = prompt_tensors(
@@ -221,3 +255,31 @@ async def build_job(request, loaded: LoadedModel, resolver: ConfigResolver) -> G
         request_id=request.request_id,
         warnings=warnings,
     )
+
+
+def check_wire_sizes(request, limits: RequestLimits) -> None:
+    """The cheap checks on the wire request (counts and lengths only), run before any preparation."""
+    check_prompts(request.prompts, limits)
+    if request.HasField("negative_prompt"):
+        check_prompts([request.negative_prompt], limits, "negative_prompt")
+
+
+async def build_job(
+    request,
+    loaded: LoadedModel,
+    resolver: ConfigResolver,
+    limits: RequestLimits | None = None,
+    pool: PreparationPool | None = None,
+) -> GenerationJob:
+    """Check a Generate/GenerateStream request and turn it into a job.
+
+    The order is the cost order: the wire sizes (counts, no tokenizing), then the registry lookup
+    (awaited, no CPU), then validation, tokenization and the limits in `pool` (a worker thread; without
+    a pool, inline).
+    """
+    limits = limits or RequestLimits.for_model(loaded.max_position_embeddings)
+    check_wire_sizes(request, limits)
+    resolved = await resolve_source(request, resolver)
+    if pool is None:
+        return prepare_job(request, resolved, loaded, limits)
+    return await pool.run(prepare_job, request, resolved, loaded, limits)

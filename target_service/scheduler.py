@@ -694,6 +694,15 @@ class BatchScheduler:
         with self.cond:
             return len(self.cache.free) if self.cache is not None else 0
 
+    def queue_full(self) -> float | None:
+        """A retry hint in seconds when the wait queue is full (a new request would be refused), else None."""
+        with self.cond:
+            if self.cache is None or len(self.waiting) < self.options.max_queued:
+                return None
+            if not self.waiting and self.cache.free:
+                return None  # a request that fits the free slots starts without queueing
+            return self._retry_hint()
+
 
 def _run_call(future: Future, fn: Callable[..., Any], args: tuple) -> None:
     if not future.set_running_or_notify_cancel():

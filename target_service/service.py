@@ -10,6 +10,7 @@ from contextlib import aclosing
 import torch
 
 from specwire import telemetry
+from specwire.errors import ResourceExhausted
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.speculative_loop import SpeculationStats
 from specwire.models import LoadedModel
@@ -19,9 +20,11 @@ from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.wire.common import FINISH_REASONS, violation_to_proto
 from specwire.wire.generation_config import config_to_proto
 from specwire.wire.tensors import tensor_to_proto
+from target_service.admission import PreparationPool
 from target_service.config_resolver import ConfigResolver
 from target_service.drafting import PROPOSER_NAMES, DraftPolicy
 from target_service.engine import Engine
+from target_service.limits import DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
 from target_service.observability import RequestObserver, SpecDecodeMetrics
 from target_service.requests import GenerationJob, build_job
 from target_service.scheduler import SchedulerOptions
@@ -127,6 +130,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         drafting (`DraftPolicy`, *optional*): speculation settings (draft service, default proposer).
         scheduler (`str`, defaults to `"batched"`): `"batched"` or `"sequential"` (see `Engine`).
         scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
+        limits (`RequestLimits`, *optional*): what one request may ask; defaults to
+            `RequestLimits.for_model(...)` (`max_model_len` = the model's context).
+        pool (`PreparationPool`, *optional*): where requests are validated and tokenized; defaults to
+            2 workers and 16 preparations in flight.
+        max_message_bytes (`int`, defaults to 16 MiB): the server's message size limit, reported by
+            `GetModelInfo` (the server options set it).
     """
 
     def __init__(
@@ -136,18 +145,36 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         drafting: DraftPolicy | None = None,
         scheduler: str = "batched",
         scheduler_options: SchedulerOptions | None = None,
+        limits: RequestLimits | None = None,
+        pool: PreparationPool | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ):
         self.loaded = loaded
         self.resolver = resolver
         self.engine = Engine(loaded, drafting, scheduler, scheduler_options)
         self.metrics = SpecDecodeMetrics(telemetry.get_meter())
+        self.limits = limits or RequestLimits.for_model(loaded.max_position_embeddings)
+        self.pool = pool or PreparationPool()
+        self.max_message_bytes = max_message_bytes
+
+    def _admit(self) -> None:
+        """The cheap capacity checks, before the request costs anything (no tokenizing, no validation)."""
+        retry_after_s = self.engine.queue_full()
+        if retry_after_s is not None:
+            queued, limit = len(self.engine.batcher.waiting), self.engine.batcher.options.max_queued
+            raise ResourceExhausted(
+                f"the target service is at capacity: {queued} requests queued (--max-queued {limit}); retry later",
+                retry_after_s=retry_after_s,
+            )
+        self.pool.admit()
 
     async def _run(
         self, request, context, rpc: str = "Generate"
     ) -> AsyncIterator[tuple[GenerationJob, StepEvent | GenerationResult]]:
         # The request's span (config lookup and draft stream are its children), round spans, metrics.
         with RequestObserver(self.metrics, self.loaded.model_id, rpc, request) as observed:
-            job = await build_job(request, self.loaded, self.resolver)
+            self._admit()
+            job = await build_job(request, self.loaded, self.resolver, self.limits, self.pool)
             observed.job_ready(job)
             started = time.perf_counter()
             async for item in self.engine.run(job):
@@ -218,4 +245,22 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             dtype=str(loaded.dtype).removeprefix("torch."),
             architecture=type(loaded.model).__name__,
             peak_device_memory_bytes=peak_device_memory_bytes(loaded.device),
+            limits=limits_to_proto(self.limits, self.max_message_bytes),
         )
+
+
+def limits_to_proto(limits: RequestLimits, max_message_bytes: int) -> pb.RequestLimits:
+    """The limits in force, as `GetModelInfo` reports them (0 = no separate cap)."""
+    return pb.RequestLimits(
+        max_model_len=limits.max_model_len,
+        max_new_tokens=limits.max_new_tokens or 0,
+        max_request_rows=limits.max_request_rows,
+        max_prompts=limits.max_prompts,
+        max_beams=limits.max_beams,
+        max_stop_strings=limits.max_stop_strings,
+        max_stop_string_chars=limits.max_stop_string_chars,
+        max_bias_entries=limits.max_bias_entries,
+        max_output_bytes=limits.max_output_bytes,
+        max_prompt_chars=limits.max_prompt_chars,
+        max_message_bytes=max_message_bytes,
+    )

@@ -320,6 +320,25 @@ def test_graceful_shutdown(renders):
     for c in COMPONENTS:
         sleep = r.container(c)["lifecycle"]["preStop"]["exec"]["command"]
         assert sleep[0] == "sleep" and int(sleep[1]) < grace[c]
+        # The server's own drain (--grace) ends a few seconds before the kubelet's SIGKILL.
+        assert "--grace" in r.container(c)["args"]
+        server_grace = int(r.settings(c)["SPECWIRE_GRACE"])
+        assert server_grace == grace[c] - int(sleep[1]) - 5, c
+    assert {c: int(r.settings(c)["SPECWIRE_GRACE"]) for c in COMPONENTS} == {"config": 20, "draft": 50, "target": 110}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_server_grace_ends_before_sigkill_in_every_example(renders, variant):
+    r = renders[variant]
+    for c in COMPONENTS:
+        spec = r.pod_spec(c)
+        hook = r.container(c).get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["", "0"])
+        assert int(r.settings(c)["SPECWIRE_GRACE"]) + int(hook[1]) < spec["terminationGracePeriodSeconds"], c
+
+
+def test_explicit_grace_seconds(tools):
+    r = Rendered(template(tools, "--set", "target.graceSeconds=90,draft.graceSeconds=7").stdout)
+    assert r.settings("target")["SPECWIRE_GRACE"] == "90" and r.settings("draft")["SPECWIRE_GRACE"] == "7"
 
 
 # --- labels and selectors ----------------------------------------------------------------------
@@ -381,6 +400,11 @@ def test_user_labels_do_not_change_selectors(tools, renders):
         (["--set", "metrics.port=0"], "port"),
         (["--set", "target.probes.readiness.periodSeconds=0"], "periodSeconds"),
         (["--set", "draft.tolerations[0].efect=NoSchedule"], "efect"),
+        (["--set", "target.limits.maxBeams=0"], "maxBeams"),
+        (["--set", "target.limits.maxBeamz=4"], "maxBeamz"),
+        (["--set", "draft.maxConcurrentRpcs=0"], "maxConcurrentRpcs"),
+        (["--set", "config.maxMessageBytes=10"], "maxMessageBytes"),
+        (["--set", "target.graceSeconds=-1"], "graceSeconds"),
     ],
 )
 def test_schema_rejects_bad_values(tools, args, complaint):
@@ -535,14 +559,20 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
         assert container["command"] == [f"{c}-service"]
         args = container["args"]
         data = r.settings(c)
-        expected = ["--host", "--port"]
-        expected += {"config": ["--db"], "draft": [], "target": []}[c]
+        expected = ["--host", "--port", "--grace", "--max-message-bytes", "--max-concurrent-rpcs"]
+        expected += {"config": ["--db", "--max-config-bytes", "--max-extra-bytes"], "draft": [], "target": []}[c]
         expected += ["--model"] if "SPECWIRE_MODEL" in data else []
         if c == "target":
             expected += ["--device", "--dtype", "--config-address", "--draft-address", "--scheduler"]
             expected += ["--max-batch-rows", "--max-tokens-per-step", "--max-queued", "--max-lane-requests"]
             expected += ["--kv-cache-mb"]
             expected += ["--slot-tokens"] if "SPECWIRE_SLOT_TOKENS" in data else []
+            expected += ["--max-model-len"] if "SPECWIRE_MAX_MODEL_LEN" in data else []
+            expected += ["--max-new-tokens"] if "SPECWIRE_MAX_NEW_TOKENS" in data else []
+            expected += ["--max-request-rows", "--max-prompts", "--max-beams", "--max-stop-strings"]
+            expected += ["--max-stop-string-chars", "--max-bias-entries"]
+            expected += ["--max-output-bytes"] if "SPECWIRE_MAX_OUTPUT_BYTES" in data else []
+            expected += ["--max-prompt-chars", "--prepare-workers", "--max-preparing"]
         assert [a for a in args if a.startswith("--")] == expected, (c, args)
         (ref,) = [e["configMapRef"]["name"] for e in container["envFrom"] if "configMapRef" in e][:1]
         assert ref == f"{RELEASE}-specwire-{c}"
@@ -578,6 +608,112 @@ def test_scheduler_values_reach_the_target_command_line(tools, renders):
     args = parsed(custom)
     assert (args.scheduler, args.max_batch_rows, args.max_queued, args.max_lane_requests) == ("sequential", 4, 0, 2)
     assert (args.slot_tokens, args.kv_cache_mb, args.max_tokens_per_step) == (4096, 512.0, 64)
+
+
+LIMIT_FLAGS = (
+    "max_model_len",
+    "max_new_tokens",
+    "max_request_rows",
+    "max_prompts",
+    "max_beams",
+    "max_stop_strings",
+    "max_stop_string_chars",
+    "max_bias_entries",
+    "max_output_bytes",
+    "max_prompt_chars",
+    "prepare_workers",
+    "max_preparing",
+    "max_message_bytes",
+    "max_concurrent_rpcs",
+    "grace",
+)
+
+
+def test_limit_values_reach_the_target_command_line(tools, renders):
+    """Request limits, message size and RPC cap: the chart's defaults are the server's, and values reach it."""
+    from target_service.__main__ import build_parser
+
+    def parsed(r):
+        data = r.settings("target")
+        args = [re.sub(r"\$\((\w+)\)", lambda m: data[m.group(1)], a) for a in r.container("target")["args"]]
+        return build_parser().parse_args(args)
+
+    defaults = parsed(renders["default"])
+    cli_defaults = build_parser().parse_args([])
+    for name in LIMIT_FLAGS:
+        if name != "grace":  # derived from the pod's termination period
+            assert getattr(defaults, name) == getattr(cli_defaults, name), name
+    values = {
+        "maxModelLen": 4096,
+        "maxNewTokens": 1024,
+        "maxRequestRows": 32,
+        "maxPrompts": 8,
+        "maxBeams": 4,
+        "maxStopStrings": 10,
+        "maxStopStringChars": 50,
+        "maxBiasEntries": 100,
+        "maxOutputBytes": 1000000,
+        "maxPromptChars": 20000,
+        "prepareWorkers": 3,
+        "maxPreparing": 5,
+    }
+    sets = ",".join(f"target.limits.{k}={v}" for k, v in values.items())
+    sets += ",target.maxMessageBytes=4194304,target.maxConcurrentRpcs=64,target.graceSeconds=100"
+    args = parsed(Rendered(template(tools, "--set", sets).stdout))
+    got = {name: getattr(args, name) for name in LIMIT_FLAGS}
+    assert got == {
+        "max_model_len": 4096,
+        "max_new_tokens": 1024,
+        "max_request_rows": 32,
+        "max_prompts": 8,
+        "max_beams": 4,
+        "max_stop_strings": 10,
+        "max_stop_string_chars": 50,
+        "max_bias_entries": 100,
+        "max_output_bytes": 1000000,
+        "max_prompt_chars": 20000,
+        "prepare_workers": 3,
+        "max_preparing": 5,
+        "max_message_bytes": 4194304,
+        "max_concurrent_rpcs": 64,
+        "grace": 100.0,
+    }
+
+
+def test_config_and_draft_size_values_are_their_cli_flags(tools, renders):
+    """The flags the chart passes exist on the config and draft services' real CLIs, with the same defaults."""
+    r = Rendered(
+        template(
+            tools,
+            "--set",
+            "config.maxConfigBytes=65536,config.maxExtraBytes=1024,config.maxMessageBytes=2097152,"
+            "draft.maxConcurrentRpcs=100,draft.maxMessageBytes=8388608",
+        ).stdout
+    )
+    assert r.settings("config")["SPECWIRE_MAX_CONFIG_BYTES"] == "65536"
+    assert r.settings("config")["SPECWIRE_MAX_EXTRA_BYTES"] == "1024"
+    assert r.settings("config")["SPECWIRE_MAX_MESSAGE_BYTES"] == "2097152"
+    assert r.settings("draft")["SPECWIRE_MAX_CONCURRENT_RPCS"] == "100"
+    assert r.settings("draft")["SPECWIRE_MAX_MESSAGE_BYTES"] == "8388608"
+    for c in ("config", "draft"):
+        text = subprocess.run(
+            [sys.executable, "-m", f"{c}_service", "--help"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        ).stdout
+        text = " ".join(text.split())  # argparse wraps the help text
+        data = renders["default"].settings(c)
+        for flag in [a for a in r.container(c)["args"] if a.startswith("--max-") or a == "--grace"]:
+            assert flag in text, (c, flag)
+        # The chart's defaults are the servers' defaults.
+        assert f"default {data['SPECWIRE_MAX_MESSAGE_BYTES']}" in text
+        assert f"default {data['SPECWIRE_MAX_CONCURRENT_RPCS']}" in text
+        if c == "config":
+            assert f"default {data['SPECWIRE_MAX_CONFIG_BYTES']}" in text
+            assert f"default {data['SPECWIRE_MAX_EXTRA_BYTES']})" in text
 
 
 def test_checksum_rolls_pods_when_settings_change(tools, renders):
@@ -728,6 +864,9 @@ def test_prometheus_port_and_service_monitor(renders):
             ["--set", "target.autoscaling.enabled=true", "--set", "target.autoscaling.minReplicas=5"],
             "maxReplicas",
         ),
+        (["--set", "target.graceSeconds=116"], "raise terminationGracePeriodSeconds or lower graceSeconds"),
+        (["--set", "config.terminationGracePeriodSeconds=6"], "config: --grace"),
+        (["--set", "target.limits.maxOutputBytes=20000000"], "is above target.maxMessageBytes"),
     ],
 )
 def test_inconsistent_values_fail_with_a_hint(tools, args, message):

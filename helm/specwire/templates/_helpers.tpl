@@ -143,8 +143,13 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $v := index $root.Values .component -}}
 {{- $gpu := include "specwire.gpuEnabled" . -}}
 {{- $s := dict "SPECWIRE_HOST" $root.Values.listenHost "SPECWIRE_PORT" (toString $v.port) "HOME" "/tmp" -}}
+{{- $_ := set $s "SPECWIRE_GRACE" (include "specwire.grace" .) -}}
+{{- $_ := set $s "SPECWIRE_MAX_MESSAGE_BYTES" (toString (int64 $v.maxMessageBytes)) -}}
+{{- $_ := set $s "SPECWIRE_MAX_CONCURRENT_RPCS" (toString (int64 $v.maxConcurrentRpcs)) -}}
 {{- if eq .component "config" -}}
 {{- $_ := set $s "SPECWIRE_DB" (printf "%s/%s" (trimSuffix "/" $v.persistence.mountPath) $v.dbFile) -}}
+{{- $_ := set $s "SPECWIRE_MAX_CONFIG_BYTES" (toString (int64 $v.maxConfigBytes)) -}}
+{{- $_ := set $s "SPECWIRE_MAX_EXTRA_BYTES" (toString (int64 $v.maxExtraBytes)) -}}
 {{- end -}}
 {{- if hasKey $v "model" -}}
 {{- if $v.model.name -}}
@@ -175,6 +180,22 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- if $q.slotTokens -}}
 {{- $_ := set $s "SPECWIRE_SLOT_TOKENS" (toString $q.slotTokens) -}}
 {{- end -}}
+{{- $l := $v.limits -}}
+{{- range $key, $env := dict "maxModelLen" "SPECWIRE_MAX_MODEL_LEN" "maxNewTokens" "SPECWIRE_MAX_NEW_TOKENS" "maxOutputBytes" "SPECWIRE_MAX_OUTPUT_BYTES" -}}
+{{- /* 0 = the server's derived default: the flag is left out. */ -}}
+{{- if gt (int64 (index $l $key)) 0 -}}
+{{- $_ := set $s $env (toString (int64 (index $l $key))) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $s "SPECWIRE_MAX_REQUEST_ROWS" (toString (int64 $l.maxRequestRows)) -}}
+{{- $_ := set $s "SPECWIRE_MAX_PROMPTS" (toString (int64 $l.maxPrompts)) -}}
+{{- $_ := set $s "SPECWIRE_MAX_BEAMS" (toString (int64 $l.maxBeams)) -}}
+{{- $_ := set $s "SPECWIRE_MAX_STOP_STRINGS" (toString (int64 $l.maxStopStrings)) -}}
+{{- $_ := set $s "SPECWIRE_MAX_STOP_STRING_CHARS" (toString (int64 $l.maxStopStringChars)) -}}
+{{- $_ := set $s "SPECWIRE_MAX_BIAS_ENTRIES" (toString (int64 $l.maxBiasEntries)) -}}
+{{- $_ := set $s "SPECWIRE_MAX_PROMPT_CHARS" (toString (int64 $l.maxPromptChars)) -}}
+{{- $_ := set $s "SPECWIRE_PREPARE_WORKERS" (toString (int64 $l.prepareWorkers)) -}}
+{{- $_ := set $s "SPECWIRE_MAX_PREPARING" (toString (int64 $l.maxPreparing)) -}}
 {{- end -}}
 {{- if $root.Values.metrics.enabled -}}
 {{- $_ := set $s "SPECWIRE_PROMETHEUS_PORT" (toString $root.Values.metrics.port) -}}
@@ -202,9 +223,11 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- define "specwire.args" -}}
 {{- $v := index .root.Values .component -}}
 {{- $settings := include "specwire.settings" . | fromYaml -}}
-{{- $args := list "--host" "$(SPECWIRE_HOST)" "--port" "$(SPECWIRE_PORT)" -}}
+{{- $args := list "--host" "$(SPECWIRE_HOST)" "--port" "$(SPECWIRE_PORT)" "--grace" "$(SPECWIRE_GRACE)" -}}
+{{- $args = concat $args (list "--max-message-bytes" "$(SPECWIRE_MAX_MESSAGE_BYTES)" "--max-concurrent-rpcs" "$(SPECWIRE_MAX_CONCURRENT_RPCS)") -}}
 {{- if eq .component "config" -}}
 {{- $args = concat $args (list "--db" "$(SPECWIRE_DB)") -}}
+{{- $args = concat $args (list "--max-config-bytes" "$(SPECWIRE_MAX_CONFIG_BYTES)" "--max-extra-bytes" "$(SPECWIRE_MAX_EXTRA_BYTES)") -}}
 {{- end -}}
 {{- if hasKey $settings "SPECWIRE_MODEL" -}}
 {{- $args = concat $args (list "--model" "$(SPECWIRE_MODEL)") -}}
@@ -223,6 +246,12 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $args = concat $args (list "--kv-cache-mb" "$(SPECWIRE_KV_CACHE_MB)") -}}
 {{- if hasKey $settings "SPECWIRE_SLOT_TOKENS" -}}
 {{- $args = concat $args (list "--slot-tokens" "$(SPECWIRE_SLOT_TOKENS)") -}}
+{{- end -}}
+{{- range $flag := list "max-model-len" "max-new-tokens" "max-request-rows" "max-prompts" "max-beams" "max-stop-strings" "max-stop-string-chars" "max-bias-entries" "max-output-bytes" "max-prompt-chars" "prepare-workers" "max-preparing" -}}
+{{- $env := printf "SPECWIRE_%s" (upper (replace "-" "_" $flag)) -}}
+{{- if hasKey $settings $env -}}
+{{- $args = concat $args (list (printf "--%s" $flag) (printf "$(%s)" $env)) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- toYaml (concat $args ($v.extraArgs | default list)) -}}
@@ -270,6 +299,19 @@ failureThreshold: {{ .probe.failureThreshold }}
 {{- toYaml $res -}}
 {{- end -}}
 
+{{/*
+The server's `--grace` (dict "root" $ "component" c): `graceSeconds`, or what the pod leaves after its
+preStop sleep minus 5 s, so the server has drained and exited before the kubelet's SIGKILL.
+*/}}
+{{- define "specwire.grace" -}}
+{{- $v := index .root.Values .component -}}
+{{- if gt (int $v.graceSeconds) 0 -}}
+{{- int $v.graceSeconds -}}
+{{- else -}}
+{{- max 1 (sub (sub (int $v.terminationGracePeriodSeconds) (int $v.preStopSleepSeconds)) 5) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Checks of values that the schema cannot express. */}}
 {{- define "specwire.validate" -}}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
@@ -283,6 +325,16 @@ failureThreshold: {{ .probe.failureThreshold }}
 {{- end -}}
 {{- if and (not .Values.config.enabled) (not .Values.target.configAddress) -}}
 {{- fail "config.enabled is false: set target.configAddress to the config registry the target should use" -}}
+{{- end -}}
+{{- range $c := list "config" "draft" "target" -}}
+{{- $v := index $.Values $c -}}
+{{- $grace := int (include "specwire.grace" (dict "root" $ "component" $c)) -}}
+{{- if ge (add $grace (int $v.preStopSleepSeconds)) (int $v.terminationGracePeriodSeconds) -}}
+{{- fail (printf "%s: --grace %ds after a %ds preStop sleep does not end before terminationGracePeriodSeconds (%d): raise terminationGracePeriodSeconds or lower graceSeconds" $c $grace (int $v.preStopSleepSeconds) (int $v.terminationGracePeriodSeconds)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (gt (int64 .Values.target.limits.maxOutputBytes) 0) (gt (int64 .Values.target.limits.maxOutputBytes) (int64 .Values.target.maxMessageBytes)) -}}
+{{- fail (printf "target.limits.maxOutputBytes (%d) is above target.maxMessageBytes (%d): such a response could never be sent" (int64 .Values.target.limits.maxOutputBytes) (int64 .Values.target.maxMessageBytes)) -}}
 {{- end -}}
 {{- range $c := list "draft" "target" -}}
 {{- $a := (index $.Values $c).autoscaling -}}

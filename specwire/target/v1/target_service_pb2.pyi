@@ -164,7 +164,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "bos_token_id", "eos_token_ids", "pad_token_id", "max_position_embeddings", "generation_config", "device", "dtype", "architecture", "peak_device_memory_bytes")
+    __slots__ = ("model_id", "vocab_size", "bos_token_id", "eos_token_ids", "pad_token_id", "max_position_embeddings", "generation_config", "device", "dtype", "architecture", "peak_device_memory_bytes", "limits")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class GetModelInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     PEAK_DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     bos_token_id: int
@@ -187,4 +188,31 @@ class GetModelInfoResponse(_message.Message):
     dtype: str
     architecture: str
     peak_device_memory_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., generation_config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., peak_device_memory_bytes: _Optional[int] = ...) -> None: ...
+    limits: RequestLimits
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., generation_config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., peak_device_memory_bytes: _Optional[int] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
+
+class RequestLimits(_message.Message):
+    __slots__ = ("max_model_len", "max_new_tokens", "max_request_rows", "max_prompts", "max_beams", "max_stop_strings", "max_stop_string_chars", "max_bias_entries", "max_output_bytes", "max_prompt_chars", "max_message_bytes")
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRING_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BIAS_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_model_len: int
+    max_new_tokens: int
+    max_request_rows: int
+    max_prompts: int
+    max_beams: int
+    max_stop_strings: int
+    max_stop_string_chars: int
+    max_bias_entries: int
+    max_output_bytes: int
+    max_prompt_chars: int
+    max_message_bytes: int
+    def __init__(self, max_model_len: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_request_rows: _Optional[int] = ..., max_prompts: _Optional[int] = ..., max_beams: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_bias_entries: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
