@@ -6,13 +6,12 @@ Usage: config-service --host 127.0.0.1 --port 50051 --db registry.db
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 from config_service.service import ConfigServicer
 from config_service.storage import ConfigStore
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
-from specwire.serving import GrpcServer, ServiceBinding, setup_logging
+from specwire.serving import GrpcServer, ServiceBinding, run_until_signal, setup_logging
 from specwire.telemetry import setup_telemetry
 
 SERVICE_NAME = "specwire.config.v1.ConfigService"
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_telemetry("specwire-config")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     server = build_server(args.db, args.host, args.port, args.grace)
     logging.getLogger("specwire.config_service").info("registry database: %s", args.db)
-    asyncio.run(server.serve_until_signal())
+    run_until_signal(server, "config-service")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,12 @@ Usage: target-service --host 127.0.0.1 --port 50052 --model default [--config-ad
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
-from specwire.serving import GrpcServer, ServiceBinding, setup_logging
+from specwire.serving import GrpcServer, ServiceBinding, run_until_signal, setup_logging
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.telemetry import setup_telemetry
 from target_service.config_resolver import ConfigResolver
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     server = build_server(
         loaded, args.config_address, args.host, args.port, args.grace, drafting, args.scheduler, options
     )
-    asyncio.run(server.serve_until_signal())
+    run_until_signal(server, "target-service")
 
 
 if __name__ == "__main__":
