@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from config_service.service import ConfigServicer
 from config_service.storage import ConfigStore
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
+from specwire.paths import default_registry
 from specwire.serving import GrpcServer, ServiceBinding, run_until_signal, setup_logging
 from specwire.telemetry import setup_telemetry
 
@@ -30,12 +32,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--port", type=int, default=50051, help="port to bind, 0 for any free one (default 50051)"
     )
-    parser.add_argument("--db", default="specwire-registry.db", help="SQLite file (created if missing)")
+    parser.add_argument(
+        "--db",
+        default=str(default_registry()),
+        help="SQLite file, created if missing (default: %(default)s; SPECWIRE_HOME moves it)",
+    )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     setup_telemetry("specwire-config")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
+    Path(args.db).parent.mkdir(parents=True, exist_ok=True)
     server = build_server(args.db, args.host, args.port, args.grace)
     logging.getLogger("specwire.config_service").info("registry database: %s", args.db)
     run_until_signal(server, "config-service")
