@@ -2,6 +2,7 @@
 
 specwire demo ["prompt"]        start every service locally, generate with speculation, print text and stats, stop
 specwire serve                  start every service locally with the embedded model until Ctrl-C
+specwire health [--wait S]      whether the local services answer SERVING (waits up to S seconds)
 specwire generate "prompt"      generate through a running target service
 specwire config ...             the config registry: create/get/list/update/delete/tag/validate/import/export
 specwire stats --prometheus URL speculative acceptance per proposer and config (optionally a PNG)
@@ -396,6 +397,26 @@ def _serve_command(args) -> int:
         print("stopped", file=sys.stderr)
 
 
+def _health_command(args) -> int:
+    from client.health import NotHealthy, wait_healthy
+
+    failed = 0
+    for name, address in (
+        ("config", args.config_address),
+        ("target", args.target_address),
+        ("draft", args.draft_address),
+    ):
+        try:
+            wait_healthy(address, timeout=max(args.wait, 0.5))
+            print(f"{name}-service {address}: SERVING")
+        except NotHealthy:
+            print(f"{name}-service {address}: not serving", file=sys.stderr)
+            failed += 1
+    if failed:
+        print(f"hint: {_HINTS['UNAVAILABLE']}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
 def _demo_command(args) -> int:
     from client import ConfigClient, TargetClient
 
@@ -501,6 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default="INFO", help="log level of the services")
     stack_options(serve)
+
+    health = add(sub, "health", help="check that the services answer (grpc.health.v1)")
+    health.add_argument("--wait", type=float, default=0.0, help="seconds to wait for them to become healthy")
+    health.add_argument("--config-address", default="127.0.0.1:50051", help="config service host:port")
+    health.add_argument("--target-address", default="127.0.0.1:50052", help="target service host:port")
+    health.add_argument("--draft-address", default="127.0.0.1:50053", help="draft service host:port")
 
     gen = add(sub, "generate", help="generate through a running target service")
     gen.add_argument("prompt", nargs="*", help="prompt text (several = a batch)")
@@ -621,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve_command(args)
         if args.command == "demo":
             return _demo_command(args)
+        if args.command == "health":
+            return _health_command(args)
     except SpecwireRpcError as exc:
         _print_rpc_error(exc)
         return EXIT_FAILED

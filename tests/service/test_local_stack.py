@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from client.cli import main
 from config_service.__main__ import build_server as build_config_server
 from tests.servers import free_port, threaded_server
 
@@ -72,9 +73,7 @@ def _until_healthy(process: subprocess.Popen) -> list[str]:
     return lines
 
 
-def test_serve_keeps_state_in_specwire_home_refuses_a_second_copy_and_takes_its_children_down(
-    tiny_model_dir, tmp_path
-):
+def test_serve_keeps_state_in_specwire_home_refuses_a_second_copy_and_takes_its_children_down(tiny_model_dir, tmp_path):
     ports = [str(free_port()) for _ in range(3)]
     serve = _serve(tiny_model_dir, tmp_path / "home", ports)
     try:
@@ -84,6 +83,8 @@ def test_serve_keeps_state_in_specwire_home_refuses_a_second_copy_and_takes_its_
         assert (tmp_path / "home" / "logs" / "target-service.log").is_file()
         children = _children(serve.pid)
         assert len(children) == 3
+        addresses = [f"--{n}-address=127.0.0.1:{p}" for n, p in zip(("config", "target", "draft"), ports, strict=True)]
+        assert main(["health", *addresses]) == 0
 
         # A second serve on the same ports: refused, naming who holds the port; the first is unharmed.
         second = _serve(tiny_model_dir, tmp_path / "home2", ports)
@@ -95,6 +96,7 @@ def test_serve_keeps_state_in_specwire_home_refuses_a_second_copy_and_takes_its_
         serve.send_signal(signal.SIGKILL)  # no chance to clean up: the children must go by themselves
         serve.wait(10)
         assert _wait(lambda: not any(_alive(pid) for pid in children)), [p for p in children if _alive(p)]
+        assert main(["health", *addresses]) == 1
     finally:
         if serve.poll() is None:
             serve.kill()
