@@ -2,6 +2,7 @@
 
 specwire demo ["prompt"]        start every service locally, generate with speculation, print text and stats, stop
 specwire serve                  start every service locally with the embedded model until Ctrl-C
+specwire health [--wait S]      whether the local services answer SERVING (waits up to S seconds)
 specwire generate "prompt"      generate through a running target service
 specwire config ...             the config registry: create/get/list/update/delete/tag/validate/import/export
 specwire stats --prometheus URL speculative acceptance per proposer and config (optionally a PNG)
@@ -22,6 +23,13 @@ from typing import Any
 
 DEFAULT_PROMPT = "Explain in two sentences why speculative decoding makes text generation faster."
 
+# Exit codes, the same for every subcommand.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (exit 2, like argparse's own errors)."""
+
 
 def parse_assignments(items: list[str] | None, what: str = "--set") -> dict[str, Any]:
     """`key=value` pairs; values are JSON when they parse as JSON (numbers, true, lists), else strings."""
@@ -29,7 +37,7 @@ def parse_assignments(items: list[str] | None, what: str = "--set") -> dict[str,
     for item in items or []:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"{what} expects key=value, got {item!r}")
+            raise UsageError(f"{what} expects key=value, got {item!r}")
         try:
             values[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -37,11 +45,20 @@ def parse_assignments(items: list[str] | None, what: str = "--set") -> dict[str,
     return values
 
 
+def _read_source(path: str) -> str:
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+
+
 def _config_from_args(args) -> dict[str, Any]:
     config: dict[str, Any] = {}
-    if getattr(args, "json", None):
-        text = sys.stdin.read() if args.json == "-" else Path(args.json).read_text()
-        config.update(json.loads(text))
+    if getattr(args, "file", None):
+        try:
+            config.update(json.loads(_read_source(args.file)))
+        except ValueError as exc:
+            raise UsageError(f"{args.file} is not a JSON object: {exc}") from None
     config.update(parse_assignments(getattr(args, "set", None)))
     return config
 
@@ -97,26 +114,27 @@ def _config_command(args) -> int:
             for v in result.violations:
                 print(f"{v.severity}: {v.field} = {v.value}: {v.message}")
             print("valid" if result.valid else "invalid")
-            return 0 if result.valid else 1
+            return EXIT_OK if result.valid else EXIT_FAILED
         elif cmd == "import":
             if args.hub:
                 record = client.import_from_hub(args.hub, args.revision, args.filename, args.name)
             else:
-                if not args.name:
-                    raise SystemExit("specwire config import --json FILE needs --name")
-                text = sys.stdin.read() if args.json == "-" else Path(args.json).read_text()
-                record = client.import_json(text, args.name)
+                if not args.file or not args.name:
+                    raise UsageError("specwire config import needs --hub REPO, or --file FILE with --name NAME")
+                record = client.import_json(_read_source(args.file), args.name)
             _print_record(record, args.as_json)
         elif cmd == "export":
             print(client.export(args.ref))
-    return 0
+    return EXIT_OK
 
 
 def _generate_command(args) -> int:
     from client import TargetClient
 
+    if not args.prompt:
+        raise UsageError('give a prompt, e.g. specwire generate "Hello" (several prompts make a batch)')
     overrides = parse_assignments(args.set)
-    prompts = args.prompt or [DEFAULT_PROMPT]
+    prompts = args.prompt
     with TargetClient(args.address, timeout=args.timeout) as client:
         kwargs = dict(
             text=prompts if len(prompts) > 1 else prompts[0],
@@ -133,8 +151,9 @@ def _generate_command(args) -> int:
                 else:
                     output = item
             print()
+            _print_warnings(output)
             _print_stats(output)
-            return 0
+            return EXIT_OK
         output = client.generate(**kwargs)
     if args.as_json:
         print(
@@ -145,16 +164,30 @@ def _generate_command(args) -> int:
                     "sequences": output.sequences.tolist(),
                     "speculation": output.speculation.__dict__,
                     "config": {"name": output.config_name, "version": output.config_version},
+                    "warnings": [w.__dict__ for w in output.warnings],
                 },
                 indent=2,
             )
         )
-        return 0
+        _print_warnings(output)
+        return EXIT_OK
     for i, text in enumerate(output.text):
         prefix = f"[{i}] " if len(output.text) > 1 else ""
         print(f"{prefix}{text}")
+    _print_warnings(output)
     _print_stats(output)
-    return 0
+    return EXIT_OK
+
+
+def _print_warnings(output) -> None:
+    """The server's warnings (transformers' own, e.g. a temperature without sampling) on stderr."""
+    for w in output.warnings if output is not None else ():
+        print(f"warning: {w.field}: {w.message}", file=sys.stderr)
+
+
+def speculation_ran(stats) -> bool:
+    """Whether the request speculated (or tried to): plain requests print no speculation line."""
+    return stats.proposer not in ("", "none", "unspecified") or stats.rounds > 0 or bool(stats.fallback_reason)
 
 
 def _print_stats(output) -> None:
@@ -162,6 +195,8 @@ def _print_stats(output) -> None:
         return
     s = output.speculation
     print(f"-- finish: {', '.join(output.finish_reasons)} | model: {output.model_id}")
+    if not speculation_ran(s):
+        return
     mean_length = 1 + s.accepted_tokens / s.rounds if s.rounds else 1.0
     print(
         f"-- speculation: proposer={s.proposer} rounds={s.rounds} drafted={s.drafted_tokens} "
@@ -177,9 +212,34 @@ def _print_stats(output) -> None:
         print(f"-- fell back to plain decoding: {s.fallback_reason}")
 
 
-def _spawn(args: list[str], drop: tuple[str, ...] = ()) -> subprocess.Popen:
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: `serve`'s own exit path still stops them
+        pass
+
+
+def _spawn(args: list[str], drop: tuple[str, ...] = (), log: Path | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    return subprocess.Popen([sys.executable, "-m", *args], env={**env, "PYTHONUNBUFFERED": "1"})
+    output = None if log is None else open(log, "ab")  # noqa: SIM115 - the child holds it; closed below
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", *args],
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        if output is not None:
+            output.close()
+
+
+class ServiceFailed(Exception):
+    """A local service did not come up (exit 1 with its reason)."""
 
 
 def _wait_healthy(address: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
@@ -188,25 +248,64 @@ def _wait_healthy(address: str, process: subprocess.Popen, timeout: float = 600.
     try:
         wait_healthy(address, timeout=timeout, process=process)
     except NotHealthy as exc:
-        raise SystemExit(f"{' '.join(process.args[2:4])} on {address} {exc}") from None
+        raise ServiceFailed(f"{process.args[2].replace('_', '-')} on {address} {exc}") from None
 
 
 class LocalStack:
-    """Config, draft and target services as child processes on loopback (what `serve` and `demo` run)."""
+    """Config, draft and target services as child processes on loopback (what `serve` and `demo` run).
 
-    def __init__(self, args):
+    The children die with this process (SIGTERM on its exit, even a SIGKILL of it, on Linux). With
+    `log_dir`, each service writes its log to `<log_dir>/<service>.log` instead of this terminal.
+    """
+
+    def __init__(self, args, log_dir: Path | None = None):
         self.args = args
+        self.log_dir = log_dir
         self.processes: list[subprocess.Popen] = []
+        self.logs: list[Path | None] = []
         self.config_address = f"{args.host}:{args.config_port}"
         self.draft_address = f"{args.host}:{args.draft_port}"
         self.target_address = f"{args.host}:{args.target_port}"
 
+    def _start(self, name: str, args: list[str], drop: tuple[str, ...] = ()) -> subprocess.Popen:
+        log = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = self.log_dir / f"{name}.log"
+        process = _spawn(args, drop, log)
+        self.processes.append(process)
+        self.logs.append(log)
+        return process
+
+    def _check_ports_free(self) -> None:
+        """Fail before starting anything when a port is taken (a health check would reach its holder)."""
+        import socket
+
+        from specwire.ports import port_in_use
+
+        for port in (self.args.config_port, self.args.draft_port, self.args.target_port):
+            with socket.socket() as probe:
+                try:
+                    probe.bind((self.args.host, port))
+                except OSError:
+                    raise ServiceFailed(str(port_in_use(self.args.host, port))) from None
+
+    def last_words(self, process: subprocess.Popen) -> str:
+        """The last line of a service's log file, when it has one."""
+        log = self.logs[self.processes.index(process)]
+        if log is None or not log.is_file():
+            return ""
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        return f": {lines[-1]} (log: {log})" if lines else ""
+
     def __enter__(self) -> LocalStack:
         a = self.args
+        self._check_ports_free()
         log = ["--log-level", a.log_level]
         print(f"starting config-service on {self.config_address} (registry {a.db})", file=sys.stderr)
         # SPECWIRE_PROMETHEUS_PORT goes to the target only (its speculation metrics): servers can't share a port.
-        config = _spawn(
+        self._start(
+            "config-service",
             ["config_service", "--host", a.host, "--port", str(a.config_port), "--db", a.db, *log],
             drop=("SPECWIRE_PROMETHEUS_PORT",),
         )
@@ -216,7 +315,8 @@ class LocalStack:
             f"{'' if a.draft_model == 'none' else ', draft model ' + a.draft_model})",
             file=sys.stderr,
         )
-        draft = _spawn(
+        self._start(
+            "draft-service",
             ["draft_service", "--host", a.host, "--port", str(a.draft_port), *draft_model, *log],
             drop=("SPECWIRE_PROMETHEUS_PORT",),
         )
@@ -224,7 +324,8 @@ class LocalStack:
             f"starting target-service on {self.target_address} (model {a.model}; loading takes a while)",
             file=sys.stderr,
         )
-        target = _spawn(
+        self._start(
+            "target-service",
             [
                 "target_service",
                 "--host",
@@ -242,13 +343,17 @@ class LocalStack:
                 "--dtype",
                 a.dtype,
                 *log,
-            ]
+            ],
         )
-        self.processes += [config, draft, target]
+        if self.log_dir is not None:
+            print(f"logs: {self.log_dir}/{{config,draft,target}}-service.log", file=sys.stderr)
         try:
-            _wait_healthy(self.config_address, config)
-            _wait_healthy(self.draft_address, draft)
-            _wait_healthy(self.target_address, target)
+            addresses = (self.config_address, self.draft_address, self.target_address)
+            for address, process in zip(addresses, self.processes, strict=True):
+                try:
+                    _wait_healthy(address, process)
+                except ServiceFailed as failed:  # with the service's own last log line, when it has one
+                    raise ServiceFailed(f"{failed}{self.last_words(process)}") from None
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -268,20 +373,52 @@ class LocalStack:
 
 
 def _serve_command(args) -> int:
-    with LocalStack(args) as stack:
-        print("press Ctrl-C to stop", file=sys.stderr)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-        try:
+    from specwire import paths
+
+    if args.db is None:
+        args.db = str(paths.default_registry())
+        Path(args.db).parent.mkdir(parents=True, exist_ok=True)
+    stack = LocalStack(args, log_dir=None if args.log_dir == "-" else Path(args.log_dir))
+    try:
+        with stack:
+            print(f"registry: {args.db}\npress Ctrl-C to stop", file=sys.stderr)
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
             while all(p.poll() is None for p in stack.processes):
                 time.sleep(1.0)
-            print("a service exited: stopping the others", file=sys.stderr)
-        except KeyboardInterrupt:
-            pass
-    return 0
+            exited = next(p for p in stack.processes if p.poll() is not None)
+            name = exited.args[2].replace("_", "-")
+            print(
+                f"{name} exited ({exited.returncode}){stack.last_words(exited)}: stopping the others", file=sys.stderr
+            )
+            return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        print("stopped", file=sys.stderr)
+
+
+def _health_command(args) -> int:
+    from client.health import NotHealthy, wait_healthy
+
+    failed = 0
+    for name, address in (
+        ("config", args.config_address),
+        ("target", args.target_address),
+        ("draft", args.draft_address),
+    ):
+        try:
+            wait_healthy(address, timeout=max(args.wait, 0.5))
+            print(f"{name}-service {address}: SERVING")
+        except NotHealthy:
+            print(f"{name}-service {address}: not serving", file=sys.stderr)
+            failed += 1
+    if failed:
+        print(f"hint: {_HINTS['UNAVAILABLE']}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def _demo_command(args) -> int:
-    from client import ConfigClient
+    from client import ConfigClient, TargetClient
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.db is None:
@@ -293,114 +430,169 @@ def _demo_command(args) -> int:
             prompt = args.prompt or DEFAULT_PROMPT
             proposer = "prompt_lookup" if args.draft_model == "none" else "draft_model"
             print(f"\nprompt: {prompt}\n(speculation: {proposer})\n", file=sys.stderr)
-            gen_args = argparse.Namespace(
-                address=stack.target_address,
-                timeout=None,
-                prompt=[prompt],
-                config="demo-greedy",
-                set=args.set,
-                stream=True,
-                as_json=False,
-                no_chat=args.no_chat,
-                proposer=proposer,
+            request = dict(
+                text=prompt,
+                generation_config="demo-greedy",
+                apply_chat_template=not args.no_chat,
+                **parse_assignments(args.set),
             )
-            return _generate_command(gen_args)
+            with TargetClient(stack.target_address) as client:
+                started = time.perf_counter()
+                output = None
+                for item in client.stream(proposer=proposer, **request):
+                    if hasattr(item, "row"):
+                        print(item.text, end="", flush=True)
+                    else:
+                        output = item
+                speculative_s = time.perf_counter() - started
+                print()
+                _print_warnings(output)
+                _print_stats(output)
+                # The same request without speculation: what speculation bought on this machine.
+                started = time.perf_counter()
+                plain = client.generate(proposer="none", **request)
+                plain_s = time.perf_counter() - started
+            new_tokens = output.sequences.shape[1] - output.prompt_length
+            plain_tokens = plain.sequences.shape[1] - plain.prompt_length
+            same = "same text" if plain.text == output.text else "DIFFERENT text (please report this)"
+            print(
+                f"-- speed: {new_tokens / speculative_s:.1f} tokens/s with {proposer}, "
+                f"{plain_tokens / plain_s:.1f} tokens/s plain decoding ({same})"
+            )
+            return EXIT_OK
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default in --help."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specwire import paths
+
     parser = argparse.ArgumentParser(
-        prog="specwire", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="specwire",
+        description=__doc__,
+        formatter_class=_HelpFormatter,
+        epilog="exit codes: 0 done, 1 the request or a service failed, 2 usage error, 130 interrupted (Ctrl-C)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def add(subparsers, name: str, **kwargs) -> argparse.ArgumentParser:
+        return subparsers.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
+
     def stack_options(p):
-        p.add_argument("--model", default="default", help="model of the target service (default: embedded SmolLM2)")
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--config-port", type=int, default=50051)
-        p.add_argument("--target-port", type=int, default=50052)
-        p.add_argument("--draft-port", type=int, default=50053)
+        p.add_argument("--model", default="default", help="model of the target service ('default': embedded SmolLM2)")
+        p.add_argument("--host", default="127.0.0.1", help="address every service binds")
+        p.add_argument("--config-port", type=int, default=50051, help="config service port")
+        p.add_argument("--target-port", type=int, default=50052, help="target service port")
+        p.add_argument("--draft-port", type=int, default=50053, help="draft service port")
         p.add_argument(
             "--draft-model",
             default="default-int8",
-            help="draft service model ('none' = prompt lookup only; default: the embedded model in int8)",
+            help="draft service model ('none': prompt lookup only; 'default-int8': the embedded model in int8)",
         )
-        p.add_argument("--device", default="cpu")
-        p.add_argument("--dtype", default="float32")
+        p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, cuda:1, ...)")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
 
-    demo = sub.add_parser("demo", help="start the services, generate one answer, print text and stats, stop")
-    demo.add_argument("prompt", nargs="?", default=None)
+    def chat_option(p):
+        p.add_argument(
+            "--no-chat",
+            action="store_true",
+            help="send the prompt as plain text, as the Python client does by default (the CLI wraps it in the "
+            "model's chat template, as a chat UI would; the Python client's apply_chat_template=True does the same)",
+        )
+
+    demo = add(sub, "demo", help="start the services, generate one answer, print text and stats, stop")
+    demo.add_argument("prompt", nargs="?", default=None, help=f"default: {DEFAULT_PROMPT!r}")
     demo.add_argument("--db", default=None, help="registry file (default: a temporary one)")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument(
-        "--no-chat",
-        action="store_true",
-        help="send the prompt as plain text (models without a chat template)",
-    )
+    demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    chat_option(demo)
     demo.add_argument("--set", action="append", metavar="KEY=VALUE", help="GenerationConfig override")
-    demo.add_argument("--log-level", default="WARNING", help="log level of the services (default WARNING)")
+    demo.add_argument("--log-level", default="WARNING", help="log level of the services")
     stack_options(demo)
 
-    serve = sub.add_parser("serve", help="start every service locally until Ctrl-C")
-    serve.add_argument("--db", default="specwire-registry.db", help="registry SQLite file")
-    serve.add_argument("--log-level", default="INFO", help="log level of the services (default INFO)")
+    serve = add(sub, "serve", help="start every service locally until Ctrl-C")
+    serve.add_argument(
+        "--db", default=None, help=f"registry SQLite file (default: {paths.default_registry()}; SPECWIRE_HOME moves it)"
+    )
+    serve.add_argument(
+        "--log-dir",
+        default=str(paths.log_dir()),
+        help="folder of the services' log files ('-': this terminal)",
+    )
+    serve.add_argument("--log-level", default="INFO", help="log level of the services")
     stack_options(serve)
 
-    gen = sub.add_parser("generate", help="generate through a running target service")
+    health = add(sub, "health", help="check that the services answer (grpc.health.v1)")
+    health.add_argument("--wait", type=float, default=0.0, help="seconds to wait for them to become healthy")
+    health.add_argument("--config-address", default="127.0.0.1:50051", help="config service host:port")
+    health.add_argument("--target-address", default="127.0.0.1:50052", help="target service host:port")
+    health.add_argument("--draft-address", default="127.0.0.1:50053", help="draft service host:port")
+
+    gen = add(sub, "generate", help="generate through a running target service")
     gen.add_argument("prompt", nargs="*", help="prompt text (several = a batch)")
     gen.add_argument("--address", default="127.0.0.1:50052", help="target service host:port")
     gen.add_argument("--config", default=None, help="registry reference: name, name@VERSION or name:TAG")
     gen.add_argument("--set", action="append", metavar="KEY=VALUE", help="GenerationConfig field override")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", dest="as_json", action="store_true", help="print the whole output as JSON")
-    gen.add_argument("--no-chat", action="store_true", help="send the prompt as plain text, without the chat template")
-    gen.add_argument("--proposer", choices=["none", "prompt_lookup", "draft_model"], default=None)
-    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    chat_option(gen)
+    gen.add_argument(
+        "--proposer",
+        choices=["none", "prompt_lookup", "draft_model"],
+        default=None,
+        help="speculation (default: the target's --default-proposer)",
+    )
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
 
-    cfg = sub.add_parser("config", help="the config registry")
+    cfg = add(sub, "config", help="the config registry")
     cfg.add_argument("--address", default="127.0.0.1:50051", help="config service host:port")
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
 
     def config_source(p):
-        p.add_argument("--json", help="generation_config.json file ('-' for stdin)")
+        p.add_argument("--file", default=None, help="a generation_config.json file ('-' for stdin)")
+        # `--json` meant the input file here and the output format for `generate`; kept for one release.
+        p.add_argument("--json", dest="file", default=None, help=argparse.SUPPRESS, action=_DeprecatedFile)
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="field value (JSON or text)")
 
     def json_flag(p):
         p.add_argument("--as-json", dest="as_json", action="store_true", help="print the record as JSON")
 
-    p = cfg_sub.add_parser("create", help="store a new named config (version 1)")
+    p = add(cfg_sub, "create", help="store a new named config (version 1)")
     p.add_argument("name")
     config_source(p)
-    p.add_argument("--label", action="append", metavar="KEY=VALUE")
+    p.add_argument("--label", action="append", metavar="KEY=VALUE", help="a label stored with the config")
     json_flag(p)
-    p = cfg_sub.add_parser("get", help="show name, name@VERSION or name:TAG")
+    p = add(cfg_sub, "get", help="show name, name@VERSION or name:TAG")
     p.add_argument("ref")
     json_flag(p)
-    p = cfg_sub.add_parser("list", help="list configs (latest versions)")
-    p.add_argument("--prefix", default="")
-    p = cfg_sub.add_parser("update", help="store a new version")
+    p = add(cfg_sub, "list", help="list configs (latest versions)")
+    p.add_argument("--prefix", default="", help="only names starting with this")
+    p = add(cfg_sub, "update", help="store a new version")
     p.add_argument("name")
     config_source(p)
-    p.add_argument("--expected-version", type=int, default=None)
+    p.add_argument("--expected-version", type=int, default=None, help="fail unless the latest version is this one")
     json_flag(p)
-    p = cfg_sub.add_parser("delete", help="delete a config and all its versions")
+    p = add(cfg_sub, "delete", help="delete a config and all its versions")
     p.add_argument("name")
-    p.add_argument("--expected-version", type=int, default=None)
-    p = cfg_sub.add_parser("tag", help="point NAME:TAG at VERSION")
+    p.add_argument("--expected-version", type=int, default=None, help="fail unless the latest version is this one")
+    p = add(cfg_sub, "tag", help="point NAME:TAG at VERSION")
     p.add_argument("name")
     p.add_argument("tag")
     p.add_argument("version", type=int)
     json_flag(p)
-    p = cfg_sub.add_parser("validate", help="check a config without storing it")
+    p = add(cfg_sub, "validate", help="check a config without storing it")
     config_source(p)
     p.add_argument("--strict", action="store_true", help="warnings count as errors")
-    p = cfg_sub.add_parser("import", help="import a generation_config.json from the Hub or a file")
-    p.add_argument("--hub", help="Hub repo id")
-    p.add_argument("--revision", default="main")
-    p.add_argument("--filename", default="generation_config.json")
-    p.add_argument("--json", help="a local generation_config.json ('-' for stdin)")
-    p.add_argument("--name", default=None)
+    p = add(cfg_sub, "import", help="import a generation_config.json from the Hub or a file")
+    p.add_argument("--hub", help="Hub repo id (offline: read from the local Hugging Face cache)")
+    p.add_argument("--revision", default="main", help="Hub revision")
+    p.add_argument("--filename", default="generation_config.json", help="file in the Hub repo")
+    p.add_argument("--file", default=None, help="a local generation_config.json ('-' for stdin)")
+    p.add_argument("--json", dest="file", default=None, help=argparse.SUPPRESS, action=_DeprecatedFile)
+    p.add_argument("--name", default=None, help="registry name (default: the Hub repo's)")
     json_flag(p)
-    p = cfg_sub.add_parser("export", help="print a version as generation_config.json")
+    p = add(cfg_sub, "export", help="print a version as generation_config.json")
     p.add_argument("ref")
 
     from client.stats import add_parser as add_stats_parser
@@ -409,18 +601,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _DeprecatedFile(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(
+            "warning: `specwire config ... --json FILE` is now --file FILE (--json goes in a later release)",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+_HINTS = {
+    "UNAVAILABLE": "is the service running at that address? `specwire serve` starts all three locally",
+    "DEADLINE_EXCEEDED": "raise --timeout, or ask for fewer tokens",
+}
+
+
+def _print_rpc_error(exc) -> None:
+    """One line for the error; its field violations only where the message does not already say them."""
+    print(f"error: {exc.code().name}: {exc.message}", file=sys.stderr)
+    for v in exc.violations:
+        if v.field not in exc.message:
+            print(f"  {v.field} = {v.value}: {v.message}", file=sys.stderr)
+    hint = _HINTS.get(exc.code().name)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from client.errors import SpecwireRpcError
     from specwire.telemetry import get_tracer, setup_telemetry
+    from specwire.wire.generation_config import WireFormatError
 
-    if args.command == "stats":
-        from client.stats import stats_command
-
-        return stats_command(args)
-    # OTEL_* tracing of the client's calls; the scrape port is for servers, not for the CLI.
-    setup_telemetry("specwire-cli", env={k: v for k, v in os.environ.items() if k != "SPECWIRE_PROMETHEUS_PORT"})
     try:
+        if args.command == "stats":
+            from client.stats import stats_command
+
+            return stats_command(args)
+        # OTEL_* tracing of the client's calls; the scrape port is for servers, not for the CLI.
+        setup_telemetry("specwire-cli", env={k: v for k, v in os.environ.items() if k != "SPECWIRE_PROMETHEUS_PORT"})
         if args.command in ("config", "generate"):
             with get_tracer().start_as_current_span(f"specwire {args.command}"):  # the trace's root
                 return _config_command(args) if args.command == "config" else _generate_command(args)
@@ -428,12 +648,24 @@ def main(argv: list[str] | None = None) -> int:
             return _serve_command(args)
         if args.command == "demo":
             return _demo_command(args)
+        if args.command == "health":
+            return _health_command(args)
     except SpecwireRpcError as exc:
-        print(f"error: {exc.code().name}: {exc.message}", file=sys.stderr)
-        for v in exc.violations:
-            print(f"  {v.field} = {v.value}: {v.message}", file=sys.stderr)
-        return 2
-    return 0
+        _print_rpc_error(exc)
+        return EXIT_FAILED
+    except (UsageError, WireFormatError, ValueError, TypeError) as exc:
+        # A bad --set value or argument, found before anything was sent (SPECWIRE_DEBUG=1: the traceback).
+        if os.environ.get("SPECWIRE_DEBUG"):
+            raise
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ServiceFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("\nstopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
 
 
 if __name__ == "__main__":

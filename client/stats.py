@@ -151,7 +151,10 @@ def plot(groups: list[Acceptance], path: str | Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit("specwire stats --png needs matplotlib: pip install 'specwire[bench]'") from exc
+        raise SystemExit(
+            "specwire stats --png needs matplotlib: from the checkout, `.venv/bin/pip install -e '.[bench]'` "
+            "(or `bash scripts/install.sh --dev`)"
+        ) from exc
     figure, axes = plt.subplots(figsize=(7, 4))
     for g in groups:
         rates = g.position_rates()

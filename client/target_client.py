@@ -80,6 +80,7 @@ class GenerateOutput:
     config_version: int = 0
     model_id: str = ""
     warnings: list[Violation] = field(default_factory=list)
+    prompt_length: int = 0  # `sequences[:, prompt_length:]` are the generated tokens
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> GenerateOutput:
@@ -105,6 +106,7 @@ class GenerateOutput:
             config_version=response.config.version,
             model_id=response.model_id,
             warnings=[Violation.from_proto(w) for w in response.warnings],
+            prompt_length=max((s.prompt_length for s in response.sequences), default=0),
         )
 
 

@@ -6,13 +6,14 @@ Usage: config-service --host 127.0.0.1 --port 50051 --db registry.db
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+from pathlib import Path
 
 from config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_EXTRA_BYTES, ConfigServicer
 from config_service.storage import ConfigStore
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
-from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, setup_logging
+from specwire.paths import default_registry
+from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, run_until_signal, setup_logging
 from specwire.telemetry import setup_telemetry
 
 SERVICE_NAME = "specwire.config.v1.ConfigService"
@@ -50,7 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--port", type=int, default=50051, help="port to bind, 0 for any free one (default 50051)"
     )
-    parser.add_argument("--db", default="specwire-registry.db", help="SQLite file (created if missing)")
+    parser.add_argument(
+        "--db",
+        default=str(default_registry()),
+        help="SQLite file, created if missing (default: %(default)s; SPECWIRE_HOME moves it)",
+    )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
     parser.add_argument(
         "--max-config-bytes",
@@ -82,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     setup_telemetry("specwire-config")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
+    Path(args.db).parent.mkdir(parents=True, exist_ok=True)
     server = build_server(
         args.db,
         args.host,
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_concurrent_rpcs,
     )
     logging.getLogger("specwire.config_service").info("registry database: %s", args.db)
-    asyncio.run(server.serve_until_signal())
+    run_until_signal(server, "config-service")
 
 
 if __name__ == "__main__":

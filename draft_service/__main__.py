@@ -10,14 +10,13 @@ SmolLM2 quantized to int8, a realistic CPU draft).
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from draft_service.service import DraftServicer
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
-from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, setup_logging
+from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, run_until_signal, setup_logging
 from specwire.telemetry import setup_telemetry
 
 SERVICE_NAME = "specwire.draft.v1.DraftService"
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_message_bytes,
         args.max_concurrent_rpcs,
     )
-    asyncio.run(server.serve_until_signal())
+    run_until_signal(server, "draft-service")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specwire import telemetry
 from specwire.errors import SpecwireError
+from specwire.ports import PortInUse, port_in_use
 from specwire.rpc_limits import ConcurrencyLimitInterceptor
 from specwire.security import server_credentials, server_interceptors
 from specwire.wire.common import violation_to_proto
@@ -149,6 +150,9 @@ class GrpcServer:
         self.options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # gRPC's default SO_REUSEPORT lets a second server bind the same port and silently take
+            # half the calls: refuse the bind instead (`specwire.ports`).
+            ("grpc.so_reuseport", 0),
             *(options or []),
         ]
         # The cap runs after the caller's interceptors (tracing sees refused calls) and before auth
@@ -175,11 +179,14 @@ class GrpcServer:
         )
         credentials = server_credentials()
         address = f"{self.host}:{self.requested_port}"
-        self.port = (
-            server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-        )
+        try:
+            self.port = (
+                server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+            )
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            self.port = 0
         if not self.port:
-            raise OSError(f"could not bind {self.host}:{self.requested_port}")
+            raise port_in_use(self.host, self.requested_port)
         await server.start()
         self.server = server
         for name in ["", *names]:
@@ -212,6 +219,14 @@ class GrpcServer:
         await stop.wait()
         log.info("signal received: stopping gracefully (grace %.1fs)", self.grace)
         await self.stop()
+
+
+def run_until_signal(server: GrpcServer, name: str) -> None:
+    """A service's main loop: serve until SIGTERM/SIGINT; a port in use exits with one line, not a traceback."""
+    try:
+        asyncio.run(server.serve_until_signal())
+    except PortInUse as error:
+        raise SystemExit(f"{name}: {error}") from None
 
 
 def setup_logging(level: str = "INFO") -> None:

@@ -7,13 +7,12 @@ Usage: target-service --host 127.0.0.1 --port 50052 --model default [--config-ad
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
-from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, setup_logging
+from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, run_until_signal, setup_logging
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.telemetry import setup_telemetry
 from target_service.admission import DEFAULT_MAX_PREPARING, DEFAULT_PREPARE_WORKERS, PreparationPool
@@ -331,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         max_message_bytes=args.max_message_bytes,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
     )
-    asyncio.run(server.serve_until_signal())
+    run_until_signal(server, "target-service")
 
 
 if __name__ == "__main__":

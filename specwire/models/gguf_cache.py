@@ -7,12 +7,16 @@ from the file, not copied). So the first load of a GGUF file converts it, in a c
 memory peak stays out of the serving process), into a cache folder; every later load reads that
 folder. The folder holds bitwise the weights, tokenizer and generation config the GGUF load gives.
 
-Cache. `SPECWIRE_CACHE_DIR`, else `$XDG_CACHE_HOME/specwire`, else `~/.cache/specwire`; one folder
-per GGUF file, keyed by its resolved path, size, modification time and the transformers version, so a
-changed file or library converts again. Concurrent first loads (the demo starts two services at once)
-take a file lock: one converts, the others wait and read its result. A folder is renamed into place
-only when complete. `SPECWIRE_GGUF_CACHE=off` loads GGUF files directly, as does any failure to
-convert or to write the cache (logged, never fatal). About 4 bytes per parameter of disk per model.
+Cache. `specwire.paths.cache_dir()` (`SPECWIRE_CACHE_DIR`, else `$SPECWIRE_HOME/cache`, else the
+platform's user cache folder, `~/.cache/specwire` on Linux); one folder per GGUF content, keyed by the
+file's SHA-256, the transformers version and our folder format, so a changed file or library converts
+again while every clone or virtual environment with the same file shares one folder. The hash is
+computed once per (path, size, modification time) and remembered in `index.json`. Folders not used
+for `SPECWIRE_CACHE_MAX_AGE_DAYS` days (default 30) are removed when another model is converted.
+Concurrent first loads (the demo starts two services at once) take a file lock: one converts, the
+others wait and read its result. A folder is renamed into place only when complete.
+`SPECWIRE_GGUF_CACHE=off` loads GGUF files directly, as does any failure to convert or to write the
+cache (logged, never fatal). About 4 bytes per parameter of disk per model.
 """
 
 from __future__ import annotations
@@ -27,34 +31,85 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from specwire.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "SPECWIRE_CACHE_DIR"
 SWITCH_ENV = "SPECWIRE_GGUF_CACHE"
+MAX_AGE_ENV = "SPECWIRE_CACHE_MAX_AGE_DAYS"
 FORMAT = 1  # bump when the folder layout changes
 _COMPLETE = "specwire-conversion.json"
 
 
 def cache_root() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specwire"
+    return cache_dir()
 
 
 def enabled() -> bool:
     return os.environ.get(SWITCH_ENV, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-def _key(gguf: Path) -> str:
+def _content_hash(gguf: Path, root: Path) -> str:
+    """SHA-256 of the file, remembered per (path, size, mtime) in `root/index.json` (hashing reads it all)."""
+    stat = gguf.stat()
+    seen = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    index_path = root / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if seen in index:
+        return index[seen]
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    index[seen] = digest.hexdigest()
+    with contextlib.suppress(OSError):  # a read-only cache still works, it only hashes again
+        staging = index_path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps(index, indent=1))
+        staging.replace(index_path)
+    return index[seen]
+
+
+def _key(gguf: Path, root: Path) -> str:
     import transformers
 
-    stat = gguf.stat()
-    identity = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{FORMAT}"
+    identity = f"{_content_hash(gguf, root)}|{transformers.__version__}|{FORMAT}"
     return f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def _max_age_s() -> float:
+    try:
+        return float(os.environ.get(MAX_AGE_ENV, "30")) * 86400
+    except ValueError:
+        return 30 * 86400
+
+
+def prune(root: Path, keep: Path) -> list[Path]:
+    """Remove converted folders (other than `keep`) whose last use is older than the age limit."""
+    removed = []
+    now = time.time()
+    for marker in root.glob(f"*/{_COMPLETE}"):
+        folder = marker.parent
+        try:
+            unused = now - marker.stat().st_mtime
+        except OSError:
+            continue
+        if folder != keep and unused > _max_age_s():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _touch(marker: Path) -> None:
+    """Mark a folder used now (pruning goes by it); a read-only cache stays as it is."""
+    with contextlib.suppress(OSError):
+        os.utime(marker)
 
 
 @contextlib.contextmanager
@@ -77,10 +132,11 @@ def converted_folder(gguf: Path, report: Callable[[str], None], progress: bool =
         return None
     root = cache_root()
     try:
-        folder = root / _key(gguf)
-        if (folder / _COMPLETE).is_file():
-            return folder
         root.mkdir(parents=True, exist_ok=True)
+        folder = root / _key(gguf, root)
+        if (folder / _COMPLETE).is_file():
+            _touch(folder / _COMPLETE)
+            return folder
         with _locked(root / f"{folder.name}.lock"):
             if (folder / _COMPLETE).is_file():  # converted by another process while we waited
                 return folder
@@ -98,6 +154,8 @@ def converted_folder(gguf: Path, report: Callable[[str], None], progress: bool =
                 staging.rename(folder)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
+            for old in prune(root, keep=folder):
+                report(f"removed {old}, unused for more than {_max_age_s() / 86400:g} days")
         return folder
     except (OSError, subprocess.SubprocessError) as error:
         logger.warning("GGUF conversion cache not used (%s); loading %s directly", error, gguf)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -75,9 +76,11 @@ def test_config_subcommands(services, capsys, tmp_path):
     source = tmp_path / "generation_config.json"
     source.write_text(json.dumps({"num_beams": 2, "max_new_tokens": 5}))
     code, out, _ = run(
-        capsys, "config", "--address", config, "import", "--json", str(source), "--name", "beams"
+        capsys, "config", "--address", config, "import", "--file", str(source), "--name", "beams"
     )
     assert code == 0 and out.startswith("beams@1")
+    code, out, err = run(capsys, "config", "--address", config, "validate", "--json", str(source))
+    assert code == 0 and "is now --file FILE" in err  # the old spelling still works, with a warning
     code, out, _ = run(capsys, "config", "--address", config, "validate", "--set", "top_p=0.5")
     assert code == 0 and "warning" in out and out.strip().endswith("valid")
     code, out, _ = run(
@@ -93,9 +96,10 @@ def test_config_subcommands(services, capsys, tmp_path):
     )
     assert code == 1 and "config.temperature" in out and out.strip().endswith("invalid")
     code, out, err = run(capsys, "config", "--address", config, "get", "missing")
-    assert code == 2 and "NOT_FOUND" in err
+    assert code == 1 and "NOT_FOUND" in err
     code, out, err = run(capsys, "config", "--address", config, "create", "bad", "--set", "num_beams=0")
-    assert code == 2 and "INVALID_ARGUMENT" in err and "config.num_beams" in err
+    assert code == 1 and "INVALID_ARGUMENT" in err and "config.num_beams" in err
+    assert err.count("config.num_beams") == 1  # said once, not again as a violation line
     assert run(capsys, "config", "--address", config, "delete", "beams")[1].startswith("deleted 1")
 
 
@@ -125,7 +129,8 @@ def test_generate_json_stream_and_errors(services, capsys):
         "--set",
         "max_new_tokens=5",
     )
-    assert code == 0 and "-- speculation: proposer=none" in out and "-- finish: length" in out
+    # A plain request prints no (zeroed) speculation line.
+    assert code == 0 and "-- speculation" not in out and "-- finish: length" in out
     code, out, _ = run(
         capsys,
         "generate",
@@ -152,7 +157,7 @@ def test_generate_json_stream_and_errors(services, capsys):
         "--set",
         "do_sample=true",
     )
-    assert code == 2 and "config.top_k" in err
+    assert code == 1 and "config.top_k" in err
 
 
 def test_demo_runs_three_services_and_prints_stats(tiny_model_dir, tmp_path):
@@ -188,3 +193,55 @@ def test_demo_runs_three_services_and_prints_stats(tiny_model_dir, tmp_path):
     assert "all services healthy" in result.stderr
     assert "-- speculation: proposer=draft_model" in result.stdout
     assert "acceptance_rate=" in result.stdout and "fell back" not in result.stdout
+    # What speculation bought, next to plain decoding of the same prompt, and the same text both ways.
+    assert "tokens/s with draft_model" in result.stdout and "tokens/s plain decoding (same text)" in result.stdout
+
+
+def test_warnings_reach_the_user_on_stderr_and_in_json(services, capsys):
+    _, target = services
+    # transformers warns that a temperature does nothing without sampling.
+    base = ("generate", "Hello", "--address", target, "--no-chat", "--set", "max_new_tokens=2")
+    code, out, err = run(capsys, *base, "--set", "temperature=0.5")
+    assert code == 0 and "warning: config.temperature" in err
+    code, out, err = run(capsys, *base, "--set", "temperature=0.5", "--json")
+    assert code == 0 and any(w["field"] == "config.temperature" for w in json.loads(out)["warnings"])
+
+
+def test_client_side_mistakes_are_one_line_with_exit_code_2(services, capsys):
+    _, target = services
+    code, out, err = run(capsys, "generate", "Hi", "--address", target, "--set", "max_new_tokens=abc")
+    assert code == 2 and "max_new_tokens" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    code, out, err = run(capsys, "generate", "--address", target)
+    assert code == 2 and "give a prompt" in err
+    code, out, err = run(capsys, "generate", "Hi", "--set", "oops")
+    assert code == 2 and "key=value" in err
+    with pytest.raises(SystemExit) as info:  # argparse's own usage errors exit 2 as well
+        main(["generate", "Hi", "--proposer", "nope"])
+    assert info.value.code == 2
+
+
+def test_nothing_listening_says_how_to_start_the_services(capsys):
+    code, out, err = run(capsys, "generate", "Hi", "--address", f"127.0.0.1:{free_port()}", "--timeout", "5")
+    assert code == 1 and "UNAVAILABLE" in err and "specwire serve" in err
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "default: 50052" in out and "default: cpu" in out and "registry.db" in out
+
+
+def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(services):
+    _, target = services
+    process = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "generate", "Hello", "--address", target, "--no-chat", "--stream"]
+        + ["--set", "max_new_tokens=200", "--set", "min_new_tokens=200"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    process.stdout.read(1)  # streaming has begun
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and "stopped" in err and "Traceback" not in err

@@ -21,7 +21,7 @@ def gguf(tiny_model_dir, tmp_path):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
-    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(root))
+    monkeypatch.setenv("SPECWIRE_CACHE_DIR", str(root))
     monkeypatch.delenv(gguf_cache.SWITCH_ENV, raising=False)
     return root
 
@@ -58,18 +58,36 @@ def test_first_load_converts_and_later_loads_read_the_same_model(gguf, cache, mo
         assert loaded.max_position_embeddings == direct.max_position_embeddings
 
 
-def test_a_changed_file_is_converted_again(gguf, cache):
+def test_a_copy_elsewhere_reuses_the_folder_and_new_content_gets_its_own_key(gguf, cache, tmp_path):
     load_model(str(gguf), progress=False)
-    stat = gguf.stat()
-    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    (tmp_path / "clone").mkdir()
+    copy = tmp_path / "clone" / gguf.name  # another checkout or virtual environment, same file
+    copy.write_bytes(gguf.read_bytes())
+    load_model(str(copy), progress=False)
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    changed = tmp_path / "clone" / "other.gguf"
+    changed.write_bytes(gguf.read_bytes() + b"\0")
+    assert gguf_cache._key(changed, cache).split("-")[-1] != gguf_cache._key(gguf, cache).split("-")[-1]
+
+
+def test_folders_unused_past_the_age_limit_are_pruned(gguf, cache, monkeypatch):
     load_model(str(gguf), progress=False)
-    assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
+    [kept] = [p for p in cache.iterdir() if p.is_dir()]
+    stale = cache / "old-0123456789abcdef"
+    stale.mkdir()
+    (stale / "specwire-conversion.json").write_text("{}")
+    month_ago = stale.stat().st_mtime - 31 * 86400
+    os.utime(stale / "specwire-conversion.json", (month_ago, month_ago))
+    assert gguf_cache.prune(cache, keep=kept) == [stale]
+    assert not stale.exists() and kept.exists()
+    monkeypatch.setenv(gguf_cache.MAX_AGE_ENV, "0")
+    assert gguf_cache.prune(cache, keep=kept) == []  # the folder in use is never pruned
 
 
 def test_an_unwritable_cache_falls_back_to_loading_the_gguf(gguf, tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the cache folder should be")
-    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(blocker / "cache"))
+    monkeypatch.setenv("SPECWIRE_CACHE_DIR", str(blocker / "cache"))
     loaded = load_model(str(gguf), progress=False)
     assert "GGUF conversion cache not used" in caplog.text
     assert loaded.source == str(gguf.resolve())
