@@ -200,9 +200,8 @@ def run(args: argparse.Namespace, skip: set[str], out: Path) -> int:
                 gone = row["rss_kib"] is None and not injector.down(row["service"], t)
                 if gone and not any(d["pid"] == row["pid"] for d in deaths):
                     deaths.append({"service": row["service"], "pid": row["pid"], "t": round(t, 1)})
-            outcomes, codes = recorder.take_interval()
-            intervals.append({"t": round(t, 1), "by_outcome": outcomes, "by_code": codes})
-            log(report.progress_line(t, rows, outcomes, recorder))
+            intervals.append(recorder.take_interval(t))
+            log(report.progress_line(rows, intervals[-1], recorder))
             if next_t >= duration:
                 break
             if any(d["service"] == "target" for d in deaths[-1:]):
@@ -211,9 +210,9 @@ def run(args: argparse.Namespace, skip: set[str], out: Path) -> int:
         # Requests in flight end by their own deadline; a fault under way by its restart timeout.
         stuck = pool.join(args.request_timeout + 15)
         injector.stop(injector.restart_timeout_s + 60)
-        outcomes, codes = recorder.take_interval()
-        if outcomes:
-            intervals.append({"t": round(time.monotonic() - started, 1), "by_outcome": outcomes, "by_code": codes})
+        last = recorder.take_interval(time.monotonic() - started)
+        if last["by_outcome"]:
+            intervals.append(last)
         # Idle again: what the services hold once the load is gone (leaked threads stay).
         threading.Event().wait(min(10.0, 2 * args.interval))
         idle_after = sample(time.monotonic() - started, "idle_after")

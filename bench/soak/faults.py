@@ -52,7 +52,7 @@ class FaultRecord:
 
 @dataclass
 class FaultInjector:
-    """Runs `plan` in a thread of its own (restarts take seconds; sampling must go on meanwhile).
+    """Runs `plan` in threads of its own (restarts take seconds; sampling must go on meanwhile).
 
     Args:
         stack (`ServiceStack`): the running services.
@@ -70,28 +70,41 @@ class FaultInjector:
     records: list[FaultRecord] = field(default_factory=list)
     stop_event: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    thread: threading.Thread | None = None
+    threads: list[threading.Thread] = field(default_factory=list)
+    service_locks: dict[str, threading.Lock] = field(default_factory=dict)
 
     def now(self) -> float:
         return time.monotonic() - self.started
 
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._run, name="soak-faults", daemon=True)
-        self.thread.start()
+        thread = threading.Thread(target=self._run, name="soak-faults", daemon=True)
+        thread.start()
+        self.threads.append(thread)
 
     def stop(self, timeout: float) -> None:
+        """No further faults; wait at most `timeout` seconds for restarts under way."""
         self.stop_event.set()
-        if self.thread is not None:
-            self.thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for thread in list(self.threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
+        # Each fault on its own thread at its time: a slow restart (a draft model loading) must not
+        # push the next fault, of another service, out of the run.
         for at, name in self.plan:
             if self.stop_event.wait(max(0.0, at - self.now())):
                 return
-            try:
+            thread = threading.Thread(target=self._guarded, args=(at, name), name=f"soak-{name}", daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _guarded(self, at: float, name: str) -> None:
+        key = "draft" if name == DRAFT_KILL else "config"
+        try:
+            with self.service_locks.setdefault(key, threading.Lock()):  # one fault of a service at a time
                 self._fault(at, name)
-            except Exception as error:  # noqa: BLE001 - recorded as a failed fault, the run goes on
-                log(f"fault {name} failed: {error}")
+        except Exception as error:  # noqa: BLE001 - recorded as a failed fault, the run goes on
+            log(f"fault {name} failed: {error}")
 
     def _fault(self, planned: float, name: str) -> None:
         key = "draft" if name == DRAFT_KILL else "config"
@@ -113,7 +126,8 @@ class FaultInjector:
                 service.process.wait(30)
         if service.log_file is not None:
             service.log_file.close()
-        restarts = sum(1 for r in self.records if r.service == key)
+        with self.lock:
+            restarts = sum(1 for r in self.records if r.service == key)
         service.log_path = self.stack.log_dir / f"{key}-restart{restarts}.log"
         service.start(self.env)
         try:

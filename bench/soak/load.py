@@ -27,6 +27,7 @@ class Recorder:
     draft_fallbacks: int = 0
     interval_outcomes: Counter = field(default_factory=Counter)
     interval_codes: Counter = field(default_factory=Counter)
+    interval_seconds: list[float] = field(default_factory=list)  # of the interval's finished requests
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, kind: str, code: str, outcome: str, t0: float, t1: float, message: str, note: dict) -> None:
@@ -36,6 +37,8 @@ class Recorder:
             self.by_outcome[outcome] += 1
             self.interval_outcomes[outcome] += 1
             self.interval_codes[code] += 1
+            if outcome == "finished":
+                self.interval_seconds.append(t1 - t0)
             if note.get("fallback") and kind.startswith("draft_model"):
                 self.draft_fallbacks += 1
             if code == "INTERNAL":
@@ -54,13 +57,22 @@ class Recorder:
                         }
                     )
 
-    def take_interval(self) -> tuple[dict, dict]:
-        """Counts by outcome and by code since the last call."""
+    def take_interval(self, t: float) -> dict:
+        """Counts by outcome and by code since the last call, and the finished requests' median and max
+        seconds (a stall shows as an interval with none finished, or a max near the deadline)."""
         with self.lock:
             outcomes, codes = dict(self.interval_outcomes), dict(self.interval_codes)
+            seconds = sorted(self.interval_seconds)
             self.interval_outcomes.clear()
             self.interval_codes.clear()
-        return outcomes, codes
+            self.interval_seconds.clear()
+        return {
+            "t": round(t, 1),
+            "by_outcome": outcomes,
+            "by_code": codes,
+            "finished_median_s": round(seconds[len(seconds) // 2], 3) if seconds else None,
+            "finished_max_s": round(seconds[-1], 3) if seconds else None,
+        }
 
 
 @dataclass

@@ -29,8 +29,9 @@ def _mb(kib) -> str:
     return "-" if kib is None else f"{kib / 1024:.0f}MB"
 
 
-def progress_line(t: float, rows: list[dict], outcomes: dict, recorder) -> str:
+def progress_line(rows: list[dict], interval: dict, recorder) -> str:
     """One line per interval: each service's RSS/threads/fds/health and the interval's request outcomes."""
+    t, outcomes = interval["t"], interval["by_outcome"]
     parts = []
     for row in sorted(rows, key=lambda r: SERVICES.index(r["service"])):
         if row["rss_kib"] is None:
@@ -41,6 +42,8 @@ def progress_line(t: float, rows: list[dict], outcomes: dict, recorder) -> str:
                 + ("" if row["health"] == "SERVING" else f" {row['health']}")
             )
     done = ", ".join(f"{outcomes.get(k, 0)} {k}" for k in ("finished", "expected_status", "unexpected"))
+    if interval["finished_max_s"] is not None:
+        done += f" (finished in {interval['finished_median_s']:.1f}s median, {interval['finished_max_s']:.1f}s max)"
     total = recorder.by_outcome
     return (
         f"t={t:5.0f}s | " + " | ".join(parts) + f" | {done} (total {sum(total.values())}, "
@@ -219,14 +222,14 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    """RSS, threads and open fds per service over time, with warm-up and fault windows shaded."""
+    """RSS, threads and open fds per service, and requests by outcome, over time; warm-up and faults shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     load = [s for s in results["samples"] if s["phase"] == "load"]
-    figure, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    figure, axes = plt.subplots(4, 1, figsize=(10, 12), sharex=True)
     for axis, metric, label, scale in (
         (axes[0], "rss_kib", "RSS (MB)", 1 / 1024),
         (axes[1], "threads", "threads", 1),
@@ -242,6 +245,19 @@ def plot(results: dict, path: Path) -> None:
             axis.axvspan(fault["down_s"], end, color="red" if fault["service"] == "draft" else "orange", alpha=0.25)
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
+    requests = axes[3]
+    times = [i["t"] for i in results["intervals"]]
+    for outcome, color in (("finished", "tab:green"), ("expected_status", "tab:blue"), ("unexpected", "tab:red")):
+        requests.plot(
+            times,
+            [i["by_outcome"].get(outcome, 0) for i in results["intervals"]],
+            marker=".",
+            linewidth=1,
+            color=color,
+            label=outcome,
+        )
+    requests.set_ylabel("requests ended per interval")
+    requests.legend(loc="upper left")
     axes[0].legend(loc="upper left")
     axes[0].set_title(
         "Services during the soak (grey: warm-up; red: draft killed until healthy; orange: config restart)"
