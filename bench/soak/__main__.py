@@ -151,10 +151,13 @@ def run(args: argparse.Namespace, skip: set[str], out: Path) -> int:
                 registry.set_tag(name, "prod", 1)
         with TargetClient(stack.address("target"), timeout=60) as target:
             info = target.model_info()
-        facts = ModelFacts(info.vocab_size, info.max_position_embeddings)
+        # `limits` exists once the target reports its request limits (GetModelInfo).
+        limits = getattr(info, "limits", None)
+        facts = ModelFacts(info.vocab_size, info.max_position_embeddings, getattr(limits, "max_output_bytes", 0))
         weights, left_out = mix(facts, skip)
         for kind, why in left_out.items():
-            log(f"kind {kind} left out: {why}")
+            if kind not in skip:
+                log(f"kind {kind} left out: {why}")
         probes = {name: HealthProbe(stack.address(name)) for name in SERVICES}
 
         def sample(t: float, phase: str) -> list[dict]:
@@ -236,6 +239,7 @@ def run(args: argparse.Namespace, skip: set[str], out: Path) -> int:
             "model_id": info.model_id,
             "vocab_size": facts.vocab_size,
             "max_position_embeddings": facts.max_position_embeddings,
+            "max_output_bytes": facts.max_output_bytes,
             "draft_model": draft_name,
             "draft_service_note": stack.draft_model_error or "",
             "device": args.device,

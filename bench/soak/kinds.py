@@ -94,8 +94,6 @@ PROMPTS = [
     "Write a short poem about the sea.",
     "List three prime numbers and explain why they are prime.",
 ]
-# The registry config every over-limit output request would need: about this many bytes of scores.
-OUTPUT_BUDGET_PROBE_BYTES = 4 * 1024**3
 
 
 def classify(kind: str, code: str, overlapped_config_down: bool) -> str:
@@ -115,6 +113,8 @@ class ModelFacts:
 
     vocab_size: int
     max_position_embeddings: int
+    # The target's `--max-output-bytes` from GetModelInfo's limits; 0 where it reports none.
+    max_output_bytes: int = 0
 
 
 @dataclass
@@ -311,12 +311,15 @@ def _over_limit_rows(c: Caller) -> str:
 
 
 def over_limit_output_kwargs(facts: ModelFacts) -> dict | None:
-    """Scores and logits of 16 rows whose size is ~`OUTPUT_BUDGET_PROBE_BYTES`, within the model's length.
+    """Scores and logits of 16 rows at twice the target's output budget, within the model's length.
 
-    None when the model is too small for that (tiny test models): the request would be a fine one.
+    None when the target reports no budget (without one the request would really be computed, gigabytes
+    on a real model) or when the model is too small to exceed it within its length (tiny test models).
     """
     rows = 16
-    steps = OUTPUT_BUDGET_PROBE_BYTES // (rows * facts.vocab_size * 4 * 2)
+    if not facts.max_output_bytes:
+        return None
+    steps = -(-2 * facts.max_output_bytes // (rows * facts.vocab_size * 4 * 2))
     if steps + 64 > facts.max_position_embeddings:
         return None
     return {
@@ -365,7 +368,9 @@ def mix(facts: ModelFacts, skip: set[str]) -> tuple[dict[str, float], dict[str, 
     left_out = {kind: "--skip" for kind in skip}
     if "over_limit_output" not in skip and over_limit_output_kwargs(facts) is None:
         left_out["over_limit_output"] = (
-            f"the model is too small (vocab {facts.vocab_size}, {facts.max_position_embeddings} positions) "
-            "for an over-budget scores request within its length"
+            "the target reports no max_output_bytes limit"
+            if not facts.max_output_bytes
+            else f"the model is too small (vocab {facts.vocab_size}, {facts.max_position_embeddings} positions) "
+            f"for scores over the {facts.max_output_bytes}-byte budget within its length"
         )
     return {kind: weight for kind, weight in WEIGHTS.items() if kind not in left_out}, left_out
