@@ -215,6 +215,7 @@ def run(args: argparse.Namespace, skip: set[str], out: Path) -> int:
         injector.stop(injector.restart_timeout_s + 60)
         last = recorder.take_interval(time.monotonic() - started)
         if last["by_outcome"]:
+            last["after_load"] = True  # requests in flight at the end, drained by their deadlines
             intervals.append(last)
         # Idle again: what the services hold once the load is gone (leaked threads stay).
         threading.Event().wait(min(10.0, 2 * args.interval))

@@ -146,6 +146,7 @@ def markdown(results: dict) -> str:
         f"- {meta['max_new_tokens']} new tokens per normal request, deadlines {meta['request_timeout_s']:g} s "
         f"(normal) and {meta['hostile_timeout_s']:g} s (bad or over-limit); samples every {meta['interval_s']:g} s; "
         f"warm-up {meta['warmup_s']:.0f} s; ran {meta['elapsed_s']:.0f} s",
+        *([f"- Note: {meta['note']}"] if meta.get("note") else []),
         "",
         "## Targets",
         "",
@@ -246,11 +247,12 @@ def plot(results: dict, path: Path) -> None:
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
     requests = axes[3]
-    times = [i["t"] for i in results["intervals"]]
+    during = [i for i in results["intervals"] if not i.get("after_load")]
+    times = [i["t"] for i in during]
     for outcome, color in (("finished", "tab:green"), ("expected_status", "tab:blue"), ("unexpected", "tab:red")):
         requests.plot(
             times,
-            [i["by_outcome"].get(outcome, 0) for i in results["intervals"]],
+            [i["by_outcome"].get(outcome, 0) for i in during],
             marker=".",
             linewidth=1,
             color=color,
