@@ -199,8 +199,10 @@ def run(args: argparse.Namespace, skip: set[str], out: Path) -> int:
             time.sleep(max(0.0, next_t - (time.monotonic() - started)))
             t = time.monotonic() - started
             rows = sample(t, "load")
+            # The processes were read after `t`, up to now: a fault that began meanwhile explains a gone one.
+            read_until = time.monotonic() - started
             for row in rows:
-                gone = row["rss_kib"] is None and not injector.down(row["service"], t)
+                gone = row["rss_kib"] is None and not injector.down_during(row["service"], t, read_until)
                 if gone and not any(d["pid"] == row["pid"] for d in deaths):
                     deaths.append({"service": row["service"], "pid": row["pid"], "t": round(t, 1)})
             intervals.append(recorder.take_interval(t))

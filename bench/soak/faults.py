@@ -150,8 +150,8 @@ class FaultInjector:
                 return True
         return False
 
-    def down(self, key: str, t: float) -> bool:
-        """Whether the service `key` was inside one of its fault windows at `t`."""
+    def down_during(self, key: str, t0: float, t1: float) -> bool:
+        """Whether one of the fault windows of the service `key` overlaps [t0, t1]."""
         with self.lock:
             windows = [(r.down_s, r.up_s) for r in self.records if r.service == key]
-        return any(down <= t <= (up if up is not None else float("inf")) for down, up in windows)
+        return any(down <= t1 and t0 <= (up if up is not None else float("inf")) for down, up in windows)

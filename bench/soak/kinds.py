@@ -94,6 +94,8 @@ PROMPTS = [
     "Write a short poem about the sea.",
     "List three prime numbers and explain why they are prime.",
 ]
+# Prompt lookup's input-grounded prompt where the model has room for it, else a short one that repeats.
+SHORT_CODE_PROMPT = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(add(i, i))\n"
 
 
 def classify(kind: str, code: str, overlapped_config_down: bool) -> str:
@@ -117,6 +119,13 @@ class ModelFacts:
     max_output_bytes: int = 0
 
 
+def fitting_prompts(facts: ModelFacts) -> list[str]:
+    """The prompts that leave room for generation in the model's context: at most a quarter of it in
+    characters (a token is rarely shorter than a character), so normal requests never meet
+    --max-model-len, also on tiny test models with a 256-position context."""
+    return [p for p in PROMPTS if len(p) <= facts.max_position_embeddings // 4] or [PROMPTS[2]]
+
+
 @dataclass
 class Caller:
     """One client thread's state: its client, random generator and the timeouts to use."""
@@ -130,7 +139,10 @@ class Caller:
     note: dict = field(default_factory=dict)  # filled by a request function: what to record besides the code
 
     def prompt(self) -> str:
-        return self.rng.choice(PROMPTS)
+        return self.rng.choice(fitting_prompts(self.facts))
+
+    def code_prompt(self) -> str:
+        return CODE_EDIT_PROMPT if CODE_EDIT_PROMPT in fitting_prompts(self.facts) else SHORT_CODE_PROMPT
 
     def call(self, timeout: float | None = None, **kwargs):
         """A unary Generate with the given deadline (raises `SpecwireRpcError` on a status)."""
@@ -210,12 +222,12 @@ def _beam_search(c: Caller) -> str:
 
 def _prompt_lookup(c: Caller) -> str:
     return c.finished(
-        c.call(text=CODE_EDIT_PROMPT, do_sample=False, max_new_tokens=c.max_new_tokens, proposer="prompt_lookup")
+        c.call(text=c.code_prompt(), do_sample=False, max_new_tokens=c.max_new_tokens, proposer="prompt_lookup")
     )
 
 
 def _prompt_lookup_stream(c: Caller) -> str:
-    return c.stream(text=CODE_EDIT_PROMPT, do_sample=False, max_new_tokens=c.max_new_tokens, proposer="prompt_lookup")
+    return c.stream(text=c.code_prompt(), do_sample=False, max_new_tokens=c.max_new_tokens, proposer="prompt_lookup")
 
 
 def _draft_kwargs(c: Caller) -> dict:
@@ -242,15 +254,29 @@ def _stream_cancelled(c: Caller) -> str:
     # Every proposer: the leak the issue found was in draft-model streams closed early.
     proposer = c.rng.choice(["none", "prompt_lookup", "draft_model"])
     c.note["proposer"] = proposer
+    # min_new_tokens: an early EOS must not end the stream before the client cancels it.
+    length = 4 * c.max_new_tokens
     return c.stream(
-        cancel_after=2, text=c.prompt(), do_sample=False, max_new_tokens=4 * c.max_new_tokens, proposer=proposer
+        cancel_after=2,
+        text=c.prompt(),
+        do_sample=False,
+        max_new_tokens=length,
+        min_new_tokens=length,
+        proposer=proposer,
     )
 
 
 def _deadline_expired(c: Caller) -> str:
     proposer = c.rng.choice(["none", "draft_model"])
     c.note["proposer"] = proposer
-    kwargs = {"text": CHAT_PROMPT, "do_sample": False, "max_new_tokens": 8 * c.max_new_tokens, "proposer": proposer}
+    length = 8 * c.max_new_tokens
+    kwargs = {
+        "text": c.prompt(),
+        "do_sample": False,
+        "max_new_tokens": length,
+        "min_new_tokens": length,
+        "proposer": proposer,
+    }
     if c.rng.random() < 0.5:
         return c.stream(timeout=c.rng.uniform(0.05, 0.5), **kwargs)
     return c.finished(c.call(timeout=c.rng.uniform(0.05, 0.5), **kwargs))
