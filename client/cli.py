@@ -129,7 +129,7 @@ def _config_command(args) -> int:
 
 
 def _generate_command(args) -> int:
-    from client import TargetClient
+    from client import SpecwireRpcError, TargetClient
 
     if not args.prompt:
         raise UsageError('give a prompt, e.g. specwire generate "Hello" (several prompts make a batch)')
@@ -144,16 +144,18 @@ def _generate_command(args) -> int:
             **overrides,
         )
         if args.stream and not args.as_json:
-            output = None
-            for item in client.stream(**kwargs):
-                if hasattr(item, "row"):
-                    print(item.text, end="", flush=True)
-                else:
-                    output = item
-            print()
-            _print_warnings(output)
-            _print_stats(output)
-            return EXIT_OK
+            try:
+                output = _stream(client, kwargs)
+            except SpecwireRpcError as exc:
+                if not any(v.field == "config.num_beams" for v in exc.violations):
+                    raise
+                # Beam search cannot stream (the best beam is known at the end): say so, answer anyway.
+                print("note: beam search cannot stream; printing the answer when the search ends", file=sys.stderr)
+                output = None
+            if output is not None:
+                _print_warnings(output)
+                _print_stats(output)
+                return EXIT_OK
         output = client.generate(**kwargs)
     if args.as_json:
         print(
@@ -177,6 +179,18 @@ def _generate_command(args) -> int:
     _print_warnings(output)
     _print_stats(output)
     return EXIT_OK
+
+
+def _stream(client, kwargs):
+    """Print the text as it comes; the final `GenerateOutput`."""
+    output = None
+    for item in client.stream(**kwargs):
+        if hasattr(item, "row"):
+            print(item.text, end="", flush=True)
+        else:
+            output = item
+    print()
+    return output
 
 
 def _print_warnings(output) -> None:

@@ -227,6 +227,14 @@ def prepare_job(
 ) -> GenerationJob:
     """Validate, tokenize and limit-check a request (blocking: run it in the preparation pool)."""
     config, warnings, caller_set_length = effective_config(request, resolved, loaded, limits)
+    if isinstance(request, pb.GenerateStreamRequest) and (config.num_beams or 1) > 1:
+        # transformers refuses a streamer with beam search for the same reason.
+        raise InvalidArgument.for_field(
+            "config.num_beams",
+            config.num_beams,
+            "beam search cannot stream: which beam is best is known only when the search ends; call "
+            "Generate for the whole answer at once, or set num_beams=1 to stream",
+        )
     pad = pad_token_id(config, loaded)
     input_ids, attention_mask = prompt_tensors(request.prompts, loaded, request.apply_chat_template, pad)
     if limits is not None:

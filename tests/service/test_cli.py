@@ -207,6 +207,14 @@ def test_warnings_reach_the_user_on_stderr_and_in_json(services, capsys):
     assert code == 0 and any(w["field"] == "config.temperature" for w in json.loads(out)["warnings"])
 
 
+def test_stream_with_beams_says_it_cannot_stream_and_prints_the_answer(services, capsys):
+    _, target = services
+    code, out, err = run(
+        capsys, "generate", "Hello", "--address", target, "--no-chat", "--stream", "--set", "num_beams=2"
+    )
+    assert code == 0 and "beam search cannot stream" in err and "-- finish:" in out
+
+
 def test_client_side_mistakes_are_one_line_with_exit_code_2(services, capsys):
     _, target = services
     code, out, err = run(capsys, "generate", "Hi", "--address", target, "--set", "max_new_tokens=abc")

@@ -137,6 +137,14 @@ def test_text_prompt_and_default_twenty_new_tokens(target, reference, loaded):
     assert out.text[0] == loaded.tokenizer.decode(ref[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+def test_beam_search_refuses_to_stream_with_the_field_and_the_fix(target):
+    with pytest.raises(SpecwireRpcError) as info:
+        list(target.stream(PROMPTS, max_new_tokens=4, num_beams=2))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [v.field for v in info.value.violations] == ["config.num_beams"]
+    assert "num_beams=1" in info.value.message and "Generate" in info.value.message
+
+
 def test_stream_deltas_add_up_to_the_final_output(target):
     items = list(target.stream(PROMPTS, max_new_tokens=10))
     final = items[-1]
