@@ -16,6 +16,7 @@ _EXPORTS = {
     "TargetClient": "client.target_client",
     "AsyncTargetClient": "client.target_client",
     "GenerateOutput": "client.target_client",
+    "StreamDelta": "client.target_client",
 }
 
 __all__ = list(_EXPORTS)
