@@ -93,10 +93,14 @@ def _config_command(args) -> int:
     with ConfigClient(args.address) as client:
         cmd = args.config_command
         if cmd == "create":
-            _print_record(
-                client.create(args.name, _config_from_args(args), parse_assignments(args.label, "--label")),
-                args.as_json,
+            record = client.create(
+                args.name,
+                _config_from_args(args),
+                parse_assignments(args.label, "--label"),
+                strict=args.strict,
+                allow_custom=args.allow_custom,
             )
+            _print_record(record, args.as_json)
         elif cmd == "get":
             _print_record(client.get(args.ref), args.as_json)
         elif cmd == "list":
@@ -104,13 +108,20 @@ def _config_command(args) -> int:
                 tags = f" [{', '.join(record.tags)}]" if record.tags else ""
                 print(f"{record.name}@{record.version}{tags}")
         elif cmd == "update":
-            _print_record(client.update(args.name, _config_from_args(args), args.expected_version), args.as_json)
+            record = client.update(
+                args.name,
+                _config_from_args(args),
+                args.expected_version,
+                strict=args.strict,
+                allow_custom=args.allow_custom,
+            )
+            _print_record(record, args.as_json)
         elif cmd == "delete":
             print(f"deleted {client.delete(args.name, args.expected_version)} version(s) of {args.name}")
         elif cmd == "tag":
             _print_record(client.set_tag(args.name, args.tag, args.version), args.as_json)
         elif cmd == "validate":
-            result = client.validate(_config_from_args(args), strict=args.strict)
+            result = client.validate(_config_from_args(args), strict=args.strict, allow_custom=args.allow_custom)
             for v in result.violations:
                 print(f"{v.severity}: {v.field} = {v.value}: {v.message}")
             print("valid" if result.valid else "invalid")
@@ -569,6 +580,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", dest="file", default=None, help=argparse.SUPPRESS, action=_DeprecatedFile)
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="field value (JSON or text)")
 
+    def checks(p):
+        p.add_argument("--strict", action="store_true", help="warnings count as errors (unknown keys included)")
+        p.add_argument(
+            "--allow-custom",
+            action="store_true",
+            help="keys that are not GenerationConfig fields are meant (transformers' custom entries): no warning",
+        )
+
     def json_flag(p):
         p.add_argument("--as-json", dest="as_json", action="store_true", help="print the record as JSON")
 
@@ -576,6 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     config_source(p)
     p.add_argument("--label", action="append", metavar="KEY=VALUE", help="a label stored with the config")
+    checks(p)
     json_flag(p)
     p = add(cfg_sub, "get", help="show name, name@VERSION or name:TAG")
     p.add_argument("ref")
@@ -586,6 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     config_source(p)
     p.add_argument("--expected-version", type=int, default=None, help="fail unless the latest version is this one")
+    checks(p)
     json_flag(p)
     p = add(cfg_sub, "delete", help="delete a config and all its versions")
     p.add_argument("name")
@@ -597,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     json_flag(p)
     p = add(cfg_sub, "validate", help="check a config without storing it")
     config_source(p)
-    p.add_argument("--strict", action="store_true", help="warnings count as errors")
+    checks(p)
     p = add(cfg_sub, "import", help="import a generation_config.json from the Hub or a file")
     p.add_argument("--hub", help="Hub repo id (offline: read from the local Hugging Face cache)")
     p.add_argument("--revision", default="main", help="Hub revision")

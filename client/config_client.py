@@ -77,13 +77,20 @@ class _Requests:
     """Request builders shared by the blocking and asyncio clients."""
 
     @staticmethod
-    def create(name, config, labels=None):
-        return pb.CreateConfigRequest(name=name, config=config_to_wire(config), labels=labels or {})
+    def create(name, config, labels=None, strict=False, allow_custom=False):
+        return pb.CreateConfigRequest(
+            name=name, config=config_to_wire(config), labels=labels or {}, strict=strict, allow_custom=allow_custom
+        )
 
     @staticmethod
-    def update(name, config, expected_version=None, labels=None):
+    def update(name, config, expected_version=None, labels=None, strict=False, allow_custom=False):
         return pb.UpdateConfigRequest(
-            name=name, config=config_to_wire(config), expected_version=expected_version, labels=labels or {}
+            name=name,
+            config=config_to_wire(config),
+            expected_version=expected_version,
+            labels=labels or {},
+            strict=strict,
+            allow_custom=allow_custom,
         )
 
     @staticmethod
@@ -108,9 +115,7 @@ class ConfigClient:
         channel (`grpc.Channel`, *optional*): an existing channel to use instead of `address`.
     """
 
-    def __init__(
-        self, address: str = "127.0.0.1:50051", timeout: float = 30.0, channel: grpc.Channel | None = None
-    ):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 30.0, channel: grpc.Channel | None = None):
         self._own_channel = channel is None
         self.channel = channel or secure_channel(address)
         self.stub = pb_grpc.ConfigServiceStub(self.channel)
@@ -127,17 +132,28 @@ class ConfigClient:
         self.close()
 
     @raises_rpc_errors
-    def create(self, name: str, config: Any, labels: dict[str, str] | None = None) -> ConfigRecord:
-        """Store `config` as version 1 of `name`."""
-        response = self.stub.CreateConfig(_Requests.create(name, config, labels), timeout=self.timeout)
+    def create(
+        self,
+        name: str,
+        config: Any,
+        labels: dict[str, str] | None = None,
+        *,
+        strict: bool = False,
+        allow_custom: bool = False,
+    ) -> ConfigRecord:
+        """Store `config` as version 1 of `name`.
+
+        Keys that are not GenerationConfig fields are stored with a warning (a typo, most likely);
+        `allow_custom=True` stores them on purpose, `strict=True` refuses any warning.
+        """
+        request = _Requests.create(name, config, labels, strict, allow_custom)
+        response = self.stub.CreateConfig(request, timeout=self.timeout)
         return ConfigRecord.from_proto(response.record)
 
     @raises_rpc_errors
     def get(self, ref: str) -> ConfigRecord:
         """Read `name` (latest), `name@VERSION` or `name:TAG`."""
-        return ConfigRecord.from_proto(
-            self.stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout).record
-        )
+        return ConfigRecord.from_proto(self.stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout).record)
 
     @raises_rpc_errors
     def update(
@@ -146,17 +162,18 @@ class ConfigClient:
         config: Any,
         expected_version: int | None = None,
         labels: dict[str, str] | None = None,
+        *,
+        strict: bool = False,
+        allow_custom: bool = False,
     ) -> ConfigRecord:
         """Store a new version; with `expected_version`, fail with ABORTED if someone else updated first."""
         response = self.stub.UpdateConfig(
-            _Requests.update(name, config, expected_version, labels), timeout=self.timeout
+            _Requests.update(name, config, expected_version, labels, strict, allow_custom), timeout=self.timeout
         )
         return ConfigRecord.from_proto(response.record)
 
     @raises_rpc_errors
-    def list_page(
-        self, prefix: str = "", page_size: int = 0, page_token: str = ""
-    ) -> tuple[list[ConfigRecord], str]:
+    def list_page(self, prefix: str = "", page_size: int = 0, page_token: str = "") -> tuple[list[ConfigRecord], str]:
         """One page of the latest versions, by name, and the next page's token ("" on the last)."""
         request = pb.ListConfigsRequest(prefix=prefix, page_size=page_size, page_token=page_token)
         response = self.stub.ListConfigs(request, timeout=self.timeout)
@@ -188,9 +205,9 @@ class ConfigClient:
         return ConfigRecord.from_proto(self.stub.SetTag(request, timeout=self.timeout).record)
 
     @raises_rpc_errors
-    def validate(self, config: Any, strict: bool = False) -> ValidationResult:
+    def validate(self, config: Any, strict: bool = False, *, allow_custom: bool = False) -> ValidationResult:
         """Check a config without storing it."""
-        request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict)
+        request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict, allow_custom=allow_custom)
         response = self.stub.ValidateConfig(request, timeout=self.timeout)
         return ValidationResult(response.valid, [Violation.from_proto(v) for v in response.violations])
 
@@ -241,8 +258,17 @@ class AsyncConfigClient:
         await self.close()
 
     @raises_rpc_errors
-    async def create(self, name: str, config: Any, labels: dict[str, str] | None = None) -> ConfigRecord:
-        response = await self.stub.CreateConfig(_Requests.create(name, config, labels), timeout=self.timeout)
+    async def create(
+        self,
+        name: str,
+        config: Any,
+        labels: dict[str, str] | None = None,
+        *,
+        strict: bool = False,
+        allow_custom: bool = False,
+    ) -> ConfigRecord:
+        request = _Requests.create(name, config, labels, strict, allow_custom)
+        response = await self.stub.CreateConfig(request, timeout=self.timeout)
         return ConfigRecord.from_proto(response.record)
 
     @raises_rpc_errors
@@ -257,8 +283,11 @@ class AsyncConfigClient:
         config: Any,
         expected_version: int | None = None,
         labels: dict[str, str] | None = None,
+        *,
+        strict: bool = False,
+        allow_custom: bool = False,
     ) -> ConfigRecord:
-        request = _Requests.update(name, config, expected_version, labels)
+        request = _Requests.update(name, config, expected_version, labels, strict, allow_custom)
         return ConfigRecord.from_proto((await self.stub.UpdateConfig(request, timeout=self.timeout)).record)
 
     @raises_rpc_errors
@@ -287,8 +316,8 @@ class AsyncConfigClient:
         return ConfigRecord.from_proto((await self.stub.SetTag(request, timeout=self.timeout)).record)
 
     @raises_rpc_errors
-    async def validate(self, config: Any, strict: bool = False) -> ValidationResult:
-        request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict)
+    async def validate(self, config: Any, strict: bool = False, *, allow_custom: bool = False) -> ValidationResult:
+        request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict, allow_custom=allow_custom)
         response = await self.stub.ValidateConfig(request, timeout=self.timeout)
         return ValidationResult(response.valid, [Violation.from_proto(v) for v in response.violations])
 

@@ -7,6 +7,7 @@ field violation per problem; transformers' "minor issues" are stored as warnings
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from config_service.storage import ConfigStore, StoredConfig, decode_page_token
 from specwire.config.v1 import config_service_pb2 as pb
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.errors import FieldProblem, InvalidArgument, NotFound, Unavailable
-from specwire.generation.config import GenerationConfig
+from specwire.generation.config import GenerationConfig, unknown_keys
 from specwire.serving import handles_errors
 from specwire.wire.common import violation_to_proto
 from specwire.wire.generation_config import WireFormatError, config_to_proto, dict_from_proto
@@ -42,11 +43,19 @@ def parse_config(values: dict[str, Any], field: str = "config") -> GenerationCon
         raise InvalidArgument.for_field(field, values, f"not a valid GenerationConfig: {exc}") from exc
 
 
+def config_violations(config: GenerationConfig, strict: bool = False, allow_custom: bool = False) -> list[Any]:
+    """transformers' validation, plus a warning per unknown key unless custom entries are meant."""
+    violations = config.validate() + ([] if allow_custom else unknown_keys(config))
+    if strict:
+        violations = [dataclasses.replace(v, severity="error") for v in violations]
+    return violations
+
+
 def checked_config(
-    config: GenerationConfig, field: str = "config", strict: bool = False
+    config: GenerationConfig, field: str = "config", strict: bool = False, allow_custom: bool = False
 ) -> list[dict[str, Any]]:
     """Validate; raise INVALID_ARGUMENT on errors, return the warnings as storable dicts."""
-    violations = config.validate(strict=strict)
+    violations = config_violations(config, strict, allow_custom)
     errors = [v for v in violations if v.severity == "error"]
     if errors:
         problems = [FieldProblem(f"{field}.{v.field}", v.value, v.message) for v in errors]
@@ -149,27 +158,29 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
                 f"custom entries hold at most {self.max_extra_bytes} bytes on this registry (--max-extra-bytes)",
             )
 
-    def _parsed(self, message: Any, field: str = "config") -> tuple[GenerationConfig, list[dict[str, Any]]]:
+    def _parsed(
+        self, message: Any, field: str = "config", strict: bool = False, allow_custom: bool = False
+    ) -> tuple[GenerationConfig, list[dict[str, Any]]]:
         """Parse and validate (blocking: runs on `self.checker`)."""
         config = _config_from_request(message, field)
-        return config, checked_config(config, field)
+        return config, checked_config(config, field, strict, allow_custom)
 
     def _parsed_values(self, values: dict[str, Any]) -> tuple[GenerationConfig, list[dict[str, Any]]]:
         config = parse_config(values)
         self._check_extra(config)
         return config, checked_config(config)
 
-    def _validated(self, message: Any, strict: bool) -> list[Any]:
-        return _config_from_request(message).validate(strict=strict)
+    def _validated(self, message: Any, strict: bool, allow_custom: bool) -> list[Any]:
+        return config_violations(_config_from_request(message), strict, allow_custom)
 
     @handles_errors
     async def CreateConfig(self, request: pb.CreateConfigRequest, context) -> pb.CreateConfigResponse:
         name = check_name(request.name)
         self._check_size(request.config)
-        config, warnings = await self._check(self._parsed, request.config)
-        record = await self._run(
-            self.store.create, name, config.to_dict(), _check_labels(request.labels), warnings
+        config, warnings = await self._check(
+            self._parsed, request.config, "config", request.strict, request.allow_custom
         )
+        record = await self._run(self.store.create, name, config.to_dict(), _check_labels(request.labels), warnings)
         log.info("created %s@1", name)
         return pb.CreateConfigResponse(record=record_to_proto(record))
 
@@ -183,7 +194,9 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
     async def UpdateConfig(self, request: pb.UpdateConfigRequest, context) -> pb.UpdateConfigResponse:
         name = check_name(request.name)
         self._check_size(request.config)
-        config, warnings = await self._check(self._parsed, request.config)
+        config, warnings = await self._check(
+            self._parsed, request.config, "config", request.strict, request.allow_custom
+        )
         expected = request.expected_version if request.HasField("expected_version") else None
         labels = _check_labels(request.labels) if request.labels else None
         record = await self._run(self.store.add_version, name, config.to_dict(), labels, warnings, expected)
@@ -200,9 +213,7 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         records, next_token = await self._run(
             self.store.list, request.prefix, request.page_size or DEFAULT_PAGE_SIZE, after
         )
-        return pb.ListConfigsResponse(
-            records=[record_to_proto(r) for r in records], next_page_token=next_token
-        )
+        return pb.ListConfigsResponse(records=[record_to_proto(r) for r in records], next_page_token=next_token)
 
     @handles_errors
     async def DeleteConfig(self, request: pb.DeleteConfigRequest, context) -> pb.DeleteConfigResponse:
@@ -224,7 +235,7 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
     @handles_errors
     async def ValidateConfig(self, request: pb.ValidateConfigRequest, context) -> pb.ValidateConfigResponse:
         self._check_size(request.config)
-        violations = await self._check(self._validated, request.config, request.strict)
+        violations = await self._check(self._validated, request.config, request.strict, request.allow_custom)
         return pb.ValidateConfigResponse(
             valid=not any(v.severity == "error" for v in violations),
             violations=[violation_to_proto(v, prefix="config.") for v in violations],
@@ -234,16 +245,12 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
     async def ImportConfig(self, request: pb.ImportConfigRequest, context) -> pb.ImportConfigResponse:
         source = request.WhichOneof("source")
         if source == "hub":
-            text = await self._run(
-                read_hub_file, request.hub.repo_id, request.hub.revision, request.hub.filename
-            )
+            text = await self._run(read_hub_file, request.hub.repo_id, request.hub.revision, request.hub.filename)
             default_name = request.hub.repo_id.replace("/", "--")
         elif source == "json":
             text, default_name = request.json, ""
         else:
-            raise InvalidArgument.for_field(
-                "source", None, "set either `hub` (repo_id, revision, filename) or `json`"
-            )
+            raise InvalidArgument.for_field("source", None, "set either `hub` (repo_id, revision, filename) or `json`")
         if len(text) > self.max_config_bytes:  # before parsing: the size of the work is the size of the text
             raise InvalidArgument.for_field(
                 source,
@@ -255,9 +262,7 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         except json.JSONDecodeError as exc:
             raise InvalidArgument.for_field(source, text[:200], f"not valid JSON: {exc}") from exc
         if not isinstance(values, dict):
-            raise InvalidArgument.for_field(
-                source, text[:200], "a generation_config.json holds a JSON object"
-            )
+            raise InvalidArgument.for_field(source, text[:200], "a generation_config.json holds a JSON object")
         name = check_name(request.name or default_name)
         config, warnings = await self._check(self._parsed_values, values)
         labels = _check_labels(request.labels)
@@ -282,9 +287,7 @@ def read_hub_file(repo_id: str, revision: str = "", filename: str = "") -> str:
     from huggingface_hub import hf_hub_download
 
     if not repo_id:
-        raise InvalidArgument.for_field(
-            "hub.repo_id", repo_id, "name a Hub repo, e.g. 'HuggingFaceTB/SmolLM2-135M'"
-        )
+        raise InvalidArgument.for_field("hub.repo_id", repo_id, "name a Hub repo, e.g. 'HuggingFaceTB/SmolLM2-135M'")
     filename = filename or "generation_config.json"
     try:
         path = hf_hub_download(repo_id, filename, revision=revision or "main")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from specwire.errors import FieldProblem, InvalidArgument, Unimplemented
-from specwire.generation.config import GenerationConfig, merge
+from specwire.generation.config import GenerationConfig, field_suggestion, merge, unknown_keys
 from specwire.generation.speculative_loop import SpeculationStats
 from specwire.models import LoadedModel
 from specwire.target.v1 import target_service_pb2 as pb
@@ -84,7 +84,9 @@ def effective_config(
         # transformers' generate() refuses unknown keyword arguments (typos) rather than ignoring them.
         key = sorted(overrides.extra)[0]
         raise InvalidArgument.for_field(
-            f"overrides.{key}", overrides.extra[key], "not a GenerationConfig field: check the spelling"
+            f"overrides.{key}",
+            overrides.extra[key],
+            f"not a GenerationConfig field: {field_suggestion(key) or 'check the spelling'}",
         )
     merged = merge(overrides, given, loaded.generation_config)
     caller_set_length = any(
@@ -106,6 +108,8 @@ def effective_config(
             raise Unimplemented(
                 f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it"
             )
+    if resolved is None:  # an inline config's unknown keys; the registry warned about its own when stored
+        violations += unknown_keys(given)
     warnings = [FieldProblem(f"config.{v.field}", v.value, v.message, "warning") for v in violations]
     return merged, warnings, caller_set_length
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import enum
 import json
 import math
@@ -594,6 +595,33 @@ FIELD_NAMES: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(GenerationConfig) if f.name != "extra"
 )
 _FIELD_SET = frozenset(FIELD_NAMES)
+
+
+def field_suggestion(key: str) -> str:
+    """"did you mean `temperature`?" for a key close to a GenerationConfig field, else ""."""
+    close = difflib.get_close_matches(key, FIELD_NAMES, n=1, cutoff=0.75)
+    return f"did you mean `{close[0]}`?" if close else ""
+
+
+def unknown_keys(config: GenerationConfig) -> list[Violation]:
+    """A warning per `extra` key: transformers keeps unknown keys as custom entries, and uses none of them.
+
+    A misspelled field (`temprature`) lands here and would otherwise change nothing without a word; a
+    registry that stores custom entries on purpose says so (`allow_custom`).
+    """
+    found = []
+    for key, value in sorted(config.extra.items()):
+        hint = field_suggestion(key)
+        found.append(
+            Violation(
+                key,
+                value,
+                f"not a GenerationConfig field{'; ' + hint if hint else ''}: generation ignores it (transformers "
+                "keeps it as a custom entry); fix the name, or store it on purpose with allow_custom",
+                "warning",
+            )
+        )
+    return found
 
 
 def merge(*layers: GenerationConfig | None) -> GenerationConfig:

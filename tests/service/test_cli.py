@@ -253,3 +253,18 @@ def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(services):
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130 and "stopped" in err and "Traceback" not in err
+
+
+def test_the_registry_warns_about_unknown_keys_refuses_them_strictly_and_stores_them_on_purpose(services, capsys):
+    config, target = services
+    base = ("config", "--address", config)
+    code, out, err = run(capsys, *base, "create", "typo", "--set", "temprature=0.7")
+    assert code == 0 and "config.temprature" in err and "did you mean `temperature`?" in err
+    code, out, err = run(capsys, *base, "create", "typo-strict", "--set", "temprature=0.7", "--strict")
+    assert code == 1 and "INVALID_ARGUMENT" in err and "did you mean `temperature`?" in err
+    code, out, err = run(capsys, *base, "create", "custom", "--set", "my_team_key=1", "--allow-custom")
+    assert code == 0 and "warning" not in err and '"my_team_key": 1' in out
+    code, out, _ = run(capsys, *base, "validate", "--set", "temprature=0.7", "--strict")
+    assert code == 1 and "temprature" in out and out.strip().endswith("invalid")
+    code, out, err = run(capsys, "generate", "Hi", "--address", target, "--set", "temprature=0.7")
+    assert code == 1 and "overrides.temprature" in err and "did you mean `temperature`?" in err

@@ -40,7 +40,7 @@ class ConfigRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tags: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., latest_version: _Optional[int] = ...) -> None: ...
 
 class CreateConfigRequest(_message.Message):
-    __slots__ = ("name", "config", "labels")
+    __slots__ = ("name", "config", "labels", "strict", "allow_custom")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,10 +51,14 @@ class CreateConfigRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_CUSTOM_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: _generation_config_pb2.GenerationConfig
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    strict: bool
+    allow_custom: bool
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., strict: _Optional[bool] = ..., allow_custom: _Optional[bool] = ...) -> None: ...
 
 class CreateConfigResponse(_message.Message):
     __slots__ = ("record",)
@@ -75,7 +79,7 @@ class GetConfigResponse(_message.Message):
     def __init__(self, record: _Optional[_Union[ConfigRecord, _Mapping]] = ...) -> None: ...
 
 class UpdateConfigRequest(_message.Message):
-    __slots__ = ("name", "config", "expected_version", "labels")
+    __slots__ = ("name", "config", "expected_version", "labels", "strict", "allow_custom")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,11 +91,15 @@ class UpdateConfigRequest(_message.Message):
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_CUSTOM_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: _generation_config_pb2.GenerationConfig
     expected_version: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., expected_version: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    strict: bool
+    allow_custom: bool
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., expected_version: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., strict: _Optional[bool] = ..., allow_custom: _Optional[bool] = ...) -> None: ...
 
 class UpdateConfigResponse(_message.Message):
     __slots__ = ("record",)
@@ -148,12 +156,14 @@ class SetTagResponse(_message.Message):
     def __init__(self, record: _Optional[_Union[ConfigRecord, _Mapping]] = ...) -> None: ...
 
 class ValidateConfigRequest(_message.Message):
-    __slots__ = ("config", "strict")
+    __slots__ = ("config", "strict", "allow_custom")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_CUSTOM_FIELD_NUMBER: _ClassVar[int]
     config: _generation_config_pb2.GenerationConfig
     strict: bool
-    def __init__(self, config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., strict: _Optional[bool] = ...) -> None: ...
+    allow_custom: bool
+    def __init__(self, config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., strict: _Optional[bool] = ..., allow_custom: _Optional[bool] = ...) -> None: ...
 
 class ValidateConfigResponse(_message.Message):
     __slots__ = ("valid", "violations")
