@@ -158,20 +158,16 @@ class ConfigStore:
         with self._lock:
             latest = self._db.execute("SELECT latest_version FROM configs WHERE name = ?", (name,)).fetchone()
             if latest is None:
-                raise NotFound(f"no config named {name!r}; list the registry with ListConfigs")
+                raise NotFound(f"no config named {name!r}; list the registry with `specwire config list` (ListConfigs)")
             if tag is not None:
-                row = self._db.execute(
-                    "SELECT version FROM tags WHERE name = ? AND tag = ?", (name, tag)
-                ).fetchone()
+                row = self._db.execute("SELECT version FROM tags WHERE name = ? AND tag = ?", (name, tag)).fetchone()
                 if row is None:
-                    raise NotFound(f"config {name!r} has no tag {tag!r}; set one with SetTag")
+                    raise NotFound(f"config {name!r} has no tag {tag!r}; set it with `specwire config tag` (SetTag)")
                 version = row["version"]
             version = latest["latest_version"] if version is None else version
             row = self._db.execute(self._SELECT, (name, version)).fetchone()
             if row is None:
-                raise NotFound(
-                    f"config {name!r} has no version {version} (latest is {latest['latest_version']})"
-                )
+                raise NotFound(f"config {name!r} has no version {version} (latest is {latest['latest_version']})")
             return self._record(self._db, row)
 
     def list(self, prefix: str = "", page_size: int = 100, after: str = "") -> tuple[list[StoredConfig], str]:
@@ -197,7 +193,9 @@ class ConfigStore:
         now = time.time()
         with self._transaction() as db:
             if db.execute("SELECT 1 FROM configs WHERE name = ?", (name,)).fetchone():
-                raise AlreadyExists(f"config {name!r} already exists; use UpdateConfig to add a version")
+                raise AlreadyExists(
+                    f"config {name!r} already exists; add a version with `specwire config update` (UpdateConfig)"
+                )
             db.execute("INSERT INTO configs (name, created_at, latest_version) VALUES (?, ?, 1)", (name, now))
             self._insert_version(db, name, 1, config, labels, warnings, now)
         return self.get(name, 1)
@@ -215,7 +213,7 @@ class ConfigStore:
         with self._transaction() as db:
             row = db.execute("SELECT latest_version FROM configs WHERE name = ?", (name,)).fetchone()
             if row is None:
-                raise NotFound(f"no config named {name!r}; create it with CreateConfig")
+                raise NotFound(f"no config named {name!r}; create it with `specwire config create` (CreateConfig)")
             latest = row["latest_version"]
             if expected_version is not None and expected_version != latest:
                 raise Aborted(
@@ -268,13 +266,9 @@ class ConfigStore:
             row = db.execute("SELECT latest_version FROM configs WHERE name = ?", (name,)).fetchone()
             if row is None:
                 raise NotFound(f"no config named {name!r}")
-            exists = db.execute(
-                "SELECT 1 FROM versions WHERE name = ? AND version = ?", (name, version)
-            ).fetchone()
+            exists = db.execute("SELECT 1 FROM versions WHERE name = ? AND version = ?", (name, version)).fetchone()
             if not exists:
-                raise NotFound(
-                    f"config {name!r} has no version {version} (latest is {row['latest_version']})"
-                )
+                raise NotFound(f"config {name!r} has no version {version} (latest is {row['latest_version']})")
             db.execute(
                 "INSERT INTO tags (name, tag, version) VALUES (?, ?, ?) "
                 "ON CONFLICT (name, tag) DO UPDATE SET version = excluded.version",
