@@ -20,6 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Deadlines of the CLI's calls: the clients' defaults (`TargetClient`: 600 s, `ConfigClient`: 30 s),
+# repeated here because the clients are imported only when a command runs (they import torch).
+DEFAULT_GENERATE_TIMEOUT_S = 600.0
+DEFAULT_CONFIG_TIMEOUT_S = 30.0
 DEFAULT_PROMPT = "Explain in two sentences why speculative decoding makes text generation faster."
 
 
@@ -73,7 +77,7 @@ def _print_record(record, as_json: bool = False) -> None:
 def _config_command(args) -> int:
     from client import ConfigClient
 
-    with ConfigClient(args.address) as client:
+    with ConfigClient(args.address, timeout=args.timeout or None) as client:
         cmd = args.config_command
         if cmd == "create":
             _print_record(
@@ -117,7 +121,7 @@ def _generate_command(args) -> int:
 
     overrides = parse_assignments(args.set)
     prompts = args.prompt or [DEFAULT_PROMPT]
-    with TargetClient(args.address, timeout=args.timeout) as client:
+    with TargetClient(args.address, timeout=args.timeout or None) as client:
         kwargs = dict(
             text=prompts if len(prompts) > 1 else prompts[0],
             generation_config=args.config,
@@ -354,10 +358,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", dest="as_json", action="store_true", help="print the whole output as JSON")
     gen.add_argument("--no-chat", action="store_true", help="send the prompt as plain text, without the chat template")
     gen.add_argument("--proposer", choices=["none", "prompt_lookup", "draft_model"], default=None)
-    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_GENERATE_TIMEOUT_S,
+        help=f"deadline of the generation in seconds, 0 for none (default {DEFAULT_GENERATE_TIMEOUT_S:g})",
+    )
 
     cfg = sub.add_parser("config", help="the config registry")
     cfg.add_argument("--address", default="127.0.0.1:50051", help="config service host:port")
+    cfg.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_CONFIG_TIMEOUT_S,
+        help=f"deadline of each registry call in seconds, 0 for none (default {DEFAULT_CONFIG_TIMEOUT_S:g})",
+    )
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
 
     def config_source(p):

@@ -37,18 +37,23 @@ def build_server(
     drafting: DraftPolicy | None = None,
     scheduler: str = DEFAULT_SCHEDULER,
     scheduler_options: SchedulerOptions | None = None,
+    stuck_after: float = 60.0,
 ) -> GrpcServer:
     """A ready-to-start target server over an already loaded model.
 
     `scheduler` is `"sequential"` (one request per forward) or `"batched"` (requests share forwards;
-    `scheduler_options` sets its limits), see `target_service.scheduler`.
+    `scheduler_options` sets its limits), see `target_service.scheduler`. Health follows the engine's
+    liveness (`stuck_after`: seconds without progress while work waits before it counts as stuck).
     """
-    servicer = TargetServicer(loaded, ConfigResolver(config_address), drafting, scheduler, scheduler_options)
+    servicer = TargetServicer(
+        loaded, ConfigResolver(config_address), drafting, scheduler, scheduler_options, stuck_after
+    )
     return GrpcServer(
         [ServiceBinding(pb_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
         host=host,
         port=port,
         grace=grace,
+        liveness=servicer.liveness,
     )
 
 
@@ -142,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
         "logits it reproduces bitwise, checked at start-up) or always through the model's own forward "
         "(default lean)",
     )
+    parser.add_argument(
+        "--stuck-after",
+        type=float,
+        default=60.0,
+        help="seconds the model may make no progress while requests wait before health says NOT_SERVING "
+        "and new requests fail UNAVAILABLE (default 60)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -168,7 +180,15 @@ def main(argv: list[str] | None = None) -> None:
         lean_forward=args.packed_forward == "lean",
     )
     server = build_server(
-        loaded, args.config_address, args.host, args.port, args.grace, drafting, args.scheduler, options
+        loaded,
+        args.config_address,
+        args.host,
+        args.port,
+        args.grace,
+        drafting,
+        args.scheduler,
+        options,
+        args.stuck_after,
     )
     asyncio.run(server.serve_until_signal())
 

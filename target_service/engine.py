@@ -77,6 +77,9 @@ class Engine:
         self.stuck_after_s = stuck_after_s
         self.device_error = ""  # sticky: set when a sequential step failed on the device
         self._step_started: float | None = None  # a step running on the model thread, since
+        # id(job) -> the drafters it opened: closed when its RPC ends, so that a cancelled request's
+        # thread stops waiting on its draft service at once (not after the round's timeout).
+        self._drafters: dict[int, list[Drafter]] = {}
         self.loaded = loaded
         self.drafting = drafting or DraftPolicy()
         self.active = 0  # requests between their first and last step
@@ -150,9 +153,9 @@ class Engine:
         job.speculation.proposer = proposer
         if proposer == "none":
             return iter_generate(model, input_ids, mask, **common)
-        open_drafter = self.drafting.opener(proposer, self.loaded.vocab_size)
-        if drafting is not None:
-            open_drafter = _announcing(open_drafter, drafting)
+        with self._lock:
+            opened = self._drafters.get(id(job))
+        open_drafter = _opener(self.drafting.opener(proposer, self.loaded.vocab_size), drafting, opened)
         return iter_speculative(
             model,
             input_ids,
@@ -187,6 +190,23 @@ class Engine:
         problem = self.problem()
         if problem:  # fail fast: nothing would run it
             raise Unavailable(f"the target service cannot generate: {problem}")
+        opened: list[Drafter] = []
+        with self._lock:
+            self._drafters[id(job)] = opened
+        try:
+            async for item in self._route(job):
+                yield item
+        finally:
+            with self._lock:
+                self._drafters.pop(id(job), None)
+            for drafter in opened:  # the loop closes them too when it ends; closing twice is harmless
+                try:
+                    drafter.close()
+                except Exception:  # noqa: BLE001 - cleanup must not hide the request's outcome
+                    log.exception("closing a drafter of request %s failed", job.request_id or "-")
+
+    async def _route(self, job: GenerationJob) -> AsyncIterator[StepEvent | GenerationResult]:
+        """Run `job` in the batched scheduler, its sequential lane, or one request per step."""
         if self.batcher is not None and self.batcher.enabled:
             lane, plan = self.batcher.lane_reason(job)  # invalid requests raise here
             if not lane:
@@ -306,12 +326,19 @@ class _AnnouncedDrafter:
         self.drafter.close()
 
 
-def _announcing(open_drafter: Callable[..., Drafter], drafting: Callable[[], contextlib.AbstractContextManager]):
-    """`open_drafter` whose opening and drafters' `propose` calls announce themselves as draft waits."""
+def _opener(
+    open_drafter: Callable[..., Drafter],
+    drafting: Callable[[], contextlib.AbstractContextManager] | None,
+    opened: list[Drafter] | None,
+) -> Callable[..., Drafter]:
+    """`open_drafter` whose drafters are recorded in `opened`, and whose opening and `propose` calls
+    announce themselves as draft waits (`drafting()`) when given."""
 
-    def open_announced(*args: Any) -> Drafter:
-        with drafting():
+    def open_recorded(*args: Any) -> Drafter:
+        with drafting() if drafting is not None else contextlib.nullcontext():
             drafter = open_drafter(*args)
-        return _AnnouncedDrafter(drafter, drafting)
+        if opened is not None:
+            opened.append(drafter)
+        return _AnnouncedDrafter(drafter, drafting) if drafting is not None else drafter
 
-    return open_announced
+    return open_recorded

@@ -127,6 +127,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         drafting (`DraftPolicy`, *optional*): speculation settings (draft service, default proposer).
         scheduler (`str`, defaults to `"batched"`): `"batched"` or `"sequential"` (see `Engine`).
         scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
+        stuck_after_s (`float`, defaults to 60.0): seconds without model progress while work waits
+            before the service reports itself stuck (`liveness`).
     """
 
     def __init__(
@@ -136,11 +138,16 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         drafting: DraftPolicy | None = None,
         scheduler: str = "batched",
         scheduler_options: SchedulerOptions | None = None,
+        stuck_after_s: float = 60.0,
     ):
         self.loaded = loaded
         self.resolver = resolver
-        self.engine = Engine(loaded, drafting, scheduler, scheduler_options)
+        self.engine = Engine(loaded, drafting, scheduler, scheduler_options, stuck_after_s)
         self.metrics = SpecDecodeMetrics(telemetry.get_meter())
+
+    def liveness(self) -> str:
+        """Why this service cannot generate now ("" when it can): the health watchdog's check."""
+        return self.engine.problem()
 
     async def _run(
         self, request, context, rpc: str = "Generate"
