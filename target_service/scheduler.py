@@ -704,6 +704,9 @@ class BatchScheduler:
                 if is_device_error(exc):
                     exc = self._device_failed(exc)
                 future.set_exception(exc)
+            except BaseException as exc:  # the thread dies (see `_loop`): its caller must not wait forever
+                future.set_exception(Unavailable(f"the target service cannot generate: {type(exc).__name__}"))
+                raise
         with self.cond:
             self.lane_forwards += len(calls)
             self._progress_at = time.perf_counter()

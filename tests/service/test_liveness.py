@@ -96,7 +96,9 @@ def test_device_error_makes_the_service_not_serving_and_rpcs_fail_fast(tiny_mode
         assert health(server.address) == NOT_SERVING
 
 
-def test_dead_scheduler_thread_fails_in_flight_and_new_requests(tiny_model_dir):
+@pytest.mark.parametrize("lane", [False, True], ids=["batched", "lane"])
+def test_dead_scheduler_thread_fails_in_flight_and_new_requests(tiny_model_dir, lane):
+    in_flight = dict(use_cache=False) if lane else {}  # use_cache=False runs in the sequential lane
     loaded = fresh_model(tiny_model_dir)
     with serve(loaded, "batched") as server:
         batcher = server.server.bindings[0].servicer.engine.batcher
@@ -109,9 +111,9 @@ def test_dead_scheduler_thread_fails_in_flight_and_new_requests(tiny_model_dir):
 
         loaded.model.forward = dies
         with pytest.raises(SpecwireRpcError) as info:
-            generate(server.address)  # in flight when the thread dies: not left waiting forever
+            generate(server.address, **in_flight)  # in flight when the thread dies: not left waiting forever
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "scheduler thread died" in info.value.message
+        assert "ThreadKiller" in info.value.message
         wait_for(lambda: not batcher.thread.is_alive())
         wait_for(lambda: health(server.address) == NOT_SERVING)
         del loaded.model.forward
