@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Deadlines of the CLI's calls: the clients' defaults (`TargetClient`: 600 s, `ConfigClient`: 30 s),
+# repeated here because the clients are imported only when a command runs (they import torch).
+DEFAULT_GENERATE_TIMEOUT_S = 600.0
+DEFAULT_CONFIG_TIMEOUT_S = 30.0
 DEFAULT_PROMPT = "Explain in two sentences why speculative decoding makes text generation faster."
 
 # Exit codes, the same for every subcommand.
@@ -90,7 +94,7 @@ def _print_record(record, as_json: bool = False) -> None:
 def _config_command(args) -> int:
     from client import ConfigClient
 
-    with ConfigClient(args.address) as client:
+    with ConfigClient(args.address, timeout=args.timeout or None) as client:
         cmd = args.config_command
         if cmd == "create":
             record = client.create(
@@ -146,7 +150,7 @@ def _generate_command(args) -> int:
         raise UsageError('give a prompt, e.g. specwire generate "Hello" (several prompts make a batch)')
     overrides = parse_assignments(args.set)
     prompts = args.prompt
-    with TargetClient(args.address, timeout=args.timeout) as client:
+    with TargetClient(args.address, timeout=args.timeout or None) as client:
         kwargs = dict(
             text=prompts if len(prompts) > 1 else prompts[0],
             generation_config=args.config,
@@ -568,10 +572,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="speculation (default: the target's --default-proposer)",
     )
-    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
+    gen.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_GENERATE_TIMEOUT_S,
+        help="deadline of the generation in seconds, 0 for none",
+    )
 
     cfg = add(sub, "config", help="the config registry")
     cfg.add_argument("--address", default="127.0.0.1:50051", help="config service host:port")
+    cfg.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_CONFIG_TIMEOUT_S,
+        help="deadline of each registry call in seconds, 0 for none",
+    )
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
 
     def config_source(p):

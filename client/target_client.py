@@ -19,7 +19,7 @@ from client.config_client import config_to_wire
 from client.errors import SpecwireRpcError, Violation, raises_rpc_errors
 from specwire.common.v1 import common_pb2
 from specwire.generation.outputs import compute_transition_scores as _compute_transition_scores
-from specwire.security import secure_channel
+from specwire.security import DEFAULT_CLIENT_MAX_MESSAGE_BYTES, secure_channel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.wire.common import FINISH_REASON_NAMES
@@ -170,6 +170,12 @@ def build_request(
     return request
 
 
+# A generation's default deadline: generous (a long generation on a CPU takes minutes), but finite, so
+# that a hung or lost server never blocks its caller forever. `timeout=None` means no deadline.
+DEFAULT_TIMEOUT_S = 600.0
+_CLIENT_DEFAULT: Any = object()  # a call's `timeout` when not given: the client's
+
+
 def _deltas(message: pb.TokenDelta) -> list[StreamDelta]:
     return [StreamDelta(r.row, list(r.token_ids), r.text) for r in message.rows]
 
@@ -179,13 +185,24 @@ class TargetClient:
 
     Args:
         address (`str`): `host:port` of the target service.
-        timeout (`float`, *optional*): per-call deadline in seconds (None: no deadline).
+        timeout (`float`, *optional*, defaults to 600.0): deadline of each call in seconds (None: no
+            deadline); every method takes `timeout=` to override it for one call.
+        max_message_bytes (`int`, defaults to 16 MiB): largest response accepted (scores and logits of
+            long generations need more).
     """
 
-    def __init__(self, address: str = "127.0.0.1:50052", timeout: float | None = None):
-        self.channel = secure_channel(address, [("grpc.max_receive_message_length", 256 * 1024 * 1024)])
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50052",
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
+    ):
+        self.channel = secure_channel(address, max_message_bytes=max_message_bytes)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout
+
+    def _timeout(self, timeout: Any) -> float | None:
+        return self.timeout if timeout is _CLIENT_DEFAULT else timeout
 
     def close(self) -> None:
         self.channel.close()
@@ -198,11 +215,19 @@ class TargetClient:
 
     @raises_rpc_errors
     def generate(
-        self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs
+        self,
+        input_ids=None,
+        *,
+        text=None,
+        attention_mask=None,
+        generation_config=None,
+        timeout: float | None = _CLIENT_DEFAULT,
+        **kwargs,
     ) -> GenerateOutput:
         """Like `model.generate()`. `generation_config` may be ours, transformers', a dict or a registry
         reference (`name`, `name@3`, `name:prod`); keyword arguments are GenerationConfig fields that win
-        over it. Also: `apply_chat_template`, `negative_prompt_ids`, `proposer`, `request_id`."""
+        over it. Also: `apply_chat_template`, `negative_prompt_ids`, `proposer`, `request_id`, and
+        `timeout` (this call's deadline in seconds, None for none; default: the client's)."""
         request = build_request(
             pb.GenerateRequest,
             input_ids,
@@ -211,10 +236,17 @@ class TargetClient:
             generation_config=generation_config,
             **kwargs,
         )
-        return GenerateOutput.from_proto(self.stub.Generate(request, timeout=self.timeout))
+        return GenerateOutput.from_proto(self.stub.Generate(request, timeout=self._timeout(timeout)))
 
     def stream(
-        self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs
+        self,
+        input_ids=None,
+        *,
+        text=None,
+        attention_mask=None,
+        generation_config=None,
+        timeout: float | None = _CLIENT_DEFAULT,
+        **kwargs,
     ) -> Iterator[StreamDelta | GenerateOutput]:
         """Yield `StreamDelta`s as tokens are produced, then the final `GenerateOutput`.
         Breaking out of the loop cancels the request on the server."""
@@ -226,7 +258,7 @@ class TargetClient:
             generation_config=generation_config,
             **kwargs,
         )
-        call = self.stub.GenerateStream(request, timeout=self.timeout)
+        call = self.stub.GenerateStream(request, timeout=self._timeout(timeout))
         try:
             for message in call:
                 if message.HasField("final"):
@@ -239,9 +271,9 @@ class TargetClient:
             call.cancel()
 
     @raises_rpc_errors
-    def model_info(self) -> pb.GetModelInfoResponse:
+    def model_info(self, timeout: float | None = _CLIENT_DEFAULT) -> pb.GetModelInfoResponse:
         """The served model's id, vocabulary, special tokens and generation config."""
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout))
 
     def model_generation_config(self):
         """The served model's generation_config.json as our GenerationConfig."""
@@ -259,14 +291,21 @@ class TargetClient:
 
 
 class AsyncTargetClient:
-    """asyncio client of `specwire.target.v1.TargetService`; same methods as `TargetClient`, awaitable."""
+    """asyncio client of `specwire.target.v1.TargetService`; same arguments and methods as `TargetClient`,
+    awaitable."""
 
-    def __init__(self, address: str = "127.0.0.1:50052", timeout: float | None = None):
-        self.channel = secure_channel(
-            address, [("grpc.max_receive_message_length", 256 * 1024 * 1024)], aio=True
-        )
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50052",
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
+    ):
+        self.channel = secure_channel(address, aio=True, max_message_bytes=max_message_bytes)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout
+
+    def _timeout(self, timeout: Any) -> float | None:
+        return self.timeout if timeout is _CLIENT_DEFAULT else timeout
 
     async def close(self) -> None:
         await self.channel.close()
@@ -279,7 +318,14 @@ class AsyncTargetClient:
 
     @raises_rpc_errors
     async def generate(
-        self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs
+        self,
+        input_ids=None,
+        *,
+        text=None,
+        attention_mask=None,
+        generation_config=None,
+        timeout: float | None = _CLIENT_DEFAULT,
+        **kwargs,
     ) -> GenerateOutput:
         request = build_request(
             pb.GenerateRequest,
@@ -289,10 +335,17 @@ class AsyncTargetClient:
             generation_config=generation_config,
             **kwargs,
         )
-        return GenerateOutput.from_proto(await self.stub.Generate(request, timeout=self.timeout))
+        return GenerateOutput.from_proto(await self.stub.Generate(request, timeout=self._timeout(timeout)))
 
     async def stream(
-        self, input_ids=None, *, text=None, attention_mask=None, generation_config=None, **kwargs
+        self,
+        input_ids=None,
+        *,
+        text=None,
+        attention_mask=None,
+        generation_config=None,
+        timeout: float | None = _CLIENT_DEFAULT,
+        **kwargs,
     ) -> AsyncIterator[StreamDelta | GenerateOutput]:
         request = build_request(
             pb.GenerateStreamRequest,
@@ -302,7 +355,7 @@ class AsyncTargetClient:
             generation_config=generation_config,
             **kwargs,
         )
-        call = self.stub.GenerateStream(request, timeout=self.timeout)
+        call = self.stub.GenerateStream(request, timeout=self._timeout(timeout))
         try:
             async for message in call:
                 if message.HasField("final"):
@@ -316,8 +369,8 @@ class AsyncTargetClient:
             call.cancel()
 
     @raises_rpc_errors
-    async def model_info(self) -> pb.GetModelInfoResponse:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+    async def model_info(self, timeout: float | None = _CLIENT_DEFAULT) -> pb.GetModelInfoResponse:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout))
 
     async def request_limits(self) -> pb.RequestLimits:
         """What one request may ask of this target, as `GetModelInfo` reports them."""

@@ -34,3 +34,32 @@ def model_executor(name: str) -> ThreadPoolExecutor:
         initializer=claim_torch_threads,
         initargs=(torch.get_num_threads(),),
     )
+
+
+# Messages of the errors a broken accelerator raises (CUDA/ROCm runtime, cuBLAS/cuDNN, NCCL). After
+# one of them the device context is unusable for the process: every later forward fails too, so the
+# service must say NOT_SERVING and be restarted, unlike a failure caused by one request's input.
+_DEVICE_ERROR_MARKERS = (
+    "CUDA error",
+    "CUBLAS_STATUS",
+    "CUDNN_STATUS",
+    "cuDNN error",
+    "device-side assert",
+    "illegal memory access",
+    "HIP error",
+    "NCCL error",
+    "unspecified launch failure",
+)
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """Whether `exc` (raised by a forward) says the accelerator itself failed.
+
+    Out-of-memory is not one: it depends on the load and the next forward may fit.
+    """
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _DEVICE_ERROR_MARKERS)

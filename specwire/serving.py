@@ -3,8 +3,10 @@
 - `handles_errors`: the one mapping layer from domain errors (`specwire.errors`) to gRPC status
   codes, with field violations in the standard `google.rpc.BadRequest` status detail (and ours,
   which carry the value and severity too). Any other exception is a bug: logged, then INTERNAL.
-- `GrpcServer`: a `grpc.aio` server with the standard health service, reflection, and a graceful
-  stop on SIGTERM/SIGINT (health flips to NOT_SERVING first so load balancers drain it).
+- `GrpcServer`: a `grpc.aio` server with the standard health service, reflection, keepalive, a
+  liveness watchdog (health follows the service's own `liveness` check), and a graceful stop on
+  SIGTERM/SIGINT: health flips to NOT_SERVING first so load balancers drain it, new calls are
+  refused, in-flight calls get `grace` seconds to finish.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specwire import telemetry
+from specwire.deadline import CALLER_DEADLINE, set_caller_deadline
 from specwire.errors import SpecwireError
 from specwire.ports import PortInUse, port_in_use
 from specwire.rpc_limits import ConcurrencyLimitInterceptor
@@ -37,6 +40,19 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 RETRY_AFTER_KEY = "retry-after-s"
 # Largest message a server receives or sends by default: a request or a response must fit in one.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+# Keepalive of every server: ping a client after 60 s without traffic and close the connection when
+# no answer comes within 20 s (a vanished client's calls are cancelled, their work freed). Clients may
+# ping every 15 s or more, also with no call open (`specwire.security.KEEPALIVE_CLIENT_OPTIONS` pings
+# every 30 s); a client pinging faster is sent GOAWAY after 2 strikes.
+KEEPALIVE_SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 15_000),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
 def error_status(error: SpecwireError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, Any], ...]]:
@@ -74,12 +90,16 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
 
 
 def handles_errors(method: Callable) -> Callable:
-    """Decorate an async servicer method (unary or server-streaming) with the error mapping."""
+    """Decorate an async servicer method (unary or server-streaming) with the error mapping.
+
+    It also records the caller's deadline (`specwire.deadline`) for everything the call does.
+    """
 
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
+            token = set_caller_deadline(_time_remaining(context))
             try:
                 async for item in method(self, request, context):
                     yield item
@@ -87,19 +107,38 @@ def handles_errors(method: Callable) -> Callable:
                 raise
             except Exception as exc:  # noqa: BLE001 - this is the mapping layer
                 await _abort(context, exc)
+            finally:
+                _reset_deadline(token)
 
         return stream_wrapper
 
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
+        token = set_caller_deadline(_time_remaining(context))
         try:
             return await method(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # noqa: BLE001 - this is the mapping layer
             await _abort(context, exc)
+        finally:
+            _reset_deadline(token)
 
     return unary_wrapper
+
+
+def _time_remaining(context: Any) -> float | None:
+    try:
+        return context.time_remaining()
+    except (AttributeError, NotImplementedError):  # a test double without a deadline
+        return None
+
+
+def _reset_deadline(token: Any) -> None:
+    try:
+        CALLER_DEADLINE.reset(token)
+    except ValueError:  # a streaming handler finalised in another context: that context ends anyway
+        pass
 
 
 @dataclass
@@ -119,7 +158,8 @@ class GrpcServer:
         host (`str`): address to bind, e.g. `127.0.0.1` or `0.0.0.0`.
         port (`int`): port to bind; 0 picks a free one (see `.port` after `start()`).
         grace (`float`, defaults to 10.0): seconds in-flight calls get to finish on stop.
-        options (`list`, *optional*): extra grpc channel options (keepalive, ...).
+        options (`list`, *optional*): extra grpc channel options; they override the defaults (message
+            sizes, `KEEPALIVE_SERVER_OPTIONS`) key by key.
         interceptors (`list`, *optional*): extra `grpc.aio.ServerInterceptor`s. When telemetry is set up
             (`specwire.telemetry`), OpenTelemetry's `aio_server_interceptor` runs before them.
         max_message_bytes (`int`, defaults to 16 MiB): largest message received or sent; a bigger request
@@ -127,6 +167,10 @@ class GrpcServer:
         max_concurrent_rpcs (`int`, *optional*): application RPCs (streams until they end) served at once;
             beyond it RESOURCE_EXHAUSTED with a retry hint, before the handler runs. Health checks and
             reflection are not counted (`--max-concurrent-rpcs`). `None`: no cap.
+        liveness (`Callable[[], str]`, *optional*): the service's own health check, polled every
+            `liveness_interval_s` seconds on the event loop (it must not block): "" when it can serve,
+            else why not. Health follows it (NOT_SERVING while it reports a problem).
+        liveness_interval_s (`float`, defaults to 1.0): how often `liveness` is polled.
     """
 
     def __init__(
@@ -139,6 +183,8 @@ class GrpcServer:
         interceptors: list[Any] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_concurrent_rpcs: int | None = None,
+        liveness: Callable[[], str] | None = None,
+        liveness_interval_s: float = 1.0,
     ):
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
@@ -153,8 +199,16 @@ class GrpcServer:
             # gRPC's default SO_REUSEPORT lets a second server bind the same port and silently take
             # half the calls: refuse the bind instead (`specwire.ports`).
             ("grpc.so_reuseport", 0),
+            *KEEPALIVE_SERVER_OPTIONS,
             *(options or []),
         ]
+        # Later entries win (the caller's options over the defaults), one entry per key for grpc.
+        self.options = list(dict(self.options).items())
+        self.liveness = liveness
+        self.liveness_interval_s = liveness_interval_s
+        self.problem = ""  # what `liveness` last reported
+        self._stopping = False
+        self._watchdog: asyncio.Task | None = None
         # The cap runs after the caller's interceptors (tracing sees refused calls) and before auth
         # (appended in `start`), so refusing costs no token check.
         limit = [ConcurrencyLimitInterceptor(max_concurrent_rpcs)] if max_concurrent_rpcs else []
@@ -191,8 +245,31 @@ class GrpcServer:
         self.server = server
         for name in ["", *names]:
             await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.liveness is not None:
+            self._watchdog = asyncio.create_task(self._watch(), name="specwire-liveness")
         log.info("serving %s on %s:%d", ", ".join(names), self.host, self.port)
         return self.port
+
+    async def _set_all(self, status: int) -> None:
+        for name in ["", *(b.full_name for b in self.bindings)]:
+            await self._set_health(name, status)
+
+    async def _watch(self) -> None:
+        """The liveness watchdog: health follows `liveness()` until the server stops."""
+        serving = health_pb2.HealthCheckResponse
+        while not self._stopping:
+            try:
+                problem = self.liveness()
+            except Exception as exc:  # noqa: BLE001 - a failing check is a problem, not a dead watchdog
+                problem = f"liveness check failed: {type(exc).__name__}: {exc}"
+            if problem != self.problem and not self._stopping:
+                if problem:
+                    log.error("NOT_SERVING: %s", problem)
+                else:
+                    log.warning("SERVING again (was: %s)", self.problem)
+                self.problem = problem
+                await self._set_all(serving.NOT_SERVING if problem else serving.SERVING)
+            await asyncio.sleep(self.liveness_interval_s)
 
     async def _set_health(self, name: str, status: int) -> None:
         result = self.health.set(name, status)
@@ -200,11 +277,15 @@ class GrpcServer:
             await result
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain: report NOT_SERVING, let in-flight calls finish for `grace` seconds, then stop."""
+        """Drain: report NOT_SERVING, refuse new calls, let in-flight calls finish for `grace` seconds
+        (then cancel them), then stop."""
         if self.server is None:
             return
-        for name in ["", *(b.full_name for b in self.bindings)]:
-            await self._set_health(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        # grpc's stop(grace) refuses new calls at once and waits up to `grace` for the running ones.
         await self.server.stop(self.grace if grace is None else grace)
         self._stopped.set()
 

@@ -45,6 +45,7 @@ def build_server(
     pool: PreparationPool | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
+    stuck_after: float = 60.0,
 ) -> GrpcServer:
     """A ready-to-start target server over an already loaded model.
 
@@ -52,6 +53,8 @@ def build_server(
     `scheduler_options` sets its limits), see `target_service.scheduler`. `limits` caps what one
     request may ask (default `RequestLimits.for_model`, its output budget fitted to
     `max_message_bytes`); `pool` prepares requests off the event loop (see `target_service.admission`).
+    Health follows the engine's liveness (`stuck_after`: seconds without progress while work waits
+    before it counts as stuck).
     """
     if limits is None:
         limits = RequestLimits.for_model(
@@ -66,6 +69,7 @@ def build_server(
         limits=limits,
         pool=pool,
         max_message_bytes=max_message_bytes,
+        stuck_after_s=stuck_after,
     )
     return GrpcServer(
         [ServiceBinding(pb_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
@@ -74,6 +78,7 @@ def build_server(
         grace=grace,
         max_message_bytes=max_message_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
+        liveness=servicer.liveness,
     )
 
 
@@ -168,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default lean)",
     )
     add_limit_arguments(parser)
+    parser.add_argument(
+        "--stuck-after",
+        type=float,
+        default=60.0,
+        help="seconds the model may make no progress while requests wait before health says NOT_SERVING "
+        "and new requests fail UNAVAILABLE (default 60)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -329,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         pool=pool,
         max_message_bytes=args.max_message_bytes,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
+        stuck_after=args.stuck_after,
     )
     run_until_signal(server, "target-service")
 

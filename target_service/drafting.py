@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from specwire.common.v1 import common_pb2
+from specwire.deadline import caller_deadline, remaining
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.generation.drafters import Drafter, PromptLookupDrafter, Proposal
@@ -49,10 +50,13 @@ class RemoteDrafter:
         vocab_size (`int`): the target's vocabulary size.
         return_probs (`bool`): ask for the draft's probabilities (the target samples).
         round_timeout_s (`float`): deadline of each answer.
+        deadline (`float`, *optional*): the caller's deadline (`specwire.deadline`, `time.monotonic()`
+            clock): the stream's deadline, and every round waits at most until then.
     """
 
-    def __init__(self, stub, rows, config, method, vocab_size, return_probs, round_timeout_s):
+    def __init__(self, stub, rows, config, method, vocab_size, return_probs, round_timeout_s, deadline=None):
         self.timeout = round_timeout_s
+        self.deadline = deadline
         self.requests: queue.Queue = queue.Queue()
         self.responses: queue.Queue = queue.Queue()
         self.start = pb.DraftStart(
@@ -63,7 +67,7 @@ class RemoteDrafter:
             return_probs=return_probs,
         )
         self.pending: pb.DraftFeedback | None = None
-        self.call = stub.Draft(iter(self.requests.get, _END))
+        self.call = stub.Draft(iter(self.requests.get, _END), timeout=remaining(deadline=deadline))
         self.reader = threading.Thread(target=self._read, daemon=True, name="specwire-draft-reader")
         self.reader.start()
 
@@ -85,10 +89,11 @@ class RemoteDrafter:
             feedback.num_tokens = num_tokens
             self.requests.put(pb.DraftRequest(feedback=feedback))
             self.pending = None
+        timeout = remaining(self.timeout, deadline=self.deadline)  # min(--draft-timeout, the caller's time)
         try:
-            answer = self.responses.get(timeout=self.timeout)
+            answer = self.responses.get(timeout=timeout)
         except queue.Empty:
-            raise DraftFailure(f"no draft within the {self.timeout:.2f}s round deadline") from None
+            raise DraftFailure(f"no draft within the {timeout:.2f}s round deadline") from None
         if isinstance(answer, DraftFailure):
             raise answer
         probs = [tensor_from_proto(r.probs) if r.HasField("probs") else None for r in answer.rows]
@@ -166,6 +171,7 @@ class DraftPolicy:
                 vocab_size,
                 sampling and method == pb.DRAFT_METHOD_MODEL,
                 self.round_timeout_s,
+                caller_deadline(),
             )
 
         return open_drafter

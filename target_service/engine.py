@@ -5,29 +5,40 @@ With `scheduler="batched"` (the default), requests the slot cache can serve go t
 sequential lane: no cache, classifier-free guidance, over-long or over-wide requests) and every
 request with `scheduler="sequential"` take the one-request-per-step path below.
 
-One request per step: every model step runs on one model thread (the scheduler's, or a worker of
-our own with `"sequential"`), so concurrent requests interleave step by step (the forward passes
-never race on the model) and each request keeps its own state (its generator, its KV cache, its
+One request per step. With `"sequential"`, every step runs on one model thread (a worker of our
+own), so concurrent requests interleave step by step (the forward passes never race on the model).
+In the batched scheduler's lane, each request's steps run in a thread of its own and only its model
+calls run on the scheduler thread (`BatchScheduler.forward`), so its draft waits and loop work never
+hold up the packed forwards. Each request keeps its own state (its generator, its KV cache, its
 `torch.Generator`). Between two steps the request's coroutine checks for cancellation: a cancelled
 or timed-out request stops consuming compute within one step, and its generator is closed on the
-model thread so its cache is freed.
+thread that ran it so its cache is freed.
+
+Liveness (`problem`): the scheduler's report (dead thread, device error, stuck forward loop), a
+device error on the sequential path, or a sequential step running longer than `stuck_after_s`.
+New requests then fail UNAVAILABLE at once; the server's watchdog reports NOT_SERVING.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
-from specwire.errors import ResourceExhausted
+from specwire.errors import ResourceExhausted, Unavailable
 from specwire.generation.decoding import iter_generate
+from specwire.generation.drafters import Drafter, Proposal
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.speculative_loop import iter_speculative
-from specwire.model_thread import model_executor
+from specwire.model_thread import is_device_error, model_executor
 from specwire.models import LoadedModel
 from target_service.drafting import DraftPolicy
 from target_service.requests import GenerationJob
@@ -47,6 +58,8 @@ class Engine:
         scheduler (`str`, defaults to `"batched"`): `"batched"` (shared packed forwards, see
             `target_service.scheduler`) or `"sequential"` (one request per forward).
         scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
+        stuck_after_s (`float`, defaults to 60.0): seconds the model may make no progress while work
+            waits before the engine reports itself stuck (`problem`).
     """
 
     def __init__(
@@ -55,9 +68,18 @@ class Engine:
         drafting: DraftPolicy | None = None,
         scheduler: str = "batched",
         scheduler_options: SchedulerOptions | None = None,
+        stuck_after_s: float = 60.0,
     ):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+        if stuck_after_s <= 0:
+            raise ValueError(f"stuck_after_s must be > 0, got {stuck_after_s}")
+        self.stuck_after_s = stuck_after_s
+        self.device_error = ""  # sticky: set when a sequential step failed on the device
+        self._step_started: float | None = None  # a step running on the model thread, since
+        # id(job) -> the drafters it opened: closed when its RPC ends, so that a cancelled request's
+        # thread stops waiting on its draft service at once (not after the round's timeout).
+        self._drafters: dict[int, list[Drafter]] = {}
         self.loaded = loaded
         self.drafting = drafting or DraftPolicy()
         self.active = 0  # requests between their first and last step
@@ -67,15 +89,14 @@ class Engine:
         self.scheduler = scheduler
         self.batcher: BatchScheduler | None = None
         if scheduler == "batched":
-            self.batcher = BatchScheduler(
-                loaded.model, self._start, scheduler_options, loaded.max_position_embeddings
-            )
+            self.batcher = BatchScheduler(loaded.model, self._start, scheduler_options, loaded.max_position_embeddings)
         # Every forward runs on one thread (`specwire.model_thread`): the scheduler's when it runs
-        # (the sequential lane's steps run between its packed forwards), else a worker of our own.
-        if self.batcher is not None and self.batcher.enabled:
-            self.executor = self.batcher.executor
-        else:
-            self.executor = model_executor("specwire-model")
+        # (the sequential lane posts its forwards there), else this worker of our own.
+        self.executor = model_executor("specwire-model")
+        # The lane's requests' model: the served one, with every call posted to the scheduler thread.
+        self._lane_model = (
+            _ForwardsOn(loaded.model, self.batcher) if self.batcher is not None and self.batcher.enabled else None
+        )
 
     @property
     def steps_run(self) -> int:
@@ -87,7 +108,32 @@ class Engine:
             self.batcher.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
-    def _start(self, job: GenerationJob, rows_factory=None):
+    def problem(self) -> str:
+        """Why this engine cannot generate now ("" when it can); see the module docstring."""
+        if self.device_error:
+            return self.device_error
+        if self.batcher is not None:
+            found = self.batcher.problem(self.stuck_after_s)
+            if found:
+                return found
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.stuck_after_s:
+            return (
+                f"a model step has been running for {time.monotonic() - started:.1f}s "
+                f"(--stuck-after {self.stuck_after_s:g})"
+            )
+        return ""
+
+    def _start(
+        self,
+        job: GenerationJob,
+        rows_factory=None,
+        drafting: Callable[[], contextlib.AbstractContextManager] | None = None,
+        model: Any = None,
+    ):
+        """The request's step generator. `drafting()` wraps every wait for its drafter; `model` replaces
+        the served model (the lane's, whose calls run on the scheduler thread)."""
+        model = model if model is not None else self.loaded.model
         generator = None
         if job.config.seed is not None:
             generator = torch.Generator(device=self.loaded.model.device).manual_seed(job.config.seed)
@@ -106,26 +152,61 @@ class Engine:
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer
         if proposer == "none":
-            return iter_generate(self.loaded.model, input_ids, mask, **common)
+            return iter_generate(model, input_ids, mask, **common)
+        with self._lock:
+            opened = self._drafters.get(id(job))
+        open_drafter = _opener(self.drafting.opener(proposer, self.loaded.vocab_size), drafting, opened)
         return iter_speculative(
-            self.loaded.model,
+            model,
             input_ids,
             mask,
-            open_drafter=self.drafting.opener(proposer, self.loaded.vocab_size),
+            open_drafter=open_drafter,
             stats=job.speculation,
             draft_length=self.drafting.draft_length(proposer, job.config),
             **common,
         )
 
-    def _step(self, steps):
-        self._lane_steps += 1  # only the worker thread writes it
+    def _step(self, steps, watched: bool):
+        with self._lock:
+            self._lane_steps += 1
+        if watched:  # on the model thread: one step at a time, timed for `problem`
+            self._step_started = time.monotonic()
         try:
             return next(steps)
         except StopIteration as stop:
             return _DONE, stop.value
+        except Exception as exc:
+            if watched and is_device_error(exc):
+                log.critical("device error in a model step: the target service stops serving", exc_info=exc)
+                self.device_error = f"the device failed in a forward ({type(exc).__name__}: {exc}); restart the service"
+                raise Unavailable(f"the target service cannot generate: {self.device_error}") from exc
+            raise
+        finally:
+            if watched:
+                self._step_started = None
 
     async def run(self, job: GenerationJob) -> AsyncIterator[StepEvent | GenerationResult]:
         """Yield the job's step events, then its `GenerationResult`."""
+        problem = self.problem()
+        if problem:  # fail fast: nothing would run it
+            raise Unavailable(f"the target service cannot generate: {problem}")
+        opened: list[Drafter] = []
+        with self._lock:
+            self._drafters[id(job)] = opened
+        try:
+            async for item in self._route(job):
+                yield item
+        finally:
+            with self._lock:
+                self._drafters.pop(id(job), None)
+            for drafter in opened:  # the loop closes them too when it ends; closing twice is harmless
+                try:
+                    drafter.close()
+                except Exception:  # noqa: BLE001 - cleanup must not hide the request's outcome
+                    log.exception("closing a drafter of request %s failed", job.request_id or "-")
+
+    async def _route(self, job: GenerationJob) -> AsyncIterator[StepEvent | GenerationResult]:
+        """Run `job` in the batched scheduler, its sequential lane, or one request per step."""
         if self.batcher is not None and self.batcher.enabled:
             lane, plan = self.batcher.lane_reason(job)  # invalid requests raise here
             if not lane:
@@ -149,30 +230,43 @@ class Engine:
                         retry_after_s=1.0,
                     )
                 self.lane_active += 1
+            # The lane request's own thread, single-threaded for torch (its forwards run on the
+            # scheduler thread with the process's thread count; see `specwire.model_thread`).
+            own = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="specwire-lane", initializer=torch.set_num_threads, initargs=(1,)
+            )
             try:
-                async for item in self._run_one_per_step(job):
+                async for item in self._run_one_per_step(job, own, model=self._lane_model, watched=False):
                     yield item
             finally:
+                own.shutdown(wait=False)  # the thread ends once the generator's close (queued) ran
                 with self._lock:
                     self.lane_active -= 1
             return
-        async for item in self._run_one_per_step(job):
+        async for item in self._run_one_per_step(job, self.executor):
             yield item
 
-    async def _run_one_per_step(self, job: GenerationJob) -> AsyncIterator[StepEvent | GenerationResult]:
-        """The one-request-per-step path: every step of `job` a call on the model thread."""
+    async def _run_one_per_step(
+        self, job: GenerationJob, executor: Executor, model: Any = None, watched: bool = True
+    ) -> AsyncIterator[StepEvent | GenerationResult]:
+        """The one-request-per-step path: every step of `job` a call on `executor`.
+
+        `watched` steps run on the model thread and count for `problem` (stuck, device error).
+        """
         loop = asyncio.get_running_loop()
         # run_in_executor does not carry contextvars: the worker runs each call inside the request's
         # context, so the draft stream's client span is a child of the request's span (tracing).
         context = contextvars.copy_context()
         # Validation, length resolution and processor construction run here (errors raise here),
-        # on the worker: building stop-string tables for a large vocabulary takes a moment.
-        steps = await loop.run_in_executor(self.executor, context.run, _in_inference_mode, self._start, job)
+        # off the event loop: building stop-string tables for a large vocabulary takes a moment.
+        steps = await loop.run_in_executor(
+            executor, context.run, _in_inference_mode, lambda: self._start(job, model=model)
+        )
         with self._lock:
             self.active += 1
         try:
             while True:
-                item = await loop.run_in_executor(self.executor, context.run, _in_inference_mode, self._step, steps)
+                item = await loop.run_in_executor(executor, context.run, _in_inference_mode, self._step, steps, watched)
                 if isinstance(item, tuple) and item and item[0] is _DONE:
                     yield item[1]
                     return
@@ -180,8 +274,8 @@ class Engine:
         finally:
             with self._lock:
                 self.active -= 1
-            # Closing runs the generator's cleanup on the worker, after any step in flight.
-            self.executor.submit(_close_quietly, steps, job.request_id)
+            # Closing runs the generator's cleanup on its thread, after any step in flight.
+            executor.submit(_close_quietly, steps, job.request_id)
 
     def queue_full(self) -> float | None:
         """A retry hint in seconds when the batched scheduler's queue is full, else None (a cheap probe:
@@ -201,3 +295,57 @@ def _close_quietly(steps, request_id: str) -> None:
         steps.close()
     except Exception:  # noqa: BLE001 - cleanup of an abandoned request must not kill the worker
         log.exception("closing request %s failed", request_id)
+
+
+class _ForwardsOn:
+    """A model whose calls run on the batched scheduler's thread (`BatchScheduler.forward`).
+
+    The sequential lane's loops (and the guidance processor's own forward) call it like the model;
+    every other attribute (config, device, parameters, `forward` for signature checks) is the model's.
+    """
+
+    def __init__(self, model: Any, scheduler: BatchScheduler):
+        self._model = model
+        self._scheduler = scheduler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._scheduler.forward(self._model, *args, **kwargs)
+
+
+class _AnnouncedDrafter:
+    """A drafter whose waits (`propose`) run inside `drafting()`: the scheduler does not wait for them."""
+
+    def __init__(self, drafter: Drafter, drafting: Callable[[], contextlib.AbstractContextManager]):
+        self.drafter = drafter
+        self.drafting = drafting
+
+    def propose(self, num_tokens: int) -> Proposal:
+        with self.drafting():
+            return self.drafter.propose(num_tokens)
+
+    def feedback(self, *args: Any) -> None:
+        self.drafter.feedback(*args)
+
+    def close(self) -> None:
+        self.drafter.close()
+
+
+def _opener(
+    open_drafter: Callable[..., Drafter],
+    drafting: Callable[[], contextlib.AbstractContextManager] | None,
+    opened: list[Drafter] | None,
+) -> Callable[..., Drafter]:
+    """`open_drafter` whose drafters are recorded in `opened`, and whose opening and `propose` calls
+    announce themselves as draft waits (`drafting()`) when given."""
+
+    def open_recorded(*args: Any) -> Drafter:
+        with drafting() if drafting is not None else contextlib.nullcontext():
+            drafter = open_drafter(*args)
+        if opened is not None:
+            opened.append(drafter)
+        return _AnnouncedDrafter(drafter, drafting) if drafting is not None else drafter
+
+    return open_recorded

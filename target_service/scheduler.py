@@ -34,8 +34,10 @@ Admission and fairness.
   (at least `min_prefill_tokens`) and are chunked, in admission order, so a long prompt does not stall
   the running requests.
 - Stragglers: the forward starts when every running request has posted its work, or after a
-  gather window (a fraction of the last forward's time), so a request waiting on its draft service
-  joins the next forward instead of holding up the others.
+  gather window (a fraction of the last forward's time), so a request still preparing its next step
+  joins the next forward instead of holding up the others. A request waiting on its draft service
+  says so (`drafting`, around `Drafter.propose`): the forwards do not wait for it at all, so a slow or
+  hung draft service slows only its own requests.
 - Cancellation and deadlines: the RPC's coroutine ending marks its request cancelled; before the
   next forward the scheduler frees its slots and wakes its thread, which stops (within one step).
 
@@ -45,32 +47,43 @@ has the Llama layout and a start-up probe finds its logits bitwise equal to `mod
 through `model(...)` (`SchedulerOptions.lean_forward=False`, `--packed-forward transformers`).
 
 Threads. Every forward runs on the scheduler thread (see `specwire.model_thread` for why): the packed
-forwards, and the steps of the sequential lane (`executor`), run between two packed forwards.
+forwards, and the forwards of the sequential lane (`forward`), which run between two packed forwards.
+Nothing else runs there: no request's loop, no draft wait.
 
 The sequential lane. Requests the slot cache cannot serve run the per-request path of `Engine`
-(one request per forward, with a `DynamicCache`), one step at a time on the scheduler thread:
-`use_cache=False`, classifier-free guidance (its processor runs its own forward), prompts with
-padding that is not left padding, more rows than slots, longer than a slot, or a model
-`slot_support` refuses (checked once at start-up with a probe against `RowBatch`).
+(one request per forward, with a `DynamicCache`): `use_cache=False`, classifier-free guidance (its
+processor runs its own forward), prompts with padding that is not left padding, more rows than
+slots, longer than a slot, or a model `slot_support` refuses (checked once at start-up with a probe
+against `RowBatch`). Each lane request's loop runs in a thread of its own (its processors, its
+draft waits, its stopping checks); only its model calls are posted here, as `forward`s. Why not
+a forward thread per lane request: a second thread running forwards with the process's torch thread
+count makes every forward slower (two OpenMP pools, `specwire.model_thread`), and one with a single
+thread would compete for the same cores anyway; posting keeps one forward at a time, and a lane
+forward is work the device has to do either way.
+
+Liveness (`problem`). The scheduler reports a dead thread, a device error (sticky: after a CUDA
+error the device context is unusable, every request then fails UNAVAILABLE) and a stuck forward loop
+(work posted and no forward, processing or lane call done for `stuck_after` seconds); the target's
+watchdog turns it into NOT_SERVING.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
-import functools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor, Future
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from specwire.errors import ResourceExhausted
+from specwire.errors import ResourceExhausted, Unavailable
 from specwire.generation.decoding import RowBatch, prepare_generation
 from specwire.generation.lean_decoder import LeanDecoder
 from specwire.generation.outputs import GenerationResult, StepEvent
@@ -83,7 +96,7 @@ from specwire.generation.slot_cache import (
     install_slot_attention,
     slot_support,
 )
-from specwire.model_thread import claim_torch_threads
+from specwire.model_thread import claim_torch_threads, is_device_error
 
 log = logging.getLogger("specwire.target_service.scheduler")
 
@@ -169,6 +182,7 @@ class _Request:
         self.shares_processing = False  # has posted a `_ProcessWork`
         self.failure: BaseException | None = None
         self.in_cycle = False  # has posted work before: the gather window waits for it
+        self.drafting = False  # waiting on its drafter: the gather window does not wait for it
         self.ready_since = 0.0
         self.steps = 0
         self.cancelled = False
@@ -240,8 +254,12 @@ class BatchScheduler:
         self._forward_ema = 0.0
         self._last_forward_end = time.perf_counter()
         self._closed = False
-        self._calls: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
-        self.executor = _SchedulerThreadCalls(self)
+        # Sequential-lane forwards: (future, fn, args, posted at).
+        self._calls: deque[tuple[Future, Callable[..., Any], tuple, float]] = deque()
+        self.lane_forwards = 0
+        # Liveness: why the scheduler can no longer serve (sticky), and when it last made progress.
+        self.failure_reason = ""
+        self._progress_at = time.perf_counter()
         self.cache: SlotKVCache | None = None
         self.decoder: LeanDecoder | None = None  # see `SchedulerOptions.lean_forward`
         self.unsupported = slot_support(model)
@@ -372,6 +390,8 @@ class BatchScheduler:
         loop = asyncio.get_running_loop()
         rows = plan.input_ids.shape[0] * plan.expand
         with self.cond:
+            if self.failure_reason:
+                raise Unavailable(f"the target service cannot generate: {self.failure_reason}")
             self._seq += 1
             request = _Request(job, rows, plan.max_length - plan.input_len, loop, self._seq)
             # The request's thread runs in the RPC's context (tracing spans, telemetry).
@@ -456,7 +476,11 @@ class BatchScheduler:
         steps = None
         try:
             with torch.inference_mode():
-                steps = self.start(request.job, lambda *args, **kwargs: self._rows(request, *args, **kwargs))
+                steps = self.start(
+                    request.job,
+                    lambda *args, **kwargs: self._rows(request, *args, **kwargs),
+                    drafting=lambda: self._drafting(request),
+                )
                 while True:
                     try:
                         item = next(steps)
@@ -515,6 +539,18 @@ class BatchScheduler:
                 outputs[i] = output
         return outputs
 
+    @contextlib.contextmanager
+    def _drafting(self, request: _Request) -> Iterator[None]:
+        """Around a draft wait of `request`: forwards run without waiting for it (no head-of-line blocking)."""
+        with self.cond:
+            request.drafting = True
+            self.cond.notify_all()  # a forward waiting for this request's work can start now
+        try:
+            yield
+        finally:
+            with self.cond:
+                request.drafting = False
+
     def _release(self, request: _Request, slots: list[int]) -> None:
         with self.cond:
             if request.finished:
@@ -529,6 +565,8 @@ class BatchScheduler:
         with self.cond:
             if request.cancelled:
                 raise RequestCancelled()
+            if self.failure_reason:
+                raise Unavailable(f"the target service cannot generate: {self.failure_reason}")
             request.work = work
             request.in_cycle = True
             request.ready_since = time.perf_counter()
@@ -554,16 +592,18 @@ class BatchScheduler:
                 return None
             self._reap()
             self._admit_waiting()
-            if self._calls:  # sequential-lane steps go first; the forward follows right after
+            if self._calls:  # sequential-lane forwards go first; the packed forward follows right after
                 return []
             ready = [r for r in self.running if r.work is not None]
             if any(isinstance(r.work, _ProcessWork) for r in ready) and not any(
-                r.work is None and r.shares_processing and r.seq in self._last_batch for r in self.running
+                r.work is None and not r.drafting and r.shares_processing and r.seq in self._last_batch
+                for r in self.running
             ):
                 # Every request of the last forward that shares processing has posted it: run it now.
                 return ready
             if ready:
-                busy = any(r.work is None and r.in_cycle for r in self.running)
+                # A request waiting on its drafter is not waited for: it joins a later forward.
+                busy = any(r.work is None and r.in_cycle and not r.drafting for r in self.running)
                 if not busy:
                     return ready
                 window = max(0.002, self.options.gather_fraction * self._forward_ema)
@@ -577,7 +617,7 @@ class BatchScheduler:
 
     def _loop(self, built: threading.Event) -> None:
         # Every forward of the model runs on this thread: packed forwards, the probe and the
-        # sequential lane's steps (`executor`); see `specwire.model_thread`.
+        # sequential lane's forwards (`forward`); see `specwire.model_thread`.
         claim_torch_threads(self.threads)
         try:
             self._build_cache()
@@ -585,11 +625,24 @@ class BatchScheduler:
             built.set()
         if self.cache is None:
             return
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the thread dies: say so, fail everyone waiting on it
+            log.critical("the batched scheduler's thread died", exc_info=exc)
+            self._fail_all(f"the scheduler thread died: {type(exc).__name__}: {exc}")
+            return
+        with self.cond:
+            calls = list(self._calls)
+            self._calls.clear()
+        for future, *_ in calls:
+            future.cancel()
+
+    def _serve(self) -> None:
         while True:
             with self.cond:
                 ready = self._gather()
                 if ready is None:
-                    break
+                    return
                 calls = list(self._calls)
                 self._calls.clear()
                 processing = [r for r in ready if isinstance(r.work, _ProcessWork)]
@@ -603,8 +656,7 @@ class BatchScheduler:
                     batch = steps + prefills
                     works = [r.work for r in batch]
             if calls:
-                for future, fn, args in calls:
-                    _run_call(future, fn, args)
+                self._run_calls(calls)
                 continue
             if processing:
                 self._run_processing(processing)
@@ -618,12 +670,14 @@ class BatchScheduler:
             except Exception as exc:  # noqa: BLE001 - fails the requests in this forward, not the server
                 log.exception("batched forward failed")
                 failure, ran = exc, 0
+                if is_device_error(exc):
+                    failure = self._device_failed(exc)
             ended = time.perf_counter()
             with self.cond:
                 elapsed = ended - started
                 self.forward_seconds += elapsed
                 self._forward_ema = elapsed if not self._forward_ema else 0.8 * self._forward_ema + 0.2 * elapsed
-                self._last_forward_end = ended
+                self._last_forward_end = self._progress_at = ended
                 self.forwards += 1
                 self.tokens_run += ran
                 self.requests_peak = max(self.requests_peak, len(batch))
@@ -639,11 +693,80 @@ class BatchScheduler:
                         request.steps += 1
                 self.cond.notify_all()
 
+    def _run_calls(self, calls: list[tuple[Future, Callable[..., Any], tuple, float]]) -> None:
+        """Run the posted sequential-lane forwards (on the scheduler thread, between packed forwards)."""
+        for future, fn, args, _ in calls:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001 - delivered to the lane request
+                if is_device_error(exc):
+                    exc = self._device_failed(exc)
+                future.set_exception(exc)
+            except BaseException as exc:  # the thread dies (see `_loop`): its caller must not wait forever
+                future.set_exception(Unavailable(f"the target service cannot generate: {type(exc).__name__}"))
+                raise
         with self.cond:
+            self.lane_forwards += len(calls)
+            self._progress_at = time.perf_counter()
+
+    def _device_failed(self, exc: BaseException) -> Unavailable:
+        """A forward raised a device error: the scheduler stops serving (sticky), every request fails."""
+        log.critical("device error in a forward: the target service stops serving", exc_info=exc)
+        reason = f"the device failed in a forward ({type(exc).__name__}: {exc}); restart the service"
+        self._fail_all(reason)
+        return Unavailable(f"the target service cannot generate: {reason}")
+
+    def _fail_all(self, reason: str) -> None:
+        """Stop serving for `reason`: running and queued requests fail UNAVAILABLE, new ones are refused."""
+        error = Unavailable(f"the target service cannot generate: {reason}")
+        with self.cond:
+            self.failure_reason = self.failure_reason or reason
+            for request in self.running:
+                request.failure = error
+                request.work = None  # not run again: its thread raises `error`
+            while self.waiting:
+                request = self.waiting.popleft()
+                request.finished = True
+                request.post("error", error)
             calls = list(self._calls)
             self._calls.clear()
-        for future, _, _ in calls:
-            future.cancel()
+            self.cond.notify_all()
+        for future, *_ in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
+
+    def problem(self, stuck_after: float) -> str:
+        """Why this scheduler cannot serve now ("" when it can): dead thread, device error, or stuck.
+
+        Args:
+            stuck_after (`float`): seconds posted work may wait with no forward (or processing, or lane
+                forward) done before the forward loop counts as stuck.
+        """
+        if self.cache is None:
+            return ""
+        # Never block the caller (the server's event loop) on a lock held by a stuck thread.
+        if not self.cond.acquire(timeout=1.0):
+            return "the scheduler's lock has been held for over 1s"
+        try:
+            if self.failure_reason:
+                return self.failure_reason
+            if not self.thread.is_alive() and not self._closed:
+                return "the scheduler thread is dead"
+            pending = [r.ready_since for r in self.running if r.work is not None]
+            pending += [posted for *_, posted in self._calls]
+            if not pending:
+                return ""
+            stalled = time.perf_counter() - max(self._progress_at, min(pending))
+        finally:
+            self.cond.release()
+        if stalled > stuck_after:
+            return (
+                f"the forward loop is stuck: work has waited {stalled:.1f}s with no forward done "
+                f"(--stuck-after {stuck_after:g})"
+            )
+        return ""
 
     def _run_processing(self, requests: list[_Request]) -> None:
         """One `BatchedChains.apply` over the posted processing of `requests` (on the scheduler thread)."""
@@ -657,6 +780,7 @@ class BatchScheduler:
             log.exception("batched logits processing failed")
             failure = exc
         with self.cond:
+            self._progress_at = time.perf_counter()
             self.process_batches += 1
             if len(requests) > 1:
                 self.shared_process_batches += 1
@@ -669,15 +793,18 @@ class BatchScheduler:
                     request.work = None
             self.cond.notify_all()
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run `fn(*args)` on the scheduler thread between forwards (the sequential lane's steps)."""
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `fn(*args, **kwargs)` (a sequential-lane request's model call) on the scheduler thread,
+        between packed forwards, and return its result; the caller's thread waits for it."""
         future: Future = Future()
         with self.cond:
+            if self.failure_reason:
+                raise Unavailable(f"the target service cannot generate: {self.failure_reason}")
             if self._closed or self.cache is None:
-                raise RuntimeError("the batched scheduler is not running")
-            self._calls.append((future, fn, args))
+                raise Unavailable("the batched scheduler is not running")
+            self._calls.append((future, _in_inference_mode, (fn, args, kwargs), time.perf_counter()))
             self.cond.notify_all()
-        return future
+        return future.result()
 
     def close(self) -> None:
         with self.cond:
@@ -704,20 +831,7 @@ class BatchScheduler:
             return self._retry_hint()
 
 
-def _run_call(future: Future, fn: Callable[..., Any], args: tuple) -> None:
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        future.set_result(fn(*args))
-    except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-        future.set_exception(exc)
-
-
-class _SchedulerThreadCalls(Executor):
-    """The scheduler thread as an `Executor`, for `loop.run_in_executor` in the sequential lane."""
-
-    def __init__(self, scheduler: BatchScheduler):
-        self.scheduler = scheduler
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        return self.scheduler.call(functools.partial(fn, *args, **kwargs))
+def _in_inference_mode(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    # Grad mode is per thread: the lane request's thread runs in inference mode, so its forwards do too.
+    with torch.inference_mode():
+        return fn(*args, **kwargs)

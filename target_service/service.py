@@ -136,6 +136,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             2 workers and 16 preparations in flight.
         max_message_bytes (`int`, defaults to 16 MiB): the server's message size limit, reported by
             `GetModelInfo` (the server options set it).
+        stuck_after_s (`float`, defaults to 60.0): seconds without model progress while work waits
+            before the service reports itself stuck (`liveness`).
     """
 
     def __init__(
@@ -148,10 +150,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         limits: RequestLimits | None = None,
         pool: PreparationPool | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        stuck_after_s: float = 60.0,
     ):
         self.loaded = loaded
         self.resolver = resolver
-        self.engine = Engine(loaded, drafting, scheduler, scheduler_options)
+        self.engine = Engine(loaded, drafting, scheduler, scheduler_options, stuck_after_s)
         self.metrics = SpecDecodeMetrics(telemetry.get_meter())
         self.limits = limits or RequestLimits.for_model(loaded.max_position_embeddings)
         self.pool = pool or PreparationPool()
@@ -167,6 +170,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 retry_after_s=retry_after_s,
             )
         self.pool.admit()
+
+    def liveness(self) -> str:
+        """Why this service cannot generate now ("" when it can): the health watchdog's check."""
+        return self.engine.problem()
 
     async def _run(
         self, request, context, rpc: str = "Generate"

@@ -230,10 +230,19 @@ def test_cancel_and_deadline_free_the_slot_within_one_step(loaded):
             wait_for(lambda: batcher.free_slots == slots - 1)
             cancelled_at, freed_at = batcher.cancellations[-1]
             assert freed_at - cancelled_at <= 1
-            # A deadline is a cancellation too.
-            with TargetClient(server.address, timeout=0.3) as hurried:
+            # A deadline is a cancellation too. The request (batched: it fits a slot) is running when
+            # its deadline passes whatever the machine's speed: the test holds the scheduler's lock, so
+            # no forward completes, from its first token until after the deadline.
+            deadline_s = 2.0
+            with TargetClient(server.address, timeout=deadline_s) as hurried:
+                called = time.monotonic()
+                hurried_stream = hurried.stream(PROMPTS[:1], **long)
                 with pytest.raises(SpecwireRpcError) as info:
-                    hurried.generate(PROMPTS[:1], **long)  # fits a slot: batched, not the lane
+                    next(hurried_stream)
+                    with batcher.cond:
+                        time.sleep(max(called + deadline_s + 0.3 - time.monotonic(), 0.0))
+                    for _ in hurried_stream:
+                        pass
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             wait_for(lambda: len(batcher.cancellations) == 2 and batcher.free_slots == slots - 1)
             cancelled_at, freed_at = batcher.cancellations[-1]
@@ -294,9 +303,10 @@ def test_long_request_finishes_while_short_ones_come_and_go(loaded, sequential):
 
 def test_sequential_lane_runs_between_packed_forwards_on_the_scheduler_thread(sequential, batched):
     # use_cache=False and classifier-free guidance cannot use the slot cache: they take the
-    # sequential lane, whose steps the scheduler thread runs between packed forwards.
+    # sequential lane, whose loops run in their own threads and whose forwards (the guidance
+    # processor's included) the scheduler thread runs between packed forwards.
     engine = batched.server.bindings[0].servicer.engine
-    assert engine.executor is engine.batcher.executor
+    lane_forwards_before = engine.batcher.lane_forwards
     lane = [
         (PROMPTS[:1], dict(max_new_tokens=10, use_cache=False)),
         (PROMPTS[1:], dict(max_new_tokens=8, guidance_scale=1.5)),
@@ -308,6 +318,8 @@ def test_sequential_lane_runs_between_packed_forwards_on_the_scheduler_thread(se
     for (_, kw), ours, theirs in zip(cases, got, want, strict=True):
         assert torch.equal(ours, theirs), (kw, ours, theirs)
     assert engine._lane_steps - lane_before >= 18  # the two lane requests' steps
+    # Their forwards ran on the scheduler thread: one per use_cache=False step, two per guidance step.
+    assert engine.batcher.lane_forwards - lane_forwards_before >= 10 + 2 * 8
     assert engine.batcher.shared_forwards > shared_before  # while the batched ones shared forwards
 
 

@@ -1,0 +1,335 @@
+"""Liveness that tells the truth, on real servers: health goes NOT_SERVING when the device fails, the
+scheduler thread dies or the forward loop is stuck, and RPCs then fail fast with UNAVAILABLE; deadlines
+reach the config lookup and the draft rounds; the config resolver's caches are bounded; keepalive
+finds a hung peer; SIGTERM drains in-flight requests within the grace period.
+
+Faults are injected the test-only way: the served model's `forward` (the packed forward runs through
+`model(...)` with `lean_forward=False`) is replaced, after start-up, by one that raises or blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.head_of_line import HungDraftService
+from client import ConfigClient, SpecwireRpcError, TargetClient
+from config_service.__main__ import build_server as build_config_server
+from specwire.config.v1 import config_service_pb2_grpc as config_pb_grpc
+from specwire.deadline import set_caller_deadline
+from specwire.errors import DeadlineExceeded
+from specwire.models import load_model
+from specwire.security import KEEPALIVE_CLIENT_OPTIONS, secure_channel
+from specwire.serving import KEEPALIVE_SERVER_OPTIONS, GrpcServer
+from target_service.__main__ import build_server
+from target_service.config_resolver import ConfigResolver, LruCache
+from target_service.drafting import DraftPolicy
+from target_service.scheduler import SchedulerOptions
+from tests.servers import free_port, threaded_server
+
+PROMPT = [5, 6, 7, 8, 9]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def health(address: str) -> int:
+    with secure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def fresh_model(tiny_model_dir):
+    # Its own copy: the tests replace its forward.
+    return load_model(str(tiny_model_dir), progress=False)
+
+
+def serve(loaded, scheduler: str, **kwargs):
+    options = SchedulerOptions(lean_forward=False)  # packed forwards call model(...), so the fault reaches them
+    return threaded_server(lambda: build_server(loaded, scheduler=scheduler, scheduler_options=options, **kwargs))
+
+
+def generate(address: str, timeout: float = 30.0, **kwargs):
+    with TargetClient(address, timeout=timeout) as client:
+        return client.generate([PROMPT], max_new_tokens=kwargs.pop("max_new_tokens", 8), **kwargs)
+
+
+class ThreadKiller(BaseException):
+    """Not an `Exception`: nothing in the forward path catches it, so it ends the scheduler's thread."""
+
+
+@pytest.mark.parametrize("scheduler", ["batched", "sequential"])
+def test_device_error_makes_the_service_not_serving_and_rpcs_fail_fast(tiny_model_dir, scheduler):
+    loaded = fresh_model(tiny_model_dir)
+    with serve(loaded, scheduler) as server:
+        generate(server.address)  # healthy: it generates
+        assert health(server.address) == SERVING
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        loaded.model.forward = broken
+        with pytest.raises(SpecwireRpcError) as info:
+            generate(server.address)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "device failed" in info.value.message
+        wait_for(lambda: health(server.address) == NOT_SERVING)
+        # Sticky: even with the model working again, the device context is not trusted.
+        del loaded.model.forward
+        with pytest.raises(SpecwireRpcError) as info:
+            generate(server.address)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert health(server.address) == NOT_SERVING
+
+
+@pytest.mark.parametrize("lane", [False, True], ids=["batched", "lane"])
+def test_dead_scheduler_thread_fails_in_flight_and_new_requests(tiny_model_dir, lane):
+    in_flight = dict(use_cache=False) if lane else {}  # use_cache=False runs in the sequential lane
+    loaded = fresh_model(tiny_model_dir)
+    with serve(loaded, "batched") as server:
+        batcher = server.server.bindings[0].servicer.engine.batcher
+        generate(server.address)
+        calls = []
+
+        def dies(*args, **kwargs):
+            calls.append(1)
+            raise ThreadKiller("injected")
+
+        loaded.model.forward = dies
+        with pytest.raises(SpecwireRpcError) as info:
+            generate(server.address, **in_flight)  # in flight when the thread dies: not left waiting forever
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "ThreadKiller" in info.value.message
+        wait_for(lambda: not batcher.thread.is_alive())
+        wait_for(lambda: health(server.address) == NOT_SERVING)
+        del loaded.model.forward
+        with pytest.raises(SpecwireRpcError) as info:
+            generate(server.address)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert len(calls) == 1  # refused before reaching the model
+
+
+@pytest.mark.parametrize("scheduler", ["batched", "sequential"])
+def test_stuck_forward_loop_is_not_serving_until_it_moves_again(tiny_model_dir, scheduler):
+    loaded = fresh_model(tiny_model_dir)
+    with serve(loaded, scheduler, stuck_after=0.5) as server:
+        want = generate(server.address).sequences
+        release, entered = threading.Event(), threading.Event()
+        original = loaded.model.forward
+
+        def hangs(*args, **kwargs):
+            entered.set()
+            release.wait(60)
+            return original(*args, **kwargs)
+
+        loaded.model.forward = hangs
+        result, errors = {}, []
+
+        def in_flight():
+            try:
+                result["out"] = generate(server.address, timeout=120).sequences
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        worker = threading.Thread(target=in_flight)
+        worker.start()
+        try:
+            assert entered.wait(30)
+            wait_for(lambda: health(server.address) == NOT_SERVING)
+            with pytest.raises(SpecwireRpcError) as info:
+                generate(server.address, timeout=60)  # fails at once, not after 60 s
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "stuck" in info.value.message or "running for" in info.value.message
+        finally:
+            loaded.model.forward = original
+            release.set()
+        worker.join(60)
+        assert not errors, errors
+        assert torch.equal(result["out"], want)  # the stalled request finishes once the loop moves
+        wait_for(lambda: health(server.address) == SERVING)
+        assert torch.equal(generate(server.address).sequences, want)
+
+
+def test_draft_round_waits_at_most_the_callers_remaining_time(tiny_model_dir):
+    loaded = fresh_model(tiny_model_dir)
+    with (
+        HungDraftService() as hung,
+        threaded_server(
+            lambda: build_server(loaded, drafting=DraftPolicy(hung.address, round_timeout_s=600.0))
+        ) as server,
+    ):
+        servicer = server.server.bindings[0].servicer
+        with TargetClient(server.address) as client:
+            with pytest.raises(SpecwireRpcError) as info:
+                client.generate([PROMPT], max_new_tokens=8, proposer="draft_model", timeout=1.0)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The request's thread stopped waiting on the hung draft service with its caller (not after
+        # the 600 s round timeout): its slot is back and no request is left running.
+        batcher = servicer.engine.batcher
+        wait_for(lambda: not batcher.running and batcher.free_slots == batcher.cache.num_slots)
+        assert hung.streams == 1
+
+
+def test_config_lookup_uses_the_callers_remaining_time():
+    # A registry that never answers GetConfig, a resolver whose own cap is 600 s, a caller with 0.5 s
+    # left: the lookup ends with the caller's deadline (the test fails rather than hangs without it).
+    class HungRegistry(config_pb_grpc.ConfigServiceServicer):
+        async def GetConfig(self, request, context):  # noqa: N802 - the gRPC method name
+            await asyncio.sleep(3600)
+
+    async def scenario():
+        server = grpc.aio.server()
+        config_pb_grpc.add_ConfigServiceServicer_to_server(HungRegistry(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        resolver = ConfigResolver(f"127.0.0.1:{port}", timeout_s=600.0)
+        try:
+            set_caller_deadline(0.5)
+            with pytest.raises(DeadlineExceeded):
+                await asyncio.wait_for(resolver.resolve("anything"), 60)
+            set_caller_deadline(0.0)  # no time left: not even sent
+            with pytest.raises(DeadlineExceeded, match="before the config lookup"):
+                await resolver.resolve("anything")
+        finally:
+            await resolver.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_config_resolver_caches_are_bounded(tmp_path):
+    cache: LruCache[str, int] = LruCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # "a" is now the most recently used
+    cache.put("c", 3)
+    assert cache.get("b") is None and cache.get("a") == 1 and cache.get("c") == 3 and len(cache) == 2
+
+    with threaded_server(lambda: build_config_server(str(tmp_path / "registry.db"))) as registry:
+        with ConfigClient(registry.address) as client:
+            for i in range(6):
+                client.create(f"c{i}", {"max_new_tokens": 4 + i})
+
+        async def lookups():
+            resolver = ConfigResolver(registry.address, max_entries=3)
+            for i in range(6):
+                assert (await resolver.resolve(f"c{i}@1")).config.max_new_tokens == 4 + i
+                assert (await resolver.resolve(f"c{i}")).config.max_new_tokens == 4 + i
+            sizes = len(resolver._pinned), len(resolver._moving)
+            await resolver.close()
+            return sizes
+
+        assert asyncio.run(lookups()) == (3, 3)
+
+
+def test_servers_and_channels_have_keepalive():
+    server = GrpcServer([])
+    options = dict(server.options)
+    for key, value in KEEPALIVE_SERVER_OPTIONS:
+        assert options[key] == value
+    # The servers accept the clients' pings.
+    client = dict(KEEPALIVE_CLIENT_OPTIONS)
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]
+    assert options["grpc.keepalive_permit_without_calls"] == client["grpc.keepalive_permit_without_calls"] == 1
+
+
+def test_keepalive_finds_a_hung_server(tmp_path):
+    # A config service process, SIGSTOPped after a first call: its TCP connection stays open (the
+    # kernel keeps acking), so only keepalive can tell. With a 1 s ping the call fails UNAVAILABLE,
+    # long before its 60 s deadline.
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "config_service", "--port", str(port), "--db", str(tmp_path / "r.db")],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        from client.health import wait_healthy
+
+        wait_healthy(f"127.0.0.1:{port}", timeout=60, process=process)
+        fast = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 1000)]
+        channel = secure_channel(f"127.0.0.1:{port}", fast)
+        client = ConfigClient(channel=channel, timeout=60)
+        assert client.list() == []
+        process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(SpecwireRpcError) as info:
+                client.list()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            process.send_signal(signal.SIGCONT)
+            channel.close()
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_model_dir):
+    # The in-flight request waits 3 s on a hung draft service, then finishes with plain decoding:
+    # it is running when SIGTERM arrives, and finishes within the 30 s grace.
+    with HungDraftService() as hung:
+        port = free_port()
+        args = [
+            "target_service",
+            "--port",
+            str(port),
+            "--model",
+            str(tiny_model_dir),
+            "--draft-address",
+            hung.address,
+            "--draft-timeout",
+            "3",
+            "--grace",
+            "30",
+        ]
+        process = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            from client.health import wait_healthy
+
+            address = f"127.0.0.1:{port}"
+            wait_healthy(address, timeout=120, process=process)
+            with TargetClient(address, timeout=60) as client:
+                stream = client.stream([PROMPT], max_new_tokens=12, min_new_tokens=12, proposer="draft_model")
+                first = next(stream)  # step 0 is out; the request now waits on the hung draft service
+                wait_for(lambda: hung.streams == 1)
+                process.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                # New calls are refused while it drains.
+                time.sleep(0.5)
+                with pytest.raises(SpecwireRpcError) as info:
+                    with TargetClient(address, timeout=5) as late:
+                        late.generate([PROMPT], max_new_tokens=2)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                rest = list(stream)
+            final = rest[-1]
+            assert final.sequences.shape[1] == len(PROMPT) + 12  # the in-flight generation completed
+            assert "draft" in final.speculation.fallback_reason
+            assert first.token_ids == final.sequences[0, len(PROMPT) : len(PROMPT) + 1].tolist()
+            code = process.wait(30 + 15)
+            assert code == 0, process.stdout.read()
+            assert time.monotonic() - signalled < 30 + 15
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
