@@ -34,7 +34,9 @@ from tests.servers import free_port, subprocess_server, threaded_server
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # repetitive: prompt lookup finds matches
 LONG = dict(max_new_tokens=200, min_new_tokens=200)  # far from done when cancelled (256 positions)
-SCHEDULERS = ["batched", "sequential"]
+# "lane": the batched scheduler's sequential lane (slots of 64 positions: longer requests run there).
+SCHEDULERS = ["batched", "sequential", "lane"]
+LANE_SLOT_TOKENS = 64
 # (id, request kwargs, whether the target needs the draft service)
 PROPOSERS = [
     ("none", dict(proposer="none"), False),
@@ -89,6 +91,7 @@ class Faults:
 class Target:
     server: object
     faults: Faults
+    scheduler: str
 
     @property
     def address(self) -> str:
@@ -158,19 +161,20 @@ def start_target(stack: ExitStack, model_dir, scheduler: str, draft_address: str
     loaded = load_model(str(model_dir), progress=False)
     faults = Faults(loaded.model, delay_s=0.01)
     policy = DraftPolicy(draft_address, round_timeout_s=10.0)
+    # Packed forwards through `model(...)`, so that the injected faults reach them.
+    options = SchedulerOptions(lean_forward=False, slot_tokens=LANE_SLOT_TOKENS if scheduler == "lane" else None)
     server = stack.enter_context(
         threaded_server(
             lambda: build_target_server(
                 loaded,
                 drafting=policy,
-                scheduler=scheduler,
-                # Packed forwards through `model(...)`, so that the injected faults reach them.
-                scheduler_options=SchedulerOptions(lean_forward=False),
+                scheduler="sequential" if scheduler == "sequential" else "batched",
+                scheduler_options=options,
             )
         )
     )
     stack.callback(policy.close)
-    return Target(server, faults)
+    return Target(server, faults, scheduler)
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +194,13 @@ def targets(tiny_model_dir, draft_server):
 
 def warmed_baseline(target: Target, kwargs: dict, draft_server=None) -> dict[str, int]:
     """Run one short request of the kind under test (lazy threads start), then take the baseline."""
+    # In the lane, it must be longer than a slot.
+    new_tokens = LANE_SLOT_TOKENS if target.scheduler == "lane" else 8
+    forwards = target.batcher.forwards if target.batcher is not None else 0
     with TargetClient(target.address) as client:
-        output = client.generate(PROMPT, max_new_tokens=8, **kwargs)
+        output = client.generate(PROMPT, max_new_tokens=new_tokens, **kwargs)
+    if target.scheduler == "lane":
+        assert target.batcher.forwards == forwards, "the request did not run in the sequential lane"
     assert output.speculation.fallback_reason == "" or kwargs["proposer"] == "none"
     baseline = reference(target, draft_server)
     settled(baseline, target, draft_server)  # the warm-up's own call has ended everywhere
@@ -242,7 +251,7 @@ def test_finished_requests_release_everything(targets, draft_server, scheduler, 
     baseline = warmed_baseline(target, kwargs, drafts)
     with TargetClient(target.address) as client:
         for _ in range(3):
-            client.generate(PROMPT, max_new_tokens=24, **kwargs)
+            client.generate(PROMPT, max_new_tokens=LANE_SLOT_TOKENS, **kwargs)
     assert_released(baseline, target, drafts)
 
 
