@@ -100,6 +100,11 @@ class DraftChannel:
         except concurrent.futures.CancelledError:
             raise DraftFailure("the draft stream was cancelled") from None
 
+    @property
+    def open_streams(self) -> int:
+        """Draft streams opened and not yet ended (observability and tests)."""
+        return len(self.calls)
+
     def submit(self, coro: Coroutine) -> None:
         """Run `coro` on the channel's loop without waiting (nothing if the channel is closed)."""
         self._schedule(coro, start=False)
@@ -287,6 +292,11 @@ class DraftPolicy:
     def __post_init__(self) -> None:
         self._channel: DraftChannel | None = None
         self._channel_lock = threading.Lock()
+
+    @property
+    def open_streams(self) -> int:
+        """Draft streams opened and not yet ended (0 before the first one)."""
+        return self._channel.open_streams if self._channel is not None else 0
 
     def channel(self) -> DraftChannel:
         """The draft service's channel (one per target process, started on first use)."""

@@ -5,7 +5,8 @@ a draft model through a real draft service) and both schedulers, requests end by
 client closing the stream midway, by their deadline, by an error inside the decoding loop (a device
 fault injected into the model's forward), and by the draft service dying or stopping mid-stream.
 After they settle, the process has as many threads as before (Python's and native ones, gRPC's
-included), the batched scheduler has all its KV slots free, and the draft service has no session open.
+included), the target no draft stream open, the batched scheduler all its KV slots free, and the
+draft service no session open.
 
 The target model's forward takes a few milliseconds more than it needs (`Faults.delay_s`), so that a
 request is still running when its client cancels it or its deadline passes.
@@ -92,6 +93,7 @@ class Target:
     server: object
     faults: Faults
     scheduler: str
+    policy: DraftPolicy
 
     @property
     def address(self) -> str:
@@ -112,7 +114,11 @@ def sessions_of(draft_server) -> int:
 
 
 def snapshot(target: Target, draft_server=None) -> dict[str, int]:
-    now = {"python_threads": threading.active_count(), "native_threads": native_threads()}
+    now = {
+        "python_threads": threading.active_count(),
+        "native_threads": native_threads(),
+        "draft_streams": target.policy.open_streams,
+    }
     if target.batcher is not None and target.batcher.enabled:
         now["free_slots"] = target.batcher.free_slots
     if draft_server is not None:
@@ -141,8 +147,9 @@ def assert_released(baseline: dict[str, int], target: Target, draft_server=None)
 
 
 def reference(target: Target, draft_server=None) -> dict[str, int]:
-    """What the process holds with nothing running (slots all free, no session open)."""
+    """What the process holds with nothing running (slots all free, no stream or session open)."""
     now = snapshot(target, draft_server)
+    now["draft_streams"] = 0
     if "free_slots" in now:
         now["free_slots"] = target.batcher.cache.num_slots
     if draft_server is not None:
@@ -174,7 +181,7 @@ def start_target(stack: ExitStack, model_dir, scheduler: str, draft_address: str
         )
     )
     stack.callback(policy.close)
-    return Target(server, faults, scheduler)
+    return Target(server, faults, scheduler, policy)
 
 
 @pytest.fixture(scope="module")
