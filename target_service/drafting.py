@@ -218,11 +218,10 @@ class RemoteDrafter:
         tokens, probs = [], []
         for row in answer.rows:
             ids = list(row.token_ids)
-            if len(ids) > num_tokens or any(not 0 <= t < self.vocab_size for t in ids):
-                raise DraftFailure(
-                    f"the draft service answered {len(ids)} tokens (asked {num_tokens}) "
-                    f"or ids outside [0, {self.vocab_size})"
-                )
+            if len(ids) > num_tokens:
+                raise DraftFailure(f"the draft service answered {len(ids)} tokens (asked {num_tokens})")
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise DraftFailure(f"the draft service answered ids outside [0, {self.vocab_size}): {ids}")
             row_probs = None
             if row.HasField("probs"):
                 row_probs = tensor_from_proto(row.probs)

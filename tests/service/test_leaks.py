@@ -362,6 +362,4 @@ def test_draft_service_stopped_mid_stream_releases_everything(
             t.join(120)
         assert len(outputs) == 2
         assert all("draft failed mid-request" in o.speculation.fallback_reason for o in outputs)
-        assert sessions_of(draft_server) == 0
-        del baseline["draft_sessions"]
-        assert_released(baseline, target)
+        assert_released(baseline, target, draft_server)
