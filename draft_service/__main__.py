@@ -2,6 +2,7 @@
 
 Usage: draft-service --host 127.0.0.1 --port 50053 [--model M] [--device D] [--dtype T]
                      [--prompt-lookup-rule longest|transformers]
+                     [--max-sessions N] [--session-idle-timeout S]
 
 Prompt lookup is always available; `--model` adds a draft model (`default-int8` is the embedded
 SmolLM2 quantized to int8, a realistic CPU draft).
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from draft_service.service import DraftServicer
+from draft_service.service import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_TIMEOUT_S, DraftServicer
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
@@ -32,9 +33,14 @@ def build_server(
     prompt_lookup_rule: str = "longest",
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
+    max_sessions: int = DEFAULT_MAX_SESSIONS,
+    session_idle_timeout_s: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S,
 ) -> GrpcServer:
-    """A ready-to-start draft server (prompt lookup, plus `draft_model` if given)."""
-    servicer = DraftServicer(draft_model, prompt_lookup_rule)
+    """A ready-to-start draft server (prompt lookup, plus `draft_model` if given).
+
+    `max_sessions` and `session_idle_timeout_s` bound the open sessions (see `DraftServicer`).
+    """
+    servicer = DraftServicer(draft_model, prompt_lookup_rule, max_sessions, session_idle_timeout_s)
     # Streams are long-lived: a bounded connection age lets targets find replicas added by a scale-up.
     options = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 60_000)]
     return GrpcServer(
@@ -48,12 +54,24 @@ def build_server(
     )
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _idle_timeout(text: str) -> float | None:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: never), got {value:g}")
+    return value or None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="draft-service", description="specwire draft (speculation) service")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument(
-        "--port", type=int, default=50053, help="port to bind, 0 for any free one (default 50053)"
-    )
+    parser.add_argument("--port", type=int, default=50053, help="port to bind, 0 for any free one (default 50053)")
     parser.add_argument(
         "--model",
         default=None,
@@ -67,6 +85,21 @@ def main(argv: list[str] | None = None) -> None:
         choices=list(PROMPT_LOOKUP_RULES),
         help="longest: the longest earlier suffix match of 2+ tokens; transformers: its exact rule "
         "(n-gram, then shorter ones down to 1). Outputs are the same; drafts differ (default longest)",
+    )
+    # Sessions: how many, and how long an idle one is kept.
+    parser.add_argument(
+        "--max-sessions",
+        type=_positive_int,
+        default=DEFAULT_MAX_SESSIONS,
+        help="drafting sessions (one per target request, each with its KV caches) open at once; beyond "
+        f"them a new stream gets RESOURCE_EXHAUSTED with a retry hint (default {DEFAULT_MAX_SESSIONS})",
+    )
+    parser.add_argument(
+        "--session-idle-timeout",
+        type=_idle_timeout,
+        default=DEFAULT_SESSION_IDLE_TIMEOUT_S,
+        help="seconds a stream may send nothing before it is ended with DEADLINE_EXCEEDED and its session "
+        f"freed; 0 for never (default {DEFAULT_SESSION_IDLE_TIMEOUT_S:g})",
     )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds open streams get on SIGTERM")
     parser.add_argument(
@@ -99,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         args.prompt_lookup_rule,
         args.max_message_bytes,
         args.max_concurrent_rpcs,
+        args.max_sessions,
+        args.session_idle_timeout,
     )
     run_until_signal(server, "draft-service")
 

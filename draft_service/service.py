@@ -4,6 +4,12 @@ The target sends `DraftStart` (rows, method, effective config), then one `DraftF
 verification round; every message is answered with the next block of proposals. The session
 (`specwire.generation.drafters`) lives as long as the stream, so a request's KV caches stay on one
 replica and are rolled back rather than re-encoded.
+
+Sessions are counted and bounded. At most `max_sessions` are open at once (a `DraftStart` beyond
+that gets RESOURCE_EXHAUSTED with a retry hint; the target then decodes that request without
+drafts). A stream that sends nothing for `session_idle_timeout_s` is ended with DEADLINE_EXCEEDED.
+However the stream ends (the target half-closes it, cancels it, dies, or goes idle), its session is
+closed and its KV caches freed, on the model thread after any work of it still running there.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
-from specwire.errors import FailedPrecondition, InvalidArgument
+from specwire.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from specwire.generation.drafters import Drafter, ModelDrafter, PromptLookupDrafter, Proposal
 from specwire.model_thread import model_executor
 from specwire.models import LoadedModel
@@ -27,6 +33,8 @@ log = logging.getLogger("specwire.draft_service")
 
 MAX_DRAFT_TOKENS = 64
 MAX_ROWS = 256
+DEFAULT_MAX_SESSIONS = 64
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 60.0
 
 
 def _open_session(start: pb.DraftStart, draft_model: LoadedModel | None, prompt_lookup_rule: str) -> Drafter:
@@ -107,26 +115,68 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     Args:
         draft_model (`LoadedModel`, *optional*): the draft LM.
         prompt_lookup_rule (`str`, defaults to `"longest"`): see `PromptLookupDrafter`.
+        max_sessions (`int`, defaults to 64): sessions open at once; a `DraftStart` beyond them gets
+            RESOURCE_EXHAUSTED with a retry hint.
+        session_idle_timeout_s (`float`, defaults to 60.0): a stream that sends nothing for this long
+            is ended with DEADLINE_EXCEEDED and its session freed (`None`: never).
     """
 
-    def __init__(self, draft_model: LoadedModel | None = None, prompt_lookup_rule: str = "longest"):
+    def __init__(
+        self,
+        draft_model: LoadedModel | None = None,
+        prompt_lookup_rule: str = "longest",
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        session_idle_timeout_s: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S,
+    ):
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
+        if session_idle_timeout_s is not None and session_idle_timeout_s <= 0:
+            raise ValueError(f"session_idle_timeout_s must be positive (or None), got {session_idle_timeout_s}")
         self.draft_model = draft_model
         self.prompt_lookup_rule = prompt_lookup_rule
+        self.max_sessions = max_sessions
+        self.session_idle_timeout_s = session_idle_timeout_s
         self.executor = model_executor("specwire-draft")
+        # Sessions opened and not yet closed (their KV caches are held); written on the event loop
+        # only, read by tests and observability.
         self.open_sessions = 0
+        self._reserved = 0  # streams past their DraftStart's admission, session open or opening
+
+    def _admit(self) -> None:
+        if self._reserved >= self.max_sessions:
+            raise ResourceExhausted(
+                f"the draft service has {self._reserved} sessions open (--max-sessions {self.max_sessions}); "
+                "retry later, or decode without drafts",
+                retry_after_s=1.0,
+            )
+        self._reserved += 1
+
+    async def _next(self, messages) -> pb.DraftRequest | None:
+        """The stream's next message (None at its end), or DEADLINE_EXCEEDED once it is idle too long."""
+        try:
+            return await asyncio.wait_for(anext(messages, None), self.session_idle_timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the draft session was idle for more than {self.session_idle_timeout_s:g}s "
+                "(--session-idle-timeout) and was closed; open a new stream"
+            ) from None
 
     @handles_errors
     async def Draft(self, request_iterator, context):
         loop = asyncio.get_running_loop()
         session: Drafter | None = None
         last: Proposal | None = None
+        admitted = False
+        messages = aiter(request_iterator)
         try:
-            async for message in request_iterator:
+            while (message := await self._next(messages)) is not None:
                 kind = message.WhichOneof("message")
                 if kind == "start":
-                    if session is not None:
+                    if admitted:
                         raise FailedPrecondition("a stream carries one DraftStart; open a new stream per request")
                     num_tokens = _check_num_tokens(message.start.num_tokens, "start.num_tokens")
+                    self._admit()
+                    admitted = True
                     session = await loop.run_in_executor(
                         self.executor, _open_session, message.start, self.draft_model, self.prompt_lookup_rule
                     )
@@ -141,6 +191,17 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     raise InvalidArgument.for_field("message", None, "set start or feedback")
                 yield _response(last)
         finally:
+            if admitted:
+                self._reserved -= 1
             if session is not None:
                 self.open_sessions -= 1
-                session.close()
+                # Off the event loop (a draft model's caches), and after any propose still running for
+                # this session on the model thread (the stream was cancelled while it ran).
+                self.executor.submit(_close_quietly, session)
+
+
+def _close_quietly(session: Drafter) -> None:
+    try:
+        session.close()
+    except Exception:  # noqa: BLE001 - cleanup of an ended stream must not kill the model thread
+        log.exception("closing a draft session failed")

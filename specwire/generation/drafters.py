@@ -43,7 +43,12 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """A per-request drafting session (in-process or behind the draft service)."""
+    """A per-request drafting session (in-process or behind the draft service).
+
+    `close()` releases what the session holds (a draft-service stream, KV caches). The decoding loop
+    calls it on every way out (finish, error, the caller closing the loop on cancel or deadline), and
+    again is harmless: it must be idempotent and must not block.
+    """
 
     def propose(self, num_tokens: int) -> Proposal: ...
 

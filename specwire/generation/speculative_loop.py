@@ -215,166 +215,169 @@ def speculative_loop(
         reasons.append(finish(row, code) if code else None)
     yield StepEvent(step=0, tokens=tokens, finish_reasons=reasons, final=all(r.finished for r in state))
 
+    # The drafter holds a session (a draft-service stream, KV caches) until closed: it is closed on
+    # every way out of this generator (finish, error, the caller closing it on cancel or deadline).
     drafter: Drafter | None = None
     try:
-        started = time.perf_counter()
-        drafter = open_drafter([_unpadded(row, mask[r]) for r, row in enumerate(state)])
-        stats.draft_seconds += time.perf_counter() - started
-    except DraftFailure as exc:
-        stats.fallback_reason = f"draft unavailable: {exc}"
-
-    step = 1
-    while not _done(state):
-        round_start_ns = time.time_ns()
-        # 1. Draft lengths per row, bounded so the block (drafts + 1) fits under max_length.
-        room = [plan.max_length - input_len - len(row.generated) for row in state]
-        want = [
-            0 if row.finished else max(min(row.schedule.num_assistant_tokens, room[r] - 1), 0)
-            for r, row in enumerate(state)
-        ]
-        asked = max(want)
-        proposal = Proposal([[] for _ in state], [None] * num_rows)
-        draft_s = 0.0
-        if drafter is not None and asked > 0:
+        try:
             started = time.perf_counter()
-            try:
-                proposal = drafter.propose(asked)
-            except DraftFailure as exc:
-                stats.fallback_reason = f"draft failed mid-request: {exc}"
-                drafter = _close(drafter)
-            draft_s = time.perf_counter() - started
-            stats.draft_seconds += draft_s
-        drafts = [list(proposal.tokens[r][: want[r]]) for r in range(num_rows)]
-        # Finished rows are fed the pad token, as plain decoding feeds them (their scores stay exact).
-        catch_up = max(row.finish_length for row in state) if all(row.finished for row in state) else 0
-        forced = [
-            [pad] * max(min(max(asked, catch_up - len(row.generated) - 1), room[r] - 1), 0)
-            if row.finished and pad is not None
-            else []
-            for r, row in enumerate(state)
-        ]
-        blocks = [drafts[r] or forced[r] for r in range(num_rows)]
-        k = max(len(b) for b in blocks)
+            drafter = open_drafter([_unpadded(row, mask[r]) for r, row in enumerate(state)])
+            stats.draft_seconds += time.perf_counter() - started
+        except DraftFailure as exc:
+            stats.fallback_reason = f"draft unavailable: {exc}"
 
-        # 2. One target forward over [last token, block] for every row.
-        candidates = torch.full((num_rows, k + 1), pad if pad is not None else 0, dtype=torch.long)
-        valid = torch.zeros((num_rows, k + 1), dtype=torch.long)
-        for r, row in enumerate(state):
-            block = [row.generated[-1], *blocks[r]]
-            candidates[r, : len(block)] = torch.tensor(block)
-            valid[r, : len(block)] = 1
-        started = time.perf_counter()
-        logits = rows.verify(candidates, valid)  # [rows, k + 1, V]
-
-        # 3. Processors at every position with its own prefix (all rows and positions in one call),
-        # acceptance, and the stopping cut.
-        processed = rows.process(
-            [
-                (row.processors, row.ids(blocks[r][:j]), logits[r : r + 1, j])
+        step = 1
+        while not _done(state):
+            round_start_ns = time.time_ns()
+            # 1. Draft lengths per row, bounded so the block (drafts + 1) fits under max_length.
+            room = [plan.max_length - input_len - len(row.generated) for row in state]
+            want = [
+                0 if row.finished else max(min(row.schedule.num_assistant_tokens, room[r] - 1), 0)
                 for r, row in enumerate(state)
-                for j in range(len(blocks[r]) + 1)
             ]
-        )
-        emitted_per_row, accepted_per_row, events = [], [], []
-        offset = 0
-        for r, row in enumerate(state):
-            block = blocks[r]
-            scores = torch.cat(processed[offset : offset + len(block) + 1])  # [len(block) + 1, V]
-            offset += len(block) + 1
-            if row.finished:
-                emitted, n_acc = (
-                    [*block, pad if pad is not None else _greedy_or_sample(plan, scores[-1], generator)],
-                    0,
-                )
-            else:
-                emitted, n_acc = _accept(plan, block, proposal.probs[r], scores, generator)
-            start = len(row.generated)
-            was_finished = row.finished
-            if not was_finished:
-                for j in range(1, len(emitted) + 1):
-                    code = int(row.criteria(row.ids(emitted[:j]), scores[j - 1 : j])[0])
-                    if code:
-                        emitted, n_acc = emitted[:j], min(n_acc, j - 1)
+            asked = max(want)
+            proposal = Proposal([[] for _ in state], [None] * num_rows)
+            draft_s = 0.0
+            if drafter is not None and asked > 0:
+                started = time.perf_counter()
+                try:
+                    proposal = drafter.propose(asked)
+                except DraftFailure as exc:
+                    stats.fallback_reason = f"draft failed mid-request: {exc}"
+                    drafter = _close(drafter)
+                draft_s = time.perf_counter() - started
+                stats.draft_seconds += draft_s
+            drafts = [list(proposal.tokens[r][: want[r]]) for r in range(num_rows)]
+            # Finished rows are fed the pad token, as plain decoding feeds them (their scores stay exact).
+            catch_up = max(row.finish_length for row in state) if all(row.finished for row in state) else 0
+            forced = [
+                [pad] * max(min(max(asked, catch_up - len(row.generated) - 1), room[r] - 1), 0)
+                if row.finished and pad is not None
+                else []
+                for r, row in enumerate(state)
+            ]
+            blocks = [drafts[r] or forced[r] for r in range(num_rows)]
+            k = max(len(b) for b in blocks)
+
+            # 2. One target forward over [last token, block] for every row.
+            candidates = torch.full((num_rows, k + 1), pad if pad is not None else 0, dtype=torch.long)
+            valid = torch.zeros((num_rows, k + 1), dtype=torch.long)
+            for r, row in enumerate(state):
+                block = [row.generated[-1], *blocks[r]]
+                candidates[r, : len(block)] = torch.tensor(block)
+                valid[r, : len(block)] = 1
+            started = time.perf_counter()
+            logits = rows.verify(candidates, valid)  # [rows, k + 1, V]
+
+            # 3. Processors at every position with its own prefix (all rows and positions in one call),
+            # acceptance, and the stopping cut.
+            processed = rows.process(
+                [
+                    (row.processors, row.ids(blocks[r][:j]), logits[r : r + 1, j])
+                    for r, row in enumerate(state)
+                    for j in range(len(blocks[r]) + 1)
+                ]
+            )
+            emitted_per_row, accepted_per_row, events = [], [], []
+            offset = 0
+            for r, row in enumerate(state):
+                block = blocks[r]
+                scores = torch.cat(processed[offset : offset + len(block) + 1])  # [len(block) + 1, V]
+                offset += len(block) + 1
+                if row.finished:
+                    emitted, n_acc = (
+                        [*block, pad if pad is not None else _greedy_or_sample(plan, scores[-1], generator)],
+                        0,
+                    )
+                else:
+                    emitted, n_acc = _accept(plan, block, proposal.probs[r], scores, generator)
+                start = len(row.generated)
+                was_finished = row.finished
+                if not was_finished:
+                    for j in range(1, len(emitted) + 1):
+                        code = int(row.criteria(row.ids(emitted[:j]), scores[j - 1 : j])[0])
+                        if code:
+                            emitted, n_acc = emitted[:j], min(n_acc, j - 1)
+                            row.generated += emitted
+                            finish(row, code)
+                            break
+                    else:
                         row.generated += emitted
-                        finish(row, code)
-                        break
                 else:
                     row.generated += emitted
-            else:
-                row.generated += emitted
-            # Kept only when asked for, and copied: a view would keep the round's whole block alive
-            # (a request otherwise holds ~2 x (k + 1) x vocab floats per round until it ends).
-            if keep_scores:
-                row.scores += list(scores[: len(emitted)].clone())
-            if keep_logits:
-                row.logits += list(logits[r, : len(emitted)].clone())
-            emitted_per_row.append(emitted)
-            accepted_per_row.append(min(n_acc, len(drafts[r])))
-            # What the caller sees: real tokens up to the finish, and the reason once.
-            end = row.finish_length if row.finish_length is not None else len(row.generated)
-            events.append(
-                (
-                    emitted[: max(end - start, 0)] if not was_finished else [],
-                    row.reason if row.finished and not was_finished else None,
+                # Kept only when asked for, and copied: a view would keep the round's whole block alive
+                # (a request otherwise holds ~2 x (k + 1) x vocab floats per round until it ends).
+                if keep_scores:
+                    row.scores += list(scores[: len(emitted)].clone())
+                if keep_logits:
+                    row.logits += list(logits[r, : len(emitted)].clone())
+                emitted_per_row.append(emitted)
+                accepted_per_row.append(min(n_acc, len(drafts[r])))
+                # What the caller sees: real tokens up to the finish, and the reason once.
+                end = row.finish_length if row.finish_length is not None else len(row.generated)
+                events.append(
+                    (
+                        emitted[: max(end - start, 0)] if not was_finished else [],
+                        row.reason if row.finished and not was_finished else None,
+                    )
                 )
+            verify_s = time.perf_counter() - started
+            stats.verify_seconds += verify_s
+
+            # 4. Forget what was not kept: slots after the accepted drafts (the last emitted token is
+            # the next round's input, not yet in the cache).
+            kept = [len(e) for e in emitted_per_row]
+            rows.discard(
+                torch.tensor([k + 1 - n for n in kept]),
+                torch.tensor([len(blocks[r]) + 1 - kept[r] for r in range(num_rows)]),
             )
-        verify_s = time.perf_counter() - started
-        stats.verify_seconds += verify_s
 
-        # 4. Forget what was not kept: slots after the accepted drafts (the last emitted token is
-        # the next round's input, not yet in the cache).
-        kept = [len(e) for e in emitted_per_row]
-        rows.discard(
-            torch.tensor([k + 1 - n for n in kept]),
-            torch.tensor([len(blocks[r]) + 1 - kept[r] for r in range(num_rows)]),
-        )
-
-        # 5. Schedules, statistics and the drafter's feedback.
-        drafted_now = sum(len(d) for d in drafts)
-        for r, row in enumerate(state):
-            if drafts[r]:
-                row.schedule.update(accepted_per_row[r], len(drafts[r]))
-                for position in range(accepted_per_row[r]):
-                    if position == len(stats.accepted_by_position):
-                        stats.accepted_by_position.append(0)
-                    stats.accepted_by_position[position] += 1
-        if drafted_now:
-            accepted_now = sum(accepted_per_row)
-            stats.rounds += 1
-            stats.drafted_tokens += drafted_now
-            stats.accepted_tokens += accepted_now
-            stats.round_log.append(
-                RoundRecord(
-                    num_rows,
-                    asked,
-                    drafted_now,
-                    accepted_now,
-                    draft_s,
-                    verify_s,
-                    round_start_ns,
-                    time.time_ns(),
-                    sum(1 for d in drafts if d),
+            # 5. Schedules, statistics and the drafter's feedback.
+            drafted_now = sum(len(d) for d in drafts)
+            for r, row in enumerate(state):
+                if drafts[r]:
+                    row.schedule.update(accepted_per_row[r], len(drafts[r]))
+                    for position in range(accepted_per_row[r]):
+                        if position == len(stats.accepted_by_position):
+                            stats.accepted_by_position.append(0)
+                        stats.accepted_by_position[position] += 1
+            if drafted_now:
+                accepted_now = sum(accepted_per_row)
+                stats.rounds += 1
+                stats.drafted_tokens += drafted_now
+                stats.accepted_tokens += accepted_now
+                stats.round_log.append(
+                    RoundRecord(
+                        num_rows,
+                        asked,
+                        drafted_now,
+                        accepted_now,
+                        draft_s,
+                        verify_s,
+                        round_start_ns,
+                        time.time_ns(),
+                        sum(1 for d in drafts if d),
+                    )
                 )
+            if drafter is not None:
+                appended = [emitted_per_row[r][accepted_per_row[r] :] for r in range(num_rows)]
+                try:
+                    drafter.feedback(accepted_per_row, appended, [row.finished for row in state])
+                except DraftFailure as exc:
+                    stats.fallback_reason = f"draft failed mid-request: {exc}"
+                    drafter = _close(drafter)
+
+            yield StepEvent(
+                step=step,
+                tokens=[e[0] for e in events],
+                finish_reasons=[e[1] for e in events],
+                final=_done(state),
             )
+            step += 1
+        return _result(plan, state, input_ids, keep_scores, keep_logits, pad)
+    finally:
         if drafter is not None:
-            appended = [emitted_per_row[r][accepted_per_row[r] :] for r in range(num_rows)]
-            try:
-                drafter.feedback(accepted_per_row, appended, [row.finished for row in state])
-            except DraftFailure as exc:
-                stats.fallback_reason = f"draft failed mid-request: {exc}"
-                drafter = _close(drafter)
-
-        yield StepEvent(
-            step=step,
-            tokens=[e[0] for e in events],
-            finish_reasons=[e[1] for e in events],
-            final=_done(state),
-        )
-        step += 1
-
-    if drafter is not None:
-        _close(drafter)
-    return _result(plan, state, input_ids, keep_scores, keep_logits, pad)
+            _close(drafter)
 
 
 def _accept(plan, block, draft_probs, scores, generator) -> tuple[list[int], int]:

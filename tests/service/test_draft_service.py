@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import grpc
 import pytest
@@ -38,9 +39,7 @@ class Stream:
     def __init__(self, address: str):
         self.channel = grpc.insecure_channel(address)
         self.requests: queue.Queue = queue.Queue()
-        self.responses = pb_grpc.DraftServiceStub(self.channel).Draft(
-            iter(self.requests.get, None), timeout=60
-        )
+        self.responses = pb_grpc.DraftServiceStub(self.channel).Draft(iter(self.requests.get, None), timeout=60)
 
     def send(self, message: pb.DraftRequest) -> pb.DraftResponse:
         self.requests.put(message)
@@ -121,9 +120,7 @@ def test_model_session_matches_greedy_of_the_draft_model(server, tiny_draft_dir)
     correction = (drafted[2] + 1) % 378 if len(drafted) > 2 else 42
     second = stream.send(feedback([2], [[correction]], num_tokens=3))
     new_prefix = prompt + drafted[:2] + [correction]
-    want = reference.generate(torch.tensor([new_prefix]), max_new_tokens=3, do_sample=False)[
-        0, len(new_prefix) :
-    ]
+    want = reference.generate(torch.tensor([new_prefix]), max_new_tokens=3, do_sample=False)[0, len(new_prefix) :]
     assert list(second.rows[0].token_ids) == want.tolist()[: len(second.rows[0].token_ids)]
     stream.close()
 
@@ -193,9 +190,7 @@ def test_sessions_are_independent_under_concurrency(server):
     def run(i):
         stream = Stream(server.address)
         rows = [[i, i + 1, i + 2, i, i + 1]]
-        results[i] = list(
-            stream.send(start(rows, pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=2)).rows[0].token_ids
-        )
+        results[i] = list(stream.send(start(rows, pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=2)).rows[0].token_ids)
         stream.close()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(10, 30)]
@@ -204,3 +199,92 @@ def test_sessions_are_independent_under_concurrency(server):
     for t in threads:
         t.join()
     assert results == {i: [i + 2, i] for i in range(10, 30)}
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> bool:
+    """Poll `predicate` until true or `timeout` passes (what the service releases, it releases async)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def servicer_of(running):
+    return running.server.bindings[0].servicer
+
+
+def test_sessions_are_counted_and_capped_with_a_retry_hint(draft_loaded):
+    with threaded_server(lambda: build_server(draft_loaded, max_sessions=2)) as running:
+        servicer = servicer_of(running)
+        first, second, third = (Stream(running.address) for _ in range(3))
+        first.send(start([[1, 2, 1]], pb.DRAFT_METHOD_MODEL))
+        second.send(start([[1, 2, 1]], pb.DRAFT_METHOD_PROMPT_LOOKUP))
+        assert servicer.open_sessions == 2
+        with pytest.raises(grpc.RpcError) as info:
+            third.send(start([[1, 2, 1]], pb.DRAFT_METHOD_PROMPT_LOOKUP))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-sessions 2" in info.value.details()
+        assert float(dict(info.value.trailing_metadata())["retry-after-s"]) > 0
+        third.close()
+        # A stream that ends (half-closed by the client) frees its place at once.
+        first.close()
+        assert _wait_for(lambda: servicer.open_sessions == 1)
+        fourth = Stream(running.address)
+        assert fourth.send(start([[1, 2, 1]], pb.DRAFT_METHOD_PROMPT_LOOKUP)).rows
+        assert servicer.open_sessions == 2
+        for stream in (second, fourth):
+            stream.close()
+        assert _wait_for(lambda: servicer.open_sessions == 0)
+
+
+def test_idle_sessions_are_ended_with_a_clear_status(draft_loaded):
+    with threaded_server(lambda: build_server(draft_loaded, session_idle_timeout_s=0.3)) as running:
+        servicer = servicer_of(running)
+        stream = Stream(running.address)
+        stream.send(start([[5, 6, 7]], pb.DRAFT_METHOD_MODEL, {"eos_token_id": 2}))
+        assert servicer.open_sessions == 1
+        # Nothing sent: the service ends the stream on its own and frees the session.
+        with pytest.raises(grpc.RpcError) as info:
+            next(stream.responses)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "--session-idle-timeout" in info.value.details()
+        assert _wait_for(lambda: servicer.open_sessions == 0)
+        stream.close()
+        # A stream that keeps talking is not idle, however long it lives.
+        busy = Stream(running.address)
+        busy.send(start([[5, 6, 7]], pb.DRAFT_METHOD_PROMPT_LOOKUP))
+        for _ in range(4):
+            time.sleep(0.1)  # the target's verify step between two rounds
+            busy.send(feedback([0], [[8]]))
+        busy.close()
+
+
+def test_cancelled_and_broken_streams_release_their_sessions(draft_loaded):
+    with threaded_server(lambda: build_server(draft_loaded)) as running:
+        servicer = servicer_of(running)
+        streams = [Stream(running.address) for _ in range(4)]
+        for stream in streams:
+            stream.send(start([[5, 6, 7, 8]], pb.DRAFT_METHOD_MODEL, num_tokens=8))
+        assert servicer.open_sessions == 4
+        streams[0].responses.cancel()  # the target cancels (its request was cancelled)
+        streams[1].channel.close()  # the target's connection goes away
+        with pytest.raises(grpc.RpcError):  # the target sends a bad feedback: the stream fails
+            streams[2].send(feedback([99], [[1]]))
+        streams[3].close()  # the target half-closes (its request finished)
+        assert _wait_for(lambda: servicer.open_sessions == 0)
+        for stream in streams:
+            stream.close()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--max-sessions", "0"], "--max-sessions"), (["--session-idle-timeout", "-1"], "--session-idle-timeout")],
+)
+def test_session_flags_reject_bad_values(capsys, argv, message):
+    from draft_service.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err

@@ -15,7 +15,11 @@ import transformers
 
 from client import TargetClient
 from draft_service.__main__ import build_server as build_draft_server
+from specwire.draft.v1 import draft_service_pb2 as draft_pb
+from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.models import load_model
+from specwire.serving import GrpcServer, ServiceBinding
+from specwire.wire.tensors import tensor_to_proto
 from target_service.__main__ import build_server as build_target_server
 from target_service.drafting import DraftPolicy
 from tests.servers import free_port, subprocess_server, threaded_server
@@ -106,12 +110,8 @@ def test_draft_model_batch_of_three_equals_plain(target, reference, draft_length
     # Each row also equals transformers' assisted generation with the same draft (batch 1 there).
     generated, width = _generated(spec, BATCH)
     for row, tokens in zip(BATCH, generated, strict=True):
-        want = reference.generate(
-            torch.tensor([row]), max_new_tokens=20, do_sample=False, assistant_model=reference
-        )
-        assert (
-            tokens[:width] == want[0, len(row) :].tolist()[:width] or tokens == want[0, len(row) :].tolist()
-        )
+        want = reference.generate(torch.tensor([row]), max_new_tokens=20, do_sample=False, assistant_model=reference)
+        assert tokens[:width] == want[0, len(row) :].tolist()[:width] or tokens == want[0, len(row) :].tolist()
 
 
 def test_scores_and_logits_are_those_of_plain_decoding(target):
@@ -236,3 +236,52 @@ def test_killing_the_draft_service_mid_generation_changes_nothing(tmp_path, load
             after = client.generate([BATCH[0]], max_new_tokens=10, proposer="draft_model")
             assert after.speculation.fallback_reason
             time.sleep(0.1)
+
+
+class _BadDraftService(pb_grpc.DraftServiceServicer):
+    """A draft service that answers every message with `answer` (a broken or hostile replica)."""
+
+    def __init__(self, answer: draft_pb.DraftResponse):
+        self.answer = answer
+
+    async def Draft(self, request_iterator, context):
+        async for _ in request_iterator:
+            yield self.answer
+
+
+def _row(ids, probs=None):
+    row = draft_pb.RowDraft(token_ids=ids)
+    if probs is not None:
+        row.probs.CopyFrom(tensor_to_proto(probs))
+    return row
+
+
+@pytest.mark.parametrize(
+    "answer, problem",
+    [
+        (draft_pb.DraftResponse(rows=[_row([5, 10_000])]), "outside [0, "),
+        (draft_pb.DraftResponse(rows=[_row([5, -1])]), "outside [0, "),
+        (draft_pb.DraftResponse(rows=[_row([5] * 40)]), "asked 4"),
+        (draft_pb.DraftResponse(rows=[_row([5]), _row([6])]), "2 rows for 1"),
+        (draft_pb.DraftResponse(rows=[_row([5], torch.ones(3, 7))]), "probabilities of shape"),
+    ],
+    ids=["id-above-vocab", "negative-id", "too-many-tokens", "too-many-rows", "probs-shape"],
+)
+def test_malformed_draft_answers_fall_back_to_plain_decoding(loaded, answer, problem):
+    servicer = _BadDraftService(answer)
+    with threaded_server(
+        lambda: GrpcServer(
+            [ServiceBinding(pb_grpc.add_DraftServiceServicer_to_server, servicer, "specwire.draft.v1.DraftService")]
+        )
+    ) as bad:
+        policy = DraftPolicy(bad.address, round_timeout_s=30.0)
+        with threaded_server(lambda: build_target_server(loaded, drafting=policy)) as server:
+            with TargetClient(server.address) as client:
+                plain = client.generate(BATCH[:1], max_new_tokens=12)
+                spec = client.generate(
+                    BATCH[:1], max_new_tokens=12, proposer="draft_model", num_assistant_tokens=4, do_sample=False
+                )
+        policy.close()
+    assert torch.equal(spec.sequences, plain.sequences)
+    assert spec.speculation.fallback_reason.startswith("draft failed mid-request")
+    assert problem in spec.speculation.fallback_reason
