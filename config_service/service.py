@@ -7,7 +7,6 @@ field violation per problem; transformers' "minor issues" are stored as warnings
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
@@ -22,6 +21,7 @@ from specwire.generation.config import GenerationConfig
 from specwire.serving import handles_errors
 from specwire.wire.common import violation_to_proto
 from specwire.wire.generation_config import WireFormatError, config_to_proto, dict_from_proto
+from specwire.wire.json_documents import parse_json_document
 
 log = logging.getLogger("specwire.config_service")
 
@@ -180,10 +180,7 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
             raise InvalidArgument.for_field(
                 "source", None, "set either `hub` (repo_id, revision, filename) or `json`"
             )
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument.for_field(source, text[:200], f"not valid JSON: {exc}") from exc
+        values = parse_json_document(text, source)  # malformed or over-deep JSON: INVALID_ARGUMENT
         if not isinstance(values, dict):
             raise InvalidArgument.for_field(
                 source, text[:200], "a generation_config.json holds a JSON object"
