@@ -138,6 +138,14 @@ def dict_from_proto(message: pb.GenerationConfig) -> dict[str, Any]:
         elif field.type == FieldDescriptor.TYPE_ENUM:
             if field.name != "early_stopping":
                 raise TypeError(f"no wire mapping for enum field {field.name}")
+            if value not in _EARLY_STOPPING_TO_VALUE:
+                # An enum value this build doesn't know (a newer client, or a hand-built message).
+                raise WireFormatError(
+                    field.name,
+                    value,
+                    "unknown EarlyStopping value; use EARLY_STOPPING_TRUE, EARLY_STOPPING_FALSE or "
+                    "EARLY_STOPPING_NEVER",
+                )
             out[field.name] = _EARLY_STOPPING_TO_VALUE[value]
         elif field.type == FieldDescriptor.TYPE_MESSAGE:
             out[field.name] = _message_to_value(field, value)
