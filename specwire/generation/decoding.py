@@ -513,9 +513,9 @@ def _check_values(config: Any) -> None:
 # Config fields holding token ids that the loop indexes the scores or the embedding with. An id past
 # the model's vocabulary is refused up front, naming the field: transformers fails later, inside the
 # loop ("The model vocabulary size is ..." at the first processor call, or an index error).
+# `eos_token_id` and `pad_token_id` (often from the model's own generation_config.json) are checked
+# only where they are used as indices; see `check_token_ids`.
 _TOKEN_ID_FIELDS = (
-    "eos_token_id",
-    "pad_token_id",
     "forced_bos_token_id",
     "forced_eos_token_id",
     "suppress_tokens",
@@ -542,22 +542,38 @@ def _flat_ids(name: str, value: Any) -> list[int]:
     return []
 
 
-def check_token_ids(config: Any, vocab_size: int, input_ids: torch.Tensor | None = None) -> None:
+def check_token_ids(config: Any, vocab_size: int, input_ids: torch.Tensor | None = None, rows: int = 1) -> None:
     """
     Refuses token ids outside `[0, vocab_size)` in the config's id fields and in the prompts.
 
+    `eos_token_id` is checked when a processor indexes the scores with it (`min_length`,
+    `min_new_tokens`, `exponential_decay_length_penalty`), `pad_token_id` when more than one row runs
+    (a finished row is fed the pad token while the others go on); elsewhere transformers never indexes
+    with them, so a model config's out-of-range special id keeps working as it does there.
+
     Args:
         config (`GenerationConfig`):
-            The merged config (global defaults applied or not).
+            The merged config with the global defaults applied.
         vocab_size (`int`):
             The model's vocabulary size (the width of its logits).
         input_ids (`torch.LongTensor` of shape `(batch, input_len)`, *optional*):
             The prompts.
+        rows (`int`, *optional*, defaults to 1):
+            Rows the generation runs (prompts x `max(num_beams, num_return_sequences)`).
 
     Raises:
         `InvalidGenerationArgument`: naming the field, the first bad id, the vocabulary size and the fix.
     """
-    for name in _TOKEN_ID_FIELDS:
+    names = list(_TOKEN_ID_FIELDS)
+    if (
+        (config.min_length or 0) > 0
+        or (config.min_new_tokens or 0) > 0
+        or config.exponential_decay_length_penalty is not None
+    ):
+        names.append("eos_token_id")
+    if rows > 1:
+        names.append("pad_token_id")
+    for name in names:
         value = getattr(config, name, None)
         if value is None:
             continue
@@ -631,7 +647,8 @@ def prepare_generation(
     _check_config(config)
     config = resolved
     _check_values(config)
-    check_token_ids(config, model_limits(model)[0], input_ids)
+    rows = input_ids.shape[0] * max(int(config.num_beams), int(config.num_return_sequences))
+    check_token_ids(config, model_limits(model)[0], input_ids, rows)
 
     # Special tokens: EOS is always a list; the pad id falls back to the first EOS id.
     eos = _as_id_list(config.eos_token_id) or None  # an empty list means no EOS, as None does

@@ -241,6 +241,7 @@ class _CleanVocab:
     clean: list[str | bytes | None]
     reachable: OrderedDict = field(default_factory=OrderedDict)
     by_first: dict | None = None
+    joined: str | bytes | None = None
 
     def tokens_starting_with(self, first: str | bytes) -> list[str | bytes]:
         if self.by_first is None:
@@ -250,6 +251,15 @@ class _CleanVocab:
                     index.setdefault(text[:1], []).append(text)
             self.by_first = index
         return self.by_first.get(first, [])
+
+    def some_token_contains(self, target: str | bytes) -> bool:
+        """Whether `target` occurs inside one token: one C-level search over all tokens, NUL-separated."""
+        sep = b"\x00" if isinstance(target, bytes) else "\x00"
+        if sep in target:  # could match across the separator: look token by token
+            return any(target in t for t in self.clean if t)
+        if self.joined is None or type(self.joined) is not type(target):
+            self.joined = sep.join(t for t in self.clean if t and type(t) is type(target))
+        return target in self.joined
 
     def remember_reachable(self, target: str | bytes) -> None:
         self.reachable[target] = True
@@ -377,12 +387,13 @@ class StopStringCriteria:
         """Whether some token can be the final token of a match of `target` (see `_end_overlaps`)."""
         vocab = self._vocab
         n = len(target)
-        # A token covering the last k characters starts with target[n - k]: look only at those tokens.
-        for start in range(1, n):
+        # A token covering the last k characters starts with target[n - k]: look only at those tokens,
+        # shortest tails first (the likeliest to be covered).
+        for start in range(n - 1, 0, -1):
             tail = target[start:]
             if any(t[: len(tail)] == tail for t in vocab.tokens_starting_with(target[start : start + 1])):
                 return True
-        return any(target in t for t in vocab.clean if t)
+        return vocab.some_token_contains(target)
 
     def _check_reachable(self) -> None:
         vocab = self._vocab

@@ -69,19 +69,20 @@ def rpc_error(fn, *args, **kwargs) -> SpecwireRpcError:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "extra"),
     [
-        ("bad_words_ids", [[7], [5000]]),
-        ("sequence_bias", [[[5000], -1.0]]),
-        ("sequence_bias", [[[9, 400], 2.0]]),
-        ("suppress_tokens", [3, 378]),
-        ("forced_bos_token_id", 378),
-        ("eos_token_id", [2, 2**31 - 1]),
+        ("bad_words_ids", [[7], [5000]], {}),
+        ("sequence_bias", [[[5000], -1.0]], {}),
+        ("sequence_bias", [[[9, 400], 2.0]], {}),
+        ("suppress_tokens", [3, 378], {}),
+        ("forced_bos_token_id", 378, {}),
+        ("eos_token_id", [2, 2**31 - 1], {"min_new_tokens": 2}),
+        ("pad_token_id", 378, {}),
     ],
 )
-def test_token_ids_past_the_vocabulary_are_invalid_argument_before_any_step(stack, target, loaded, field, value):
+def test_token_ids_past_the_vocabulary_are_invalid_argument_before_any_step(stack, target, loaded, field, value, extra):
     before = steps_run(stack)
-    error = rpc_error(target.generate, PROMPTS, max_new_tokens=3, **{field: value})
+    error = rpc_error(target.generate, PROMPTS, max_new_tokens=3, **{field: value}, **extra)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     bad_id = next(t for t in torch.tensor([5000, 400, 378, 2**31 - 1]).tolist() if str(t) in str(value))
     assert error.message.startswith(f"{field}="), error.message

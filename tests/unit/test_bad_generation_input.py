@@ -28,25 +28,26 @@ PROMPT = torch.tensor([[5, 6, 7]])
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "bad"),
+    ("field", "value", "bad", "extra"),
     [
-        ("bad_words_ids", [[5], [7, 400]], 400),
-        ("sequence_bias", [[[1000], -2.0]], 1000),
-        ("sequence_bias", {(3, 378): 1.0}, 378),
-        ("eos_token_id", [2, 378], 378),
-        ("pad_token_id", 500, 500),
-        ("forced_bos_token_id", 378, 378),
-        ("forced_eos_token_id", [999], 999),
-        ("suppress_tokens", [1, 2, 4000], 4000),
-        ("begin_suppress_tokens", [378], 378),
+        ("bad_words_ids", [[5], [7, 400]], 400, {}),
+        ("sequence_bias", [[[1000], -2.0]], 1000, {}),
+        ("sequence_bias", {(3, 378): 1.0}, 378, {}),
+        ("eos_token_id", [2, 378], 378, {"min_new_tokens": 1}),
+        ("eos_token_id", 400, 400, {"exponential_decay_length_penalty": (1, 1.1)}),
+        ("pad_token_id", 500, 500, {"num_beams": 2}),
+        ("forced_bos_token_id", 378, 378, {}),
+        ("forced_eos_token_id", [999], 999, {}),
+        ("suppress_tokens", [1, 2, 4000], 4000, {}),
+        ("begin_suppress_tokens", [378], 378, {}),
     ],
 )
-def test_ids_past_the_vocabulary_are_refused_before_the_first_forward(model, field, value, bad):
+def test_ids_past_the_vocabulary_are_refused_before_the_first_forward(model, field, value, bad, extra):
     calls = []
     hook = model.register_forward_hook(lambda *args: calls.append(1))
     try:
         with pytest.raises(InvalidGenerationArgument) as caught:
-            generate(model, PROMPT, config=GenerationConfig(max_new_tokens=2, **{field: value}))
+            generate(model, PROMPT, config=GenerationConfig(max_new_tokens=2, **{field: value}, **extra))
     finally:
         hook.remove()
     error = caught.value
@@ -61,6 +62,14 @@ def test_prompt_ids_past_the_vocabulary_are_refused(model):
         prepare_generation(model, torch.tensor([[5, 378]]), config=GenerationConfig(max_new_tokens=2))
     with pytest.raises(InvalidGenerationArgument, match="input_ids=-1"):
         prepare_generation(model, torch.tensor([[-1, 5]]), config=GenerationConfig(max_new_tokens=2))
+
+
+def test_special_ids_past_the_vocabulary_pass_where_transformers_never_indexes_with_them(model):
+    """An EOS id no processor indexes with, and a pad id with a single row, work as in transformers."""
+    config = GenerationConfig(max_new_tokens=3, eos_token_id=[2, 400], pad_token_id=500)
+    ours = generate(model, PROMPT, config=config)
+    theirs = model.generate(PROMPT, max_new_tokens=3, do_sample=False, eos_token_id=[2, 400], pad_token_id=500)
+    assert torch.equal(ours.sequences, theirs)
 
 
 def test_ids_inside_the_vocabulary_pass(model):
