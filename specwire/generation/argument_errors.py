@@ -35,6 +35,7 @@ class UnsupportedModeError(InvalidGenerationArgument):
     code = "UNIMPLEMENTED"
 
     def __init__(self, field: str, message: str, value: Any = None):
+        problem = FieldProblem(field, value, message)
         self.field = field
-        self.value = value
-        super().__init__(f"{field}={value!r}: {message}", [FieldProblem(field, value, message)])
+        self.value = problem.value
+        super().__init__(f"{field}={problem.value!r}: {message}", [problem])

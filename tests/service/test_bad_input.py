@@ -107,6 +107,60 @@ def test_a_thousand_stop_strings_generate_and_stop_like_one(target, loaded):
     assert out.sequences.shape[1] < plain.sequences.shape[1]
 
 
+@pytest.fixture(scope="module")
+def char_model_dir(tmp_path_factory):
+    """A tiny Llama over a 96-token character tokenizer with no decoder (`decode` joins tokens with
+    spaces): the kind of model the issue's "vocabulary size is 96" and "substring not found" came from."""
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("char-llama")
+    chars = [c for c in string.printable if c not in "\t\n\x0b\x0c\r"]  # 95 printable + <unk> = 96
+    backend = Tokenizer(
+        models.WordLevel(vocab={"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}, unk_token="<unk>")
+    )
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_thousand_stop_strings_on_a_tokenizer_without_decoder(char_model_dir):
+    loaded = load_model(str(char_model_dir), progress=False)
+    assert loaded.vocab_size == 96
+    with threaded_server(lambda: build_target_server(loaded, None)) as server, TargetClient(server.address) as client:
+        plain = client.generate(text="hello", max_new_tokens=6)
+        generated = plain.sequences[0, plain.sequences.shape[1] - 6 :].tolist()
+        # The text is the tokens joined by spaces: " c" ends at the third generated character.
+        stop = " " + loaded.tokenizer.convert_ids_to_tokens(generated[2])
+        stops = [f"s{i}x" for i in range(999)] + [stop]
+        out = client.generate(text="hello", max_new_tokens=6, stop_strings=stops)  # was INTERNAL
+        assert out.finish_reasons == ["stop_string"]
+        assert out.sequences[0].tolist() == plain.sequences[0, : plain.sequences.shape[1] - 3].tolist()
+        # None of them can ever appear in this tokenizer's text: refused, and the error (which echoes the
+        # strings) still fits the response's metadata.
+        error = rpc_error(client.generate, text="hello", max_new_tokens=6, stop_strings=stops[:999])
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert error.message.startswith("stop_strings=['s0x'") and len(error.message) < 1000
+        assert [v.field for v in error.violations] == ["stop_strings"]
+
+
 def test_synthid_watermark_is_unimplemented_before_any_step(stack, target):
     before = steps_run(stack)
     error = rpc_error(target.generate, PROMPTS, max_new_tokens=3, watermarking_config={"ngram_len": 2, "keys": [1, 2]})

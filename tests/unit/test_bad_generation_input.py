@@ -116,3 +116,39 @@ def test_parse_json_document_accepts_configs_and_reports_bad_json():
         parse_json_document('{"a": ', "hub")
     with pytest.raises(InvalidArgument, match="not valid JSON"):
         parse_json_document("1" * 5000, "json")  # past Python's int-string conversion limit
+
+
+# ------------------------------------------------------------------------------------------ error size
+
+
+def test_errors_echoing_huge_values_fit_the_response_metadata():
+    """Clients refuse trailing metadata above 8-16 KB: an error echoing 1000 stop strings (or 70 bad
+    fields with long messages) must still arrive as itself, not as RESOURCE_EXHAUSTED from the channel."""
+    from specwire.errors import FieldProblem, InvalidArgument
+    from specwire.serving import error_status
+
+    huge = [f"stop-string-number-{i}" for i in range(1000)]
+    single = InvalidArgument.for_field("stop_strings", huge, "no token can end these; drop them")
+    many = InvalidArgument(
+        "invalid generation config: " + "; ".join(f"f{i}={huge!r}" for i in range(70)),
+        [FieldProblem(f"config.f{i}", huge, "x" * 5000 + " set it to 1") for i in range(70)],
+    )
+    for error in (single, many):
+        code, message, metadata = error_status(error)
+        size = len(message) + sum(len(k) + len(v) for k, v in metadata)
+        assert size < 8192, size
+    assert single.message.startswith("stop_strings=['stop-string-number-0'") and "drop them" in single.message
+    assert len(many.violations) == 6 and "64 more problems not listed" in many.message
+    assert many.violations[0].message.endswith("set it to 1")  # cut in the middle, the fix is kept
+
+
+def test_a_deeply_nested_value_is_echoed_without_recursion_error():
+    from specwire.errors import InvalidArgument
+
+    deep: list = []
+    for _ in range(50_000):
+        deep = [deep]
+    error = InvalidArgument.for_field("extra.x", deep, "too deep")
+    assert len(error.message) < 200 and repr(error.violations[0].value).startswith("[[[")
+    short = InvalidArgument.for_field("top_k", 0, "must be positive")
+    assert short.violations[0].value == 0 and short.message == "top_k=0: must be positive"
