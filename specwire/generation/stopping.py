@@ -13,6 +13,7 @@ import enum
 import json
 import logging
 import numbers
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -242,6 +243,8 @@ class _CleanVocab:
     reachable: OrderedDict = field(default_factory=OrderedDict)
     by_first: dict | None = None
     joined: str | bytes | None = None
+    # Criteria may be built on several threads (the scheduler's and a lane's): the LRU is locked.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def tokens_starting_with(self, first: str | bytes) -> list[str | bytes]:
         if self.by_first is None:
@@ -261,11 +264,20 @@ class _CleanVocab:
             self.joined = sep.join(t for t in self.clean if t and type(t) is type(target))
         return target in self.joined
 
+    def known_reachable(self, target: str | bytes) -> bool:
+        """Whether `target` is in the LRU (a hit makes it the most recently used)."""
+        with self.lock:
+            if target not in self.reachable:
+                return False
+            self.reachable.move_to_end(target)
+            return True
+
     def remember_reachable(self, target: str | bytes) -> None:
-        self.reachable[target] = True
-        self.reachable.move_to_end(target)
-        while len(self.reachable) > REACHABLE_CACHE_SIZE:
-            self.reachable.popitem(last=False)
+        with self.lock:
+            self.reachable[target] = True
+            self.reachable.move_to_end(target)
+            while len(self.reachable) > REACHABLE_CACHE_SIZE:
+                self.reachable.popitem(last=False)
 
 
 _CLEAN_VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -401,8 +413,7 @@ class StopStringCriteria:
             return
         # Any one endable stop string can fire, as in transformers (the set is refused only when none can).
         for target in self._targets:
-            if target in vocab.reachable:
-                vocab.remember_reachable(target)
+            if vocab.known_reachable(target):
                 return
         for target in self._targets:
             if self._can_end(target):
