@@ -2,8 +2,7 @@
 
 - `handles_errors`: the one mapping layer from domain errors (`specwire.errors`) to gRPC status
   codes, with field violations in the standard `google.rpc.BadRequest` status detail (and ours,
-  which carry the value and severity too). Any other exception is a bug: logged with its traceback
-  under a fresh error id, then INTERNAL carrying only that id (never the exception's text).
+  which carry the value and severity too). Any other exception is a bug: logged, then INTERNAL.
 - `GrpcServer`: a `grpc.aio` server with the standard health service, reflection, and a graceful
   stop on SIGTERM/SIGINT (health flips to NOT_SERVING first so load balancers drain it).
 """
