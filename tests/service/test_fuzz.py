@@ -9,7 +9,7 @@ ones, stop strings). Every answer must be a result or a status other than INTERN
 INVALID_ARGUMENT must name a field; and after each example the server must still be healthy (health
 SERVING and a small greedy request answered).
 
-Bounded for CI: `SPECWIRE_FUZZ_EXAMPLES` examples (default 100), derandomized so every run draws the
+Bounded for CI: `SPECWIRE_FUZZ_EXAMPLES` examples (default 200), derandomized so every run draws the
 same requests. Run more locally with e.g. `SPECWIRE_FUZZ_EXAMPLES=2000 SPECWIRE_FUZZ_SEED=7`.
 
 Sizes that are legal but expensive (thousands of beams, lengths near 2**31) are left to the
@@ -40,7 +40,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-MAX_EXAMPLES = int(os.environ.get("SPECWIRE_FUZZ_EXAMPLES", "100"))
+MAX_EXAMPLES = int(os.environ.get("SPECWIRE_FUZZ_EXAMPLES", "200"))
 SEED = os.environ.get("SPECWIRE_FUZZ_SEED")
 # Every example's call gets this long; a hang is a failure (DEADLINE_EXCEEDED is not accepted).
 CALL_TIMEOUT_S = 30.0
