@@ -20,7 +20,12 @@ from specwire.errors import FieldProblem, InvalidArgument, NotFound, Unavailable
 from specwire.generation.config import GenerationConfig
 from specwire.serving import handles_errors
 from specwire.wire.common import violation_to_proto
-from specwire.wire.generation_config import WireFormatError, config_to_proto, dict_from_proto
+from specwire.wire.generation_config import (
+    WireFormatError,
+    config_to_proto,
+    config_to_proto_or_invalid,
+    dict_from_proto,
+)
 from specwire.wire.json_documents import parse_json_document
 
 log = logging.getLogger("specwire.config_service")
@@ -188,6 +193,7 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         name = check_name(request.name or default_name)
         config = parse_config(values)
         warnings = checked_config(config)
+        config_to_proto_or_invalid(config, source)  # stored configs must be readable over the wire
         labels = _check_labels(request.labels)
         try:
             record = await self._run(self.store.add_version, name, config.to_dict(), labels or None, warnings)

@@ -475,3 +475,49 @@ if SEED is not None:
     test_fuzzed_requests_never_get_internal_and_leave_the_server_healthy = hypothesis.seed(int(SEED))(
         test_fuzzed_requests_never_get_internal_and_leave_the_server_healthy
     )
+
+
+# ------------------------------------------------------------------------------------------ ImportConfig
+
+FIELD_NAMES_FOR_JSON = sorted(FIELD_STRATEGIES) + ["transformers_version", "_from_model_config", "unknown_key"]
+JSON_LITERALS = st.sampled_from(["NaN", "Infinity", "-Infinity", "1e400", "-0", "1" * 30, '"\\ud800"', "null"])
+
+
+@st.composite
+def json_documents(draw):
+    """generation_config.json-like text: known and unknown keys with any JSON (and JSON-ish) values."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(st.one_of(st.text(max_size=20), st.sampled_from(["[]", "1", '"x"', "{", "[" * 50 + "]" * 50])))
+    keys = draw(st.lists(st.sampled_from(FIELD_NAMES_FOR_JSON), max_size=5, unique=True))
+    parts = []
+    for key in keys:
+        if draw(st.booleans()):
+            value = draw(JSON_LITERALS)
+        else:
+            import json as _json
+
+            value = _json.dumps(draw(st.one_of(JSON, st.integers(-(2**70), 2**70))))
+        parts.append(f'"{key}": {value}')
+    return "{" + ", ".join(parts) + "}"
+
+
+@pytest.fixture(scope="module")
+def registry_address(tmp_path_factory):
+    db = tmp_path_factory.mktemp("fuzz-import") / "r.db"
+    with threaded_server(lambda: build_config_server(str(db))) as server:
+        yield server.address
+
+
+@_settings
+@given(text=json_documents())
+def test_fuzzed_import_config_never_gets_internal(registry_address, text):
+    with ConfigClient(registry_address) as registry:
+        try:
+            record = registry.import_json(text, name="fuzzed")
+        except SpecwireRpcError as error:
+            hypothesis.event(error.code().name)
+            check_answer(text, error)
+        else:
+            hypothesis.event("stored")
+            # What was stored reads back (and exports) without a bug either.
+            registry.get(f"fuzzed@{record.version}")

@@ -152,3 +152,39 @@ def test_a_deeply_nested_value_is_echoed_without_recursion_error():
     assert len(error.message) < 200 and repr(error.violations[0].value).startswith("[[[")
     short = InvalidArgument.for_field("top_k", 0, "must be positive")
     assert short.violations[0].value == 0 and short.message == "top_k=0: must be positive"
+
+
+# ------------------------------------------------------------------------------------------ configs on the wire
+
+
+def test_extra_cannot_smuggle_a_typed_field_past_its_wire_type():
+    from specwire.config.v1 import generation_config_pb2 as gc_pb
+
+    message = gc_pb.GenerationConfig()
+    message.extra.update({"bos_token_id": 1e15, "my_key": 1, "extra": None})
+    with pytest.raises(WireFormatError) as caught:
+        config_from_proto(message)
+    assert caught.value.field == "extra.bos_token_id"
+    message.extra.Clear()
+    message.extra.update({"my_key": 1, "extra": None})
+    assert config_from_proto(message).extra == {"my_key": 1, "extra": None}
+
+
+def test_non_finite_numbers_in_structs_read_back():
+    """`json_format.MessageToDict` raises on NaN/inf; a stored config holding one must stay readable."""
+    config = GenerationConfig.from_dict({"watermarking_config": {"bias": float("inf")}, "custom": float("nan")})
+    back = config_from_proto(config_to_proto(config))
+    assert back.watermarking_config["bias"] == float("inf") and back.extra["custom"] != back.extra["custom"]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"bos_token_id": 10**15}, {"remove_invalid_values": 10**29}, {"assistant_confidence_threshold": []}],
+)
+def test_configs_the_wire_cannot_carry_are_invalid_argument(values):
+    from specwire.wire.generation_config import config_to_proto_or_invalid
+
+    name = next(iter(values))
+    with pytest.raises(InvalidArgument) as caught:
+        config_to_proto_or_invalid(GenerationConfig.from_dict(values), "json")
+    assert [v.field for v in caught.value.violations] == [f"json.{name}"]
