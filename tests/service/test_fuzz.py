@@ -9,6 +9,9 @@ ones, stop strings). Every answer must be a result or a status other than INTERN
 INVALID_ARGUMENT must name a field; and after each example the server must still be healthy (health
 SERVING and a small greedy request answered).
 
+The config service gets the same treatment: generation_config.json-like documents through
+ImportConfig and drawn configs through CreateConfig/UpdateConfig; whatever is stored must read back.
+
 Bounded for CI: `SPECWIRE_FUZZ_EXAMPLES` examples (default 200), derandomized so every run draws the
 same requests. Run more locally with e.g. `SPECWIRE_FUZZ_EXAMPLES=2000 SPECWIRE_FUZZ_SEED=7`.
 
@@ -33,6 +36,7 @@ from specwire.config.v1 import generation_config_pb2 as gc_pb
 from specwire.models import load_model
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
+from specwire.wire.generation_config import config_from_proto
 from target_service.__main__ import build_server as build_target_server
 from tests.servers import threaded_server
 
@@ -521,3 +525,29 @@ def test_fuzzed_import_config_never_gets_internal(registry_address, text):
             hypothesis.event("stored")
             # What was stored reads back (and exports) without a bug either.
             registry.get(f"fuzzed@{record.version}")
+
+
+@_settings
+@given(values=config_values(max_fields=6))
+def test_fuzzed_create_config_never_gets_internal(registry_address, values):
+    from specwire.config.v1 import config_service_pb2 as config_pb
+    from specwire.config.v1 import config_service_pb2_grpc as config_grpc
+
+    request = config_pb.CreateConfigRequest(name="created")
+    fill_config(request.config, values)
+    with grpc.insecure_channel(registry_address) as ch:
+        stub = config_grpc.ConfigServiceStub(ch)
+        try:
+            stub.UpdateConfig(config_pb.UpdateConfigRequest(name="created", config=request.config), timeout=10)
+            stored = stub.GetConfig(config_pb.GetConfigRequest(ref="created"), timeout=10)
+            hypothesis.event("stored")
+            config_from_proto(stored.record.config)  # what a target reads back
+        except grpc.RpcError as error:
+            answer = SpecwireRpcError.from_rpc_error(error)
+            if answer.code() == grpc.StatusCode.NOT_FOUND:  # the first example: create it instead
+                try:
+                    stub.CreateConfig(request, timeout=10)
+                except grpc.RpcError as create_error:
+                    answer = SpecwireRpcError.from_rpc_error(create_error)
+            hypothesis.event(answer.code().name)
+            check_answer(request, answer)
