@@ -23,7 +23,13 @@ from specwire.errors import FieldProblem, InvalidArgument, NotFound, Unavailable
 from specwire.generation.config import GenerationConfig, unknown_keys
 from specwire.serving import handles_errors
 from specwire.wire.common import violation_to_proto
-from specwire.wire.generation_config import WireFormatError, config_to_proto, dict_from_proto
+from specwire.wire.generation_config import (
+    WireFormatError,
+    config_to_proto,
+    config_to_proto_or_invalid,
+    dict_from_proto,
+)
+from specwire.wire.json_documents import parse_json_document
 
 log = logging.getLogger("specwire.config_service")
 
@@ -257,14 +263,12 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
                 f"{len(text)} characters",
                 f"a config holds at most {self.max_config_bytes} bytes on this registry (--max-config-bytes)",
             )
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument.for_field(source, text[:200], f"not valid JSON: {exc}") from exc
+        values = parse_json_document(text, source)  # malformed or over-deep JSON: INVALID_ARGUMENT
         if not isinstance(values, dict):
             raise InvalidArgument.for_field(source, text[:200], "a generation_config.json holds a JSON object")
         name = check_name(request.name or default_name)
         config, warnings = await self._check(self._parsed_values, values)
+        config_to_proto_or_invalid(config, source)  # stored configs must be readable over the wire
         labels = _check_labels(request.labels)
         try:
             record = await self._run(self.store.add_version, name, config.to_dict(), labels or None, warnings)

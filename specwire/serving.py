@@ -16,6 +16,7 @@ import functools
 import inspect
 import logging
 import signal
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -85,8 +86,11 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, SpecwireError):
         code, message, metadata = error_status(exc)
         await context.abort(code, message, trailing_metadata=metadata)
-    log.exception("bug: unexpected error in handler", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    # A bug: the caller gets an id to quote, the log gets the traceback. The exception text stays in the
+    # log: it can hold paths, other requests' data or internals that are none of the caller's business.
+    error_id = uuid.uuid4().hex[:12]
+    log.error("bug: unexpected error in handler (error id %s)", error_id, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (id {error_id}): see the server log")
 
 
 def handles_errors(method: Callable) -> Callable:

@@ -670,6 +670,15 @@ def _watermark_kind(config: Mapping[str, Any]) -> str:
     return "synthid" if any(key in _SYNTHID_KEYS for key in config) else "watermark"
 
 
+def is_synthid_watermark(value: Any) -> bool:
+    """Whether a `watermarking_config` value is a SynthID text watermark (it has `ngram_len`/`keys`).
+
+    specwire validates SynthID configs as transformers does but does not run the SynthID processor, so
+    `generate()` refuses them with UNIMPLEMENTED before any decoding work.
+    """
+    return isinstance(value, Mapping) and _watermark_kind(value) == "synthid"
+
+
 def _normalize_watermarking(value: Any) -> Any:
     if not isinstance(value, dict):
         return value

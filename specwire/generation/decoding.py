@@ -22,7 +22,8 @@ Cancellation is the caller closing or abandoning the generator: no work runs pas
 Semantics follow transformers 5.23's `generate()` for decoder-only models, in this order:
 
 1. Refuse the modes transformers 5 dropped (group/constrained beam search, contrastive search, DoLa)
-   with `UnsupportedModeError` naming the field.
+   and the ones specwire does not run (token healing, SynthID watermarking) with
+   `UnsupportedModeError` naming the field; refuse token ids past the model's vocabulary.
 2. Apply the global defaults to unset fields (`max_length=20`, `top_k=50`, ...; the config passed in
    is already merged request > model `generation_config.json`).
 3. Special tokens: `eos_token_id` becomes a list; `pad_token_id` defaults to `eos[0]`.
@@ -56,9 +57,10 @@ from typing import Any
 
 import torch
 
-from specwire.errors import FieldProblem, InvalidArgument
+from specwire.errors import FieldProblem
+from specwire.generation.argument_errors import InvalidGenerationArgument, UnsupportedModeError
 from specwire.generation.beam_search import BeamSearch
-from specwire.generation.config import GenerationMode, errors
+from specwire.generation.config import GenerationMode, errors, is_synthid_watermark
 from specwire.generation.outputs import (
     FINISH_EOS,
     FINISH_LENGTH,
@@ -74,32 +76,6 @@ from specwire.generation.stopping import FinishReason, build_stopping_criteria
 
 # Transformers' default when no length is set anywhere: this many *new* tokens.
 DEFAULT_NEW_TOKENS = 20
-
-
-class InvalidGenerationArgument(InvalidArgument, ValueError):
-    """A bad generation argument: `InvalidArgument` for the servers, `ValueError` as transformers raises."""
-
-
-class UnsupportedModeError(InvalidGenerationArgument):
-    """
-    A decoding mode or option that transformers 5 removed from `generate()` (or that specwire does not run).
-
-    Args:
-        field (`str`):
-            The GenerationConfig field that selects the mode.
-        message (`str`):
-            Why it is refused and what to use instead.
-        value (`Any`, *optional*):
-            The field's value.
-    """
-
-    # A mode we do not run is not the caller's mistake in form: the servers answer UNIMPLEMENTED.
-    code = "UNIMPLEMENTED"
-
-    def __init__(self, field: str, message: str, value: Any = None):
-        self.field = field
-        self.value = value
-        super().__init__(f"{field}={value!r}: {message}", [FieldProblem(field, value, message)])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -477,6 +453,16 @@ def _check_mode(config: Any) -> None:
             "token healing is not supported by specwire; unset token_healing",
             config.token_healing,
         )
+    if is_synthid_watermark(config.watermarking_config):
+        # Refused here, with the other unserved modes, so that every caller (target service, library,
+        # scheduler routing) answers before any forward pass instead of failing in the processor factory.
+        raise UnsupportedModeError(
+            "watermarking_config",
+            "SynthID text watermarking (a watermarking_config with ngram_len/keys) is not supported by "
+            "specwire; unset watermarking_config, or use the green-list watermark, e.g. "
+            "{'greenlist_ratio': 0.25, 'bias': 2.0, 'seeding_scheme': 'lefthash'}",
+            config.watermarking_config,
+        )
 
 
 def _check_config(config: Any) -> None:
@@ -522,6 +508,93 @@ def _check_values(config: Any) -> None:
         raise InvalidGenerationArgument.for_field(
             "max_new_tokens", config.max_new_tokens, "max_new_tokens must be greater than 0"
         )
+
+
+# Config fields holding token ids that the loop indexes the scores or the embedding with. An id past
+# the model's vocabulary is refused up front, naming the field: transformers fails later, inside the
+# loop ("The model vocabulary size is ..." at the first processor call, or an index error).
+# `eos_token_id` and `pad_token_id` (often from the model's own generation_config.json) are checked
+# only where they are used as indices; see `check_token_ids`.
+_TOKEN_ID_FIELDS = (
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "bad_words_ids",
+    "sequence_bias",
+)
+
+
+def _flat_ids(name: str, value: Any) -> list[int]:
+    """The integer ids a token-id field mentions (other shapes are left to the config's validation)."""
+    if isinstance(value, torch.Tensor):
+        return [] if torch.is_floating_point(value) else [int(v) for v in value.reshape(-1).tolist()]
+    if name == "sequence_bias":
+        if isinstance(value, dict):
+            keys = list(value)
+        else:
+            keys = [pair[0] for pair in value if isinstance(pair, (list, tuple)) and pair]
+        return [t for key in keys if isinstance(key, (list, tuple)) for t in _flat_ids("", key)]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _flat_ids("", item)]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    return []
+
+
+def check_token_ids(config: Any, vocab_size: int, input_ids: torch.Tensor | None = None, rows: int = 1) -> None:
+    """
+    Refuses token ids outside `[0, vocab_size)` in the config's id fields and in the prompts.
+
+    `eos_token_id` is checked when a processor indexes the scores with it (`min_length`,
+    `min_new_tokens`, `exponential_decay_length_penalty`), `pad_token_id` when more than one row runs
+    (a finished row is fed the pad token while the others go on); elsewhere transformers never indexes
+    with them, so a model config's out-of-range special id keeps working as it does there.
+
+    Args:
+        config (`GenerationConfig`):
+            The merged config with the global defaults applied.
+        vocab_size (`int`):
+            The model's vocabulary size (the width of its logits).
+        input_ids (`torch.LongTensor` of shape `(batch, input_len)`, *optional*):
+            The prompts.
+        rows (`int`, *optional*, defaults to 1):
+            Rows the generation runs (prompts x `max(num_beams, num_return_sequences)`).
+
+    Raises:
+        `InvalidGenerationArgument`: naming the field, the first bad id, the vocabulary size and the fix.
+    """
+    names = list(_TOKEN_ID_FIELDS)
+    if (
+        (config.min_length or 0) > 0
+        or (config.min_new_tokens or 0) > 0
+        or config.exponential_decay_length_penalty is not None
+    ):
+        names.append("eos_token_id")
+    if rows > 1:
+        names.append("pad_token_id")
+    for name in names:
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        bad = [t for t in _flat_ids(name, value) if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidGenerationArgument.for_field(
+                name,
+                value,
+                f"token id {bad[0]} is outside this model's vocabulary of {vocab_size} ids (valid ids are "
+                f"0..{vocab_size - 1}); use ids of the model's tokenizer (GetModelInfo gives vocab_size) "
+                "or remove it",
+            )
+    if input_ids is not None and input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise InvalidGenerationArgument.for_field(
+                "input_ids",
+                low if low < 0 else high,
+                f"token ids must be in [0, {vocab_size}) for this model's vocabulary; use ids of the "
+                "model's tokenizer",
+            )
 
 
 def prepare_generation(
@@ -574,6 +647,8 @@ def prepare_generation(
     _check_config(config)
     config = resolved
     _check_values(config)
+    rows = input_ids.shape[0] * max(int(config.num_beams), int(config.num_return_sequences))
+    check_token_ids(config, model_limits(model)[0], input_ids, rows)
 
     # Special tokens: EOS is always a list; the pad id falls back to the first EOS id.
     eos = _as_id_list(config.eos_token_id) or None  # an empty list means no EOS, as None does
@@ -725,7 +800,7 @@ def iter_generate(
 
     Raises:
         `UnsupportedModeError`: group/constrained beam search, contrastive search, DoLa, low_memory beams,
-            token healing.
+            token healing, SynthID watermarking.
         `ValueError`: invalid combinations (see `prepare_generation`), or `stop_strings` without a tokenizer.
     """
     plan = prepare_generation(
@@ -995,6 +1070,7 @@ __all__ = [
     "RowBatch",
     "StepEvent",
     "UnsupportedModeError",
+    "check_token_ids",
     "compute_transition_scores",
     "drain",
     "generate",

@@ -13,14 +13,17 @@ import enum
 import json
 import logging
 import numbers
+import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .argument_errors import InvalidGenerationArgument
 from .processors.base import token_id_list
 
 logger = logging.getLogger(__name__)
@@ -220,18 +223,81 @@ def _raw_token_bytes(token: str, mode: str | None) -> bytes | None:
     return None
 
 
+# Stop strings whose reachability was checked, per tokenizer: a bounded LRU, so that a stream of
+# requests with ever new stop strings can't grow it without limit.
+REACHABLE_CACHE_SIZE = 4096
+
+
 @dataclass
 class _CleanVocab:
-    """Per-tokenizer cache: matching mode and each id's clean string (bytes in byte mode; None = no token)."""
+    """Per-tokenizer cache: matching mode and each id's clean string (bytes in byte mode; None = no token).
+
+    `reachable` holds the stop strings (in matching form) known to be endable by some token, most
+    recently used last, at most `REACHABLE_CACHE_SIZE` of them. `by_first` indexes the clean tokens by
+    their first character (byte), built on first use.
+    """
 
     mode: str | None
     size: int
     clean: list[str | bytes | None]
-    overlap_checked: set = field(default_factory=set)
+    reachable: OrderedDict = field(default_factory=OrderedDict)
+    by_first: dict | None = None
+    joined: str | bytes | None = None
+    # Criteria may be built on several threads (the scheduler's and a lane's): the LRU is locked.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def tokens_starting_with(self, first: str | bytes) -> list[str | bytes]:
+        if self.by_first is None:
+            index: dict = {}
+            for text in self.clean:
+                if text:
+                    index.setdefault(text[:1], []).append(text)
+            self.by_first = index
+        return self.by_first.get(first, [])
+
+    def some_token_contains(self, target: str | bytes) -> bool:
+        """Whether `target` occurs inside one token: one C-level search over all tokens, NUL-separated."""
+        sep = b"\x00" if isinstance(target, bytes) else "\x00"
+        if sep in target:  # could match across the separator: look token by token
+            return any(target in t for t in self.clean if t)
+        if self.joined is None or type(self.joined) is not type(target):
+            self.joined = sep.join(t for t in self.clean if t and type(t) is type(target))
+        return target in self.joined
+
+    def known_reachable(self, target: str | bytes) -> bool:
+        """Whether `target` is in the LRU (a hit makes it the most recently used)."""
+        with self.lock:
+            if target not in self.reachable:
+                return False
+            self.reachable.move_to_end(target)
+            return True
+
+    def remember_reachable(self, target: str | bytes) -> None:
+        with self.lock:
+            self.reachable[target] = True
+            self.reachable.move_to_end(target)
+            while len(self.reachable) > REACHABLE_CACHE_SIZE:
+                self.reachable.popitem(last=False)
 
 
 _CLEAN_VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _STATIC_PREFIX = "abcdef"
+
+
+def _after_prefix(decoded: str, prefix_text: str) -> str | None:
+    """The text a token adds after the static prefix, or None when the prefix can't be found in `decoded`.
+
+    transformers cuts at the first `"abcdef"` in the decoded string; tokenizers whose decoder does not give
+    the prefix back verbatim (no decoder: tokens joined with spaces; prefix characters outside the
+    vocabulary: unknown tokens) make its `str.index` raise "substring not found". There the token's text
+    is what follows the decoded prefix itself.
+    """
+    at = decoded.find(_STATIC_PREFIX)
+    if at >= 0:
+        return decoded[at + len(_STATIC_PREFIX) :]
+    if decoded.startswith(prefix_text):
+        return decoded[len(prefix_text) :]
+    return None
 
 
 def _build_clean_vocab(tokenizer: Any) -> _CleanVocab:
@@ -241,12 +307,14 @@ def _build_clean_vocab(tokenizer: Any) -> _CleanVocab:
     # decoded after a fixed prefix and the prefix's text is cut off; that is transformers' "clean" string.
     prefix_ids = tokenizer(_STATIC_PREFIX, add_special_tokens=False)["input_ids"]
     prefix_tokens = tokenizer.convert_ids_to_tokens(prefix_ids)
+    prefix_text = tokenizer.convert_tokens_to_string(prefix_tokens)
     clean: list[str | bytes | None] = [None] * (max(vocab.values()) + 1 if vocab else 0)
     for token, idx in vocab.items():
         text = _raw_token_bytes(token, mode)
         if text is None:
-            decoded = tokenizer.convert_tokens_to_string(prefix_tokens + [token])
-            decoded = decoded[decoded.index(_STATIC_PREFIX) + len(_STATIC_PREFIX) :]
+            decoded = _after_prefix(tokenizer.convert_tokens_to_string(prefix_tokens + [token]), prefix_text)
+            if decoded is None:  # the decoder rewrote the prefix: the token's text on its own
+                decoded = tokenizer.convert_tokens_to_string([token])
             text = decoded.encode("utf-8") if mode is not None else decoded
         clean[idx] = text
     return _CleanVocab(mode=mode, size=len(vocab), clean=clean)
@@ -312,8 +380,10 @@ class StopStringCriteria:
             or not stop_strings
             or not all(isinstance(s, str) for s in stop_strings)
         ):
-            raise ValueError(
-                f"`stop_strings` has to be a string or a non-empty list of strings, but is {stop_strings!r}."
+            raise InvalidGenerationArgument.for_field(
+                "stop_strings",
+                stop_strings,
+                f"`stop_strings` has to be a string or a non-empty list of strings, but is {stop_strings!r}.",
             )
         self.stop_strings: tuple[str, ...] = tuple(stop_strings)
         self._vocab = _clean_vocab(tokenizer)
@@ -325,23 +395,36 @@ class StopStringCriteria:
         self._window = max(len(t) for t in self._targets)
         self._check_reachable()
 
+    def _can_end(self, target: str | bytes) -> bool:
+        """Whether some token can be the final token of a match of `target` (see `_end_overlaps`)."""
+        vocab = self._vocab
+        n = len(target)
+        # A token covering the last k characters starts with target[n - k]: look only at those tokens,
+        # shortest tails first (the likeliest to be covered).
+        for start in range(n - 1, 0, -1):
+            tail = target[start:]
+            if any(t[: len(tail)] == tail for t in vocab.tokens_starting_with(target[start : start + 1])):
+                return True
+        return vocab.some_token_contains(target)
+
     def _check_reachable(self) -> None:
-        key = self._targets
-        if key in self._vocab.overlap_checked:
+        vocab = self._vocab
+        if self._always and any(vocab.clean):
             return
-        tokens = [t for t in self._vocab.clean if t]
-        reachable = self._always and bool(tokens)
+        # Any one endable stop string can fire, as in transformers (the set is refused only when none can).
         for target in self._targets:
-            if reachable:
-                break
-            reachable = any(_end_overlaps(t, target) for t in tokens)
-        if not reachable:
-            raise ValueError(
-                f"No token of the vocabulary can end the stop strings {list(self.stop_strings)}; they "
-                "probably "
-                "contain characters the tokenizer can't produce. Check them or drop them."
-            )
-        self._vocab.overlap_checked.add(key)
+            if vocab.known_reachable(target):
+                return
+        for target in self._targets:
+            if self._can_end(target):
+                vocab.remember_reachable(target)
+                return
+        raise InvalidGenerationArgument.for_field(
+            "stop_strings",
+            list(self.stop_strings),
+            "no token of the vocabulary can end any of these stop strings; they probably contain characters "
+            "the tokenizer can't produce. Check them or drop them.",
+        )
 
     def _row_matches(self, ids: list[int]) -> bool:
         clean = self._vocab.clean

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specwire.common.v1 import common_pb2
+from specwire.errors import MAX_PROBLEM_MESSAGE_CHARS, clip, short_value
 
 FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -21,7 +22,8 @@ def violation_to_proto(violation: Any, prefix: str = "") -> common_pb2.FieldViol
     severity = common_pb2.SEVERITY_WARNING if violation.severity == "warning" else common_pb2.SEVERITY_ERROR
     return common_pb2.FieldViolation(
         field=f"{prefix}{violation.field}",
-        value=repr(violation.value),
-        message=violation.message,
+        # Bounded: a violation may echo a huge or deeply nested request value.
+        value=repr(short_value(violation.value)),
+        message=clip(violation.message, MAX_PROBLEM_MESSAGE_CHARS),
         severity=severity,
     )

@@ -17,6 +17,7 @@ from google.protobuf import json_format, struct_pb2
 from google.protobuf.descriptor import FieldDescriptor
 
 from specwire.config.v1 import generation_config_pb2 as pb
+from specwire.errors import InvalidArgument
 from specwire.generation.config import GenerationConfig
 
 _EARLY_STOPPING_TO_VALUE: dict[int, bool | str] = {
@@ -47,6 +48,23 @@ def _json_number(value: Any) -> Any:
     return value
 
 
+def _json_value(value: struct_pb2.Value) -> Any:
+    """A Struct `Value` as Python, integral numbers as ints. Unlike `json_format.MessageToDict`, NaN and
+    infinities come back as floats instead of raising (a stored config holding one must stay readable)."""
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        return _json_number(value.number_value)
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "struct_value":
+        return {key: _json_value(item) for key, item in value.struct_value.fields.items()}
+    if kind == "list_value":
+        return [_json_value(item) for item in value.list_value.values]
+    return None  # null_value, or no kind set
+
+
 def _message_to_value(field: FieldDescriptor, msg: Any) -> Any:
     kind = field.message_type.full_name
     if kind == "specwire.common.v1.TokenIdOrList":
@@ -61,8 +79,12 @@ def _message_to_value(field: FieldDescriptor, msg: Any) -> Any:
         return [[list(e.sequence), e.bias] for e in msg.entries]
     if kind == "specwire.config.v1.ExponentialDecayLengthPenalty":
         return [msg.start_index, msg.decay_factor]
-    if kind in ("google.protobuf.Struct", "google.protobuf.Value", "google.protobuf.ListValue"):
-        return _json_number(json_format.MessageToDict(msg))
+    if kind == "google.protobuf.Struct":
+        return {key: _json_value(value) for key, value in msg.fields.items()}
+    if kind == "google.protobuf.ListValue":
+        return [_json_value(value) for value in msg.values]
+    if kind == "google.protobuf.Value":
+        return _json_value(msg)
     raise TypeError(f"no wire mapping for message field {field.name} ({kind})")
 
 
@@ -105,7 +127,7 @@ def _fill_message(field: FieldDescriptor, target: Any, value: Any) -> None:
                 entry = target.entries.add()
                 entry.sequence.extend(_int_list(name, sequence))
                 entry.bias = float(bias)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise WireFormatError(name, value, "expected [[token ids], bias] pairs") from exc
         target.SetInParent()
     elif kind == "specwire.config.v1.ExponentialDecayLengthPenalty":
@@ -113,7 +135,7 @@ def _fill_message(field: FieldDescriptor, target: Any, value: Any) -> None:
             start, factor = value
             target.start_index = int(start)
             target.decay_factor = float(factor)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise WireFormatError(name, value, "expected (start_index, decay_factor)") from exc
     elif kind == "google.protobuf.Struct":
         if not isinstance(value, dict):
@@ -132,12 +154,30 @@ def _fill_message(field: FieldDescriptor, target: Any, value: Any) -> None:
 def dict_from_proto(message: pb.GenerationConfig) -> dict[str, Any]:
     """The set fields of a proto config as a `generation_config.json`-style dict."""
     out: dict[str, Any] = {}
+    typed = message.DESCRIPTOR.fields_by_name
     for field, value in message.ListFields():
         if field.name == "extra":
-            out.update(_message_to_value(field, value))
+            extra = _message_to_value(field, value)
+            # `extra` carries keys the message has no field for. A typed field's name there would slip
+            # past its wire type (a list for `top_k`, an id past int32), and the config could not be
+            # sent back: `dict_to_proto` never writes those keys to `extra`.
+            for key in extra:
+                if key in typed and key != "extra":  # a JSON key "extra" is an extra key like any other
+                    raise WireFormatError(
+                        f"extra.{key}", extra[key], f"`{key}` has its own field: set it there, not in `extra`"
+                    )
+            out.update(extra)
         elif field.type == FieldDescriptor.TYPE_ENUM:
             if field.name != "early_stopping":
                 raise TypeError(f"no wire mapping for enum field {field.name}")
+            if value not in _EARLY_STOPPING_TO_VALUE:
+                # An enum value this build doesn't know (a newer client, or a hand-built message).
+                raise WireFormatError(
+                    field.name,
+                    value,
+                    "unknown EarlyStopping value; use EARLY_STOPPING_TRUE, EARLY_STOPPING_FALSE or "
+                    "EARLY_STOPPING_NEVER",
+                )
             out[field.name] = _EARLY_STOPPING_TO_VALUE[value]
         elif field.type == FieldDescriptor.TYPE_MESSAGE:
             out[field.name] = _message_to_value(field, value)
@@ -172,7 +212,7 @@ def dict_to_proto(values: dict[str, Any]) -> pb.GenerationConfig:
         else:
             try:
                 setattr(message, name, value)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OverflowError) as exc:
                 raise WireFormatError(
                     name, value, f"expected a {_SCALAR_NAMES.get(field.type, 'scalar')}"
                 ) from exc
@@ -193,6 +233,23 @@ _SCALAR_NAMES = {
 def config_to_proto(config: GenerationConfig) -> pb.GenerationConfig:
     """Our GenerationConfig as the wire message (set fields only)."""
     return dict_to_proto(config.to_dict())
+
+
+def config_to_proto_or_invalid(config: GenerationConfig, field: str) -> pb.GenerationConfig:
+    """`config_to_proto`, with a value the wire can't carry reported as INVALID_ARGUMENT on `field.<name>`.
+
+    A config read from JSON (ImportConfig) can hold values transformers' validation lets through but the
+    proto can't represent (an id past int32, a list where a number goes); refusing them before storing
+    keeps every stored config readable (GetConfig, the target's references).
+    """
+    try:
+        return config_to_proto(config)
+    except WireFormatError as exc:
+        raise InvalidArgument.for_field(
+            f"{field}.{exc.field}", exc.value, f"{exc.message}: the wire format can't carry it; fix or drop it"
+        ) from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgument.for_field(field, None, f"the wire format can't carry this config: {exc}") from exc
 
 
 def config_from_proto(message: pb.GenerationConfig) -> GenerationConfig:

@@ -386,8 +386,14 @@ def test_temperature_message_is_transformers_message():
 
 
 def test_call_time_errors():
+    from specwire.errors import InvalidArgument
+
     with pytest.raises(ValueError, match="vocabulary size is 10"):
         sw.SequenceBiasLogitsProcessor({(12,): 1.0})(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 10))
+    # Also an InvalidArgument naming its field, so a server answers INVALID_ARGUMENT, not INTERNAL.
+    with pytest.raises(InvalidArgument) as caught:
+        sw.NoBadWordsLogitsProcessor([[3], [12]])(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 10))
+    assert [v.field for v in caught.value.violations] == ["bad_words_ids"]
     with pytest.raises(ValueError, match="one count per processed row"):
         sw.RepetitionPenaltyLogitsProcessor(1.2, torch.tensor([0, 1]))(
             torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 5)
@@ -461,6 +467,59 @@ def test_cfg_matches_transformers_over_consecutive_steps(tiny_model, negative, u
             got = ours(ids, scores)
             torch.testing.assert_close(got, theirs(ids, scores.clone()), rtol=1e-6, atol=1e-6)
             ids = torch.cat([ids, got.argmax(-1, keepdim=True)], dim=1)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_cfg_one_negative_prompt_is_broadcast_to_every_row(tiny_model, use_cache):
+    """A [1, len] negative prompt guides each row as if that row were generated alone with it
+    (transformers' batch-1 behaviour per row; it fails at the second step for more rows)."""
+    g = torch.Generator().manual_seed(1)
+    vocab = tiny_model.config.vocab_size
+    ids = torch.randint(3, vocab, (3, 4), generator=g)
+    neg_ids, neg_mask = torch.tensor([[11, 12, 13]]), torch.tensor([[0, 1, 1]])
+    batched = sw.UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, tiny_model, neg_ids, neg_mask, use_cache)
+    alone = [
+        hf.UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, tiny_model, neg_ids, neg_mask, use_cache=use_cache)
+        for _ in range(3)
+    ]
+    with torch.no_grad():
+        for _ in range(3):
+            scores = torch.randn(3, vocab, generator=g)
+            got = batched(ids, scores)
+            for row in range(3):
+                want = alone[row](ids[row : row + 1], scores[row : row + 1].clone())
+                torch.testing.assert_close(got[row : row + 1], want, rtol=1e-5, atol=1e-5)
+            ids = torch.cat([ids, got.argmax(-1, keepdim=True)], dim=1)
+
+
+def test_cfg_negative_prompt_rows_must_fit_the_batch(tiny_model):
+    from specwire.errors import InvalidArgument
+
+    vocab = tiny_model.config.vocab_size
+    proc = sw.UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, tiny_model, torch.tensor([[5], [6]]))
+    with pytest.raises(InvalidArgument, match="negative_prompt_ids"):
+        proc(torch.tensor([[1, 2]] * 3), torch.zeros(3, vocab))
+    with pytest.raises(InvalidArgument, match="negative_prompt_attention_mask"):
+        sw.UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, tiny_model, torch.tensor([[5, 6]]), torch.tensor([[1]]))
+    with pytest.raises(InvalidArgument, match="negative_prompt_ids"):
+        build_logits_processors(
+            types.SimpleNamespace(guidance_scale=1.5),
+            input_len=2,
+            vocab_size=vocab,
+            eos_token_ids=None,
+            num_beams=1,
+            prompt_ids=torch.tensor([[1, 2]] * 3),
+            model=tiny_model,
+            negative_prompt_ids=torch.tensor([[5], [6]]),
+        )
+    # One per prompt is repeated for that prompt's rows (num_return_sequences / beams: [p0, p0, p1, p1]).
+    per_prompt = sw.UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, tiny_model, torch.tensor([[5], [6]]))
+    ids = torch.tensor([[1, 2]] * 4)
+    with torch.no_grad():
+        out = per_prompt(ids, torch.zeros(4, vocab))
+    torch.testing.assert_close(out[0], out[1])
+    torch.testing.assert_close(out[2], out[3])
+    assert not torch.allclose(out[1], out[2])
 
 
 def test_cfg_rejects_non_consecutive_calls(tiny_model):

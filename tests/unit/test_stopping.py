@@ -359,3 +359,79 @@ def test_empty_stop_string_matches_every_row_like_transformers(tokenizer):
     assert StopStringCriteria(tokenizer, [""])(ids).tolist() == [True, True]
     assert hf.StopStringCriteria(tokenizer, ["", "x"])(ids, None).tolist() == [True, True]
     assert StopStringCriteria(tokenizer, ["", "x"])(ids).tolist() == [True, True]
+
+
+# ------------------------------------------------------------------------------------------ hardening
+
+
+def _char_tokenizer_without_decoder() -> PreTrainedTokenizerFast:
+    """One token per printable character and no decoder (96 tokens): `decode` joins tokens with spaces."""
+    import string
+
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_stop_strings_work_with_a_tokenizer_whose_decoder_rewrites_the_prefix():
+    """transformers' clean-vocabulary step looks for "abcdef" in the decoded prefix and raises
+    "substring not found" when the decoder doesn't give it back verbatim (here: tokens joined by spaces)."""
+    tok = _char_tokenizer_without_decoder()
+    with pytest.raises(ValueError, match="substring not found"):
+        hf.StopStringCriteria(tok, ["b"])
+    ids = torch.tensor([tok("xab", add_special_tokens=False)["input_ids"]])
+    assert tok.decode(ids[0]) == "x a b"  # the text stop strings are matched against
+    assert StopStringCriteria(tok, [" b"])(ids).tolist() == [True]
+    assert StopStringCriteria(tok, ["a b"])(ids).tolist() == [True]
+    assert StopStringCriteria(tok, ["ab", " z"])(ids).tolist() == [False]  # "ab" never appears in the text
+    with pytest.raises(ValueError, match="can.t produce"):
+        StopStringCriteria(tok, ["ab"])  # no token can end it: the text has a space between any two tokens
+    assert StopStringCriteria(tok, ["x a"])(ids).tolist() == [False]  # ended before the last token
+    assert StopStringCriteria(tok, [f"s{i}x" for i in range(1000)] + ["a b"])(ids).tolist() == [True]
+
+
+def test_reachability_agrees_with_the_definition(tokenizer):
+    """`_can_end` (tokens indexed by first character) against a scan of every token with `_end_overlaps`."""
+    from specwire.generation.stopping import _end_overlaps
+
+    for tok in (tokenizer, _explicit_tokenizer(["ab", "b▁c"], byte_level=False), _char_tokenizer_without_decoder()):
+        crit = StopStringCriteria(tok, ["a"])
+        tokens = [t for t in crit._vocab.clean if t]
+        rng = random.Random(3)
+        alphabet = "ab c▁xé中\n"
+        for _ in range(150):
+            s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+            target = s.encode() if crit._vocab.mode is not None else s
+            want = any(_end_overlaps(t, target) for t in tokens)
+            assert crit._can_end(target) == want, (tok, s)
+
+
+def test_reachable_stop_string_cache_is_a_bounded_lru(tokenizer, monkeypatch):
+    from specwire.generation import stopping
+
+    monkeypatch.setattr(stopping, "REACHABLE_CACHE_SIZE", 3)
+    vocab = StopStringCriteria(tokenizer, ["fox"])._vocab
+    vocab.reachable.clear()
+    for word in ["quick", "brown", "lazy", "dog"]:
+        StopStringCriteria(tokenizer, [word])
+    assert list(vocab.reachable) == [b"brown", b"lazy", b"dog"]  # "quick" was the least recently used
+    StopStringCriteria(tokenizer, ["brown"])  # a hit moves it to the end
+    StopStringCriteria(tokenizer, ["Paris"])
+    assert list(vocab.reachable) == [b"dog", b"brown", b"Paris"]
+    # Many distinct stop strings, one request each: the cache stays at its bound.
+    for i in range(50):
+        StopStringCriteria(tokenizer, [f"w{i}"])
+    assert len(vocab.reachable) == 3
+
+
+def test_unreachable_stop_strings_are_invalid_argument():
+    from specwire.errors import InvalidArgument
+
+    tok = _explicit_tokenizer(["ab"], byte_level=False)
+    with pytest.raises(InvalidArgument) as caught:
+        StopStringCriteria(tok, ["中", "日"])
+    assert [v.field for v in caught.value.violations] == ["stop_strings"]
+    # One endable string is enough, as in transformers.
+    assert StopStringCriteria(tok, ["中", "ab"])(torch.tensor([[tok.convert_tokens_to_ids("ab")]])).tolist() == [True]

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from specwire.generation.argument_errors import InvalidGenerationArgument
+
 from .base import token_id_list
 
 
@@ -67,6 +69,9 @@ class SequenceBiasLogitsProcessor:
             `{(ids...): bias}` or the JSON-friendly `[[ids, bias], ...]`. Biases must be floats.
     """
 
+    # The config field the ids came from, named when an id is past the vocabulary.
+    field = "sequence_bias"
+
     def __init__(self, sequence_bias: dict[tuple[int, ...], float] | list[list[Any]]):
         self.sequence_bias = _normalise_sequence_bias(sequence_bias)
         # Bias tensors depend on the vocabulary width and device of the scores: built on first use.
@@ -78,10 +83,12 @@ class SequenceBiasLogitsProcessor:
             return self._prepared[key]
         too_large = [t for ids in self.sequence_bias for t in ids if t >= vocab]
         if too_large:
-            raise ValueError(
-                f"The model vocabulary size is {vocab}, but `sequence_bias`/`bad_words_ids` mention the "
-                "token ids "
-                f"{too_large}; remove them."
+            # transformers raises a ValueError here too; ours names the field for the servers.
+            raise InvalidGenerationArgument.for_field(
+                self.field,
+                too_large,
+                f"The model vocabulary size is {vocab}, but `{self.field}` mentions the token ids {too_large}; "
+                f"remove them or use ids in [0, {vocab}).",
             )
         single = torch.zeros((vocab,), dtype=torch.float, device=device)  # [vocab]
         singles = [(ids[0], b) for ids, b in self.sequence_bias.items() if len(ids) == 1]
@@ -129,6 +136,8 @@ class NoBadWordsLogitsProcessor(SequenceBiasLogitsProcessor):
         eos_token_id (`int`, `list[int]` or `torch.Tensor`, *optional*):
             The end-of-sequence id(s).
     """
+
+    field = "bad_words_ids"
 
     def __init__(
         self, bad_words_ids: list[list[int]], eos_token_id: int | list[int] | torch.Tensor | None = None

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from specwire.generation.argument_errors import InvalidGenerationArgument
+
 from .base import LogitsProcessorList, token_id_list
 from .bias import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
 from .guidance import UnbatchedClassifierFreeGuidanceLogitsProcessor
@@ -114,9 +116,10 @@ def build_logits_processors(
             the repetition penalty ignores those positions. `None` when there is no padding.
         model (`torch.nn.Module`, *optional*):
             Needed only for classifier-free guidance (`guidance_scale` != 1).
-        negative_prompt_ids (`torch.LongTensor` of shape `(rows, neg_len)`, *optional*):
-            Negative prompt for guidance; defaults to each row's last prompt token.
-        negative_prompt_attention_mask (`torch.LongTensor` of shape `(rows, neg_len)`, *optional*):
+        negative_prompt_ids (`torch.LongTensor` of shape `(1 or batch, neg_len)`, *optional*):
+            Negative prompt for guidance, one for every row or one per prompt; defaults to each row's
+            last prompt token.
+        negative_prompt_attention_mask (`torch.LongTensor` of shape `(1 or batch, neg_len)`, *optional*):
             Its attention mask.
 
     Returns:
@@ -136,6 +139,15 @@ def build_logits_processors(
 
     guidance_scale = _field(config, "guidance_scale")
     if guidance_scale is not None and guidance_scale != 1:
+        if negative_prompt_ids is not None and prompt_ids is not None:
+            negatives, prompts = negative_prompt_ids.shape[0], prompt_ids.shape[0]
+            if negatives not in (1, prompts):
+                # Checked here, before any forward, rather than at the processor's first call.
+                raise InvalidGenerationArgument.for_field(
+                    "negative_prompt_ids",
+                    tuple(negative_prompt_ids.shape),
+                    f"give one negative prompt for the whole batch, or one per prompt ({prompts} here)",
+                )
         use_cache = _field(config, "use_cache")
         processors.append(
             UnbatchedClassifierFreeGuidanceLogitsProcessor(

@@ -13,6 +13,29 @@ from typing import Any
 
 import torch
 
+from specwire.generation.argument_errors import InvalidGenerationArgument
+
+
+def broadcast_rows(tensor: torch.Tensor, rows: int, field: str) -> torch.Tensor:
+    """`tensor [n, len]` with one row per generated row: as is (`n == rows`), one row repeated for every
+    row (`n == 1`), or one row per prompt repeated for that prompt's `rows // n` rows (`[p0, p0, p1, p1]`,
+    the order of transformers' row expansion).
+
+    Raises:
+        `InvalidGenerationArgument`: when `n` is none of those.
+    """
+    n = tensor.shape[0]
+    if n == rows:
+        return tensor
+    if n >= 1 and rows % n == 0:
+        return tensor.repeat_interleave(rows // n, dim=0)
+    raise InvalidGenerationArgument.for_field(
+        field,
+        tuple(tensor.shape),
+        f"give one negative prompt for the whole batch, or one per prompt; got {n} rows for {rows} "
+        "generated rows",
+    )
+
 
 class UnbatchedClassifierFreeGuidanceLogitsProcessor:
     r"""Mixes conditional and unconditional log-probabilities: `u + guidance_scale * (log_softmax(s) - u)`.
@@ -28,11 +51,12 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
         model (`torch.nn.Module`):
             The causal LM, called as `model(ids, attention_mask=..., use_cache=..., past_key_values=...)`
             and returning an object with `.logits` (and `past_key_values` when caching).
-        unconditional_ids (`torch.LongTensor` of shape `(rows, neg_len)`, *optional*):
-            The negative prompt (moved to the rows' device at the first call). Defaults to the last token
+        unconditional_ids (`torch.LongTensor` of shape `(n, neg_len)`, *optional*):
+            The negative prompt (moved to the rows' device at the first call): one row for every row
+            (`n = 1`), one per prompt, or one per row (see `broadcast_rows`). Defaults to the last token
             of each row at the first call.
-        unconditional_attention_mask (`torch.LongTensor` of shape `(rows, neg_len)`, *optional*):
-            Its attention mask; defaults to all ones.
+        unconditional_attention_mask (`torch.LongTensor` of shape `(n, neg_len)`, *optional*):
+            Its attention mask, broadcast like the ids; defaults to all ones.
         use_cache (`bool`, *optional*, defaults to `True`):
             Keep a KV cache for the unconditional branch (otherwise the whole branch is re-run every step).
     """
@@ -51,6 +75,16 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
             )
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)):
             raise ValueError(f"`guidance_scale` has to be a number (e.g. 1.5), but is {guidance_scale!r}.")
+        if (
+            unconditional_ids is not None
+            and unconditional_attention_mask is not None
+            and unconditional_attention_mask.shape != unconditional_ids.shape
+        ):
+            raise InvalidGenerationArgument.for_field(
+                "negative_prompt_attention_mask",
+                tuple(unconditional_attention_mask.shape),
+                f"give one mask entry per negative prompt token: shape {tuple(unconditional_ids.shape)}",
+            )
         self.guidance_scale = guidance_scale
         self.model = model
         self.use_cache = bool(use_cache)
@@ -62,12 +96,18 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
     def _unconditional_logits(self, input_ids: torch.LongTensor) -> torch.Tensor:
         cur_len = input_ids.shape[-1]
         if self._last_len is None:
-            # A negative prompt from the wire is on the CPU; the model may be elsewhere.
-            self._ids = input_ids[:, -1:] if self._ids is None else self._ids.to(input_ids.device)
+            rows = input_ids.shape[0]
+            # A negative prompt from the wire is on the CPU; the model may be elsewhere. One negative
+            # prompt serves every row: each row's unconditional branch is that prompt followed by the
+            # row's own tokens (transformers fails at the second step when the row counts differ).
+            if self._ids is None:
+                self._ids = input_ids[:, -1:]
+            else:
+                self._ids = broadcast_rows(self._ids.to(input_ids.device), rows, "negative_prompt_ids")
             if self._mask is None:
                 self._mask = torch.ones_like(self._ids, dtype=torch.long)
             else:
-                self._mask = self._mask.to(input_ids.device)
+                self._mask = broadcast_rows(self._mask.to(input_ids.device), rows, "negative_prompt_attention_mask")
             feed = self._ids
         else:
             if cur_len != self._last_len + 1:
