@@ -60,7 +60,13 @@ class Context:
     def prompt(self, key: str) -> list[int]:
         if key not in self.prompts:
             text = {"chat": CHAT_PROMPT, "code": CODE_EDIT_PROMPT}[key]
-            self.prompts[key] = self.reference.encode(text)
+            ids = self.reference.encode(text)
+            # A small test model's context may not hold the prompt and the new tokens (the target refuses
+            # what exceeds --max-model-len): keep the prompt's end. SmolLM2 (8192 positions) keeps it whole.
+            context = self.reference.loaded.max_position_embeddings
+            if context:
+                ids = ids[-max(context - self.max_new_tokens - 1, 1) :]
+            self.prompts[key] = ids
         return self.prompts[key]
 
     def plain_greedy(self, side: str, key: str) -> Run:

@@ -383,6 +383,10 @@ class BatchScheduler:
         # Only left padding can be skipped: a 0 after a 1 changes what the reference computes.
         if bool((mask[:, 1:] < mask[:, :-1]).any()):
             return "padding that is not left padding", plan
+        # A row that is all padding (pad ids with no mask sent) has no token for a slot to start from;
+        # transformers still generates from it, and so does the lane.
+        if not bool(mask.any(dim=1).all()):
+            return "a prompt row with no unmasked token", plan
         return "", plan
 
     async def run(self, job: Any, plan: Any) -> AsyncIterator[StepEvent | GenerationResult]:

@@ -22,6 +22,7 @@ from specwire.serving import GrpcServer, ServiceBinding, handles_errors
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from target_service.__main__ import build_server as build_target_server
+from target_service.limits import RequestLimits
 from tests.servers import threaded_server
 
 PROMPTS = [[5, 6, 7, 8], [20, 21, 22, 23]]
@@ -41,7 +42,10 @@ def reference(tiny_model_dir):
 def stack(tmp_path_factory, loaded):
     db = tmp_path_factory.mktemp("bad-input-registry") / "r.db"
     with threaded_server(lambda: build_config_server(str(db))) as config_server:
-        with threaded_server(lambda: build_target_server(loaded, config_server.address)) as target_server:
+        # An operator who raised --max-stop-strings: the stop-string machinery itself must hold 1000.
+        limits = RequestLimits.for_model(loaded.max_position_embeddings, max_stop_strings=1000)
+        build = lambda: build_target_server(loaded, config_server.address, limits=limits)  # noqa: E731
+        with threaded_server(build) as target_server:
             yield config_server, target_server
 
 
@@ -144,7 +148,9 @@ def char_model_dir(tmp_path_factory):
 def test_a_thousand_stop_strings_on_a_tokenizer_without_decoder(char_model_dir):
     loaded = load_model(str(char_model_dir), progress=False)
     assert loaded.vocab_size == 96
-    with threaded_server(lambda: build_target_server(loaded, None)) as server, TargetClient(server.address) as client:
+    limits = RequestLimits.for_model(loaded.max_position_embeddings, max_stop_strings=1000)
+    build = lambda: build_target_server(loaded, None, limits=limits)  # noqa: E731
+    with threaded_server(build) as server, TargetClient(server.address) as client:
         plain = client.generate(text="hello", max_new_tokens=6)
         generated = plain.sequences[0, plain.sequences.shape[1] - 6 :].tolist()
         # The text is the tokens joined by spaces: " c" ends at the third generated character.
@@ -225,12 +231,6 @@ def test_import_config_accepts_a_generation_config_json(registry):
     assert record.config.max_new_tokens == 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (batched scheduler, not this branch's files): a prompt of only pad ids with no mask "
-    "gets an all-zero inferred mask, and SlotRows.prefill fails on a row with no token (IndexError -> "
-    "INTERNAL); tests/service/test_fuzz.py avoids drawing it until this passes",
-)
 def test_prompt_of_only_padding_is_not_internal(target, reference):
     out = target.generate([[0]], max_new_tokens=3)
     assert torch.equal(out.sequences, reference.generate(torch.tensor([[0]]), max_new_tokens=3, do_sample=False))
