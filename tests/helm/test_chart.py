@@ -405,6 +405,10 @@ def test_user_labels_do_not_change_selectors(tools, renders):
         (["--set", "draft.maxConcurrentRpcs=0"], "maxConcurrentRpcs"),
         (["--set", "config.maxMessageBytes=10"], "maxMessageBytes"),
         (["--set", "target.graceSeconds=-1"], "graceSeconds"),
+        (["--set", "draft.maxSessions=0"], "maxSessions"),
+        (["--set", "draft.sessionIdleTimeoutSeconds=-1"], "sessionIdleTimeoutSeconds"),
+        (["--set", "target.stuckAfterSeconds=0"], "stuckAfterSeconds"),
+        (["--set-string", "target.stuckAfterSeconds=soon"], "stuckAfterSeconds"),
     ],
 )
 def test_schema_rejects_bad_values(tools, args, complaint):
@@ -562,6 +566,7 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
         expected = ["--host", "--port", "--grace", "--max-message-bytes", "--max-concurrent-rpcs"]
         expected += {"config": ["--db", "--max-config-bytes", "--max-extra-bytes"], "draft": [], "target": []}[c]
         expected += ["--model"] if "SPECWIRE_MODEL" in data else []
+        expected += ["--max-sessions", "--session-idle-timeout"] if c == "draft" else []
         if c == "target":
             expected += ["--device", "--dtype", "--config-address", "--draft-address", "--scheduler"]
             expected += ["--max-batch-rows", "--max-tokens-per-step", "--max-queued", "--max-lane-requests"]
@@ -572,7 +577,7 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
             expected += ["--max-request-rows", "--max-prompts", "--max-beams", "--max-stop-strings"]
             expected += ["--max-stop-string-chars", "--max-bias-entries"]
             expected += ["--max-output-bytes"] if "SPECWIRE_MAX_OUTPUT_BYTES" in data else []
-            expected += ["--max-prompt-chars", "--prepare-workers", "--max-preparing"]
+            expected += ["--max-prompt-chars", "--prepare-workers", "--max-preparing", "--stuck-after"]
         assert [a for a in args if a.startswith("--")] == expected, (c, args)
         (ref,) = [e["configMapRef"]["name"] for e in container["envFrom"] if "configMapRef" in e][:1]
         assert ref == f"{RELEASE}-specwire-{c}"
@@ -714,6 +719,61 @@ def test_config_and_draft_size_values_are_their_cli_flags(tools, renders):
         if c == "config":
             assert f"default {data['SPECWIRE_MAX_CONFIG_BYTES']}" in text
             assert f"default {data['SPECWIRE_MAX_EXTRA_BYTES']})" in text
+
+
+def expanded_args(r: Rendered, component: str) -> list[str]:
+    """The container's args as the kubelet runs them: each $(VAR) replaced by its ConfigMap value."""
+    data = r.settings(component)
+    return [re.sub(r"\$\((\w+)\)", lambda m: data[m.group(1)], a) for a in r.container(component)["args"]]
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    assert args.count(flag) == 1, (flag, args)
+    return args[args.index(flag) + 1]
+
+
+def test_session_and_liveness_values_reach_the_right_servers(tools, renders, tmp_path):
+    """draft.maxSessions, draft.sessionIdleTimeoutSeconds and target.stuckAfterSeconds become the draft's
+    --max-sessions/--session-idle-timeout and the target's --stuck-after, with the servers' defaults."""
+    from draft_service.__main__ import _idle_timeout, _positive_int
+    from target_service.__main__ import build_parser
+
+    draft_help = subprocess.run(
+        [sys.executable, "-m", "draft_service", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    ).stdout
+    draft_help = " ".join(draft_help.split())  # argparse wraps the help text
+
+    r = renders["default"]
+    draft, target = expanded_args(r, "draft"), expanded_args(r, "target")
+    # Each flag goes to its own server only.
+    for flag in ("--max-sessions", "--session-idle-timeout"):
+        assert flag in draft and flag not in target and flag not in r.container("config")["args"]
+    assert "--stuck-after" in target and "--stuck-after" not in draft + r.container("config")["args"]
+    # The chart's defaults are the servers' defaults.
+    assert flag_value(draft, "--max-sessions") == "64" and "(default 64)" in draft_help
+    assert flag_value(draft, "--session-idle-timeout") == "60" and "never (default 60)" in draft_help
+    assert build_parser().parse_args(target).stuck_after == build_parser().parse_args([]).stuck_after == 60.0
+
+    # Overrides from a values file (where fractional seconds stay numbers) reach the servers' parsers.
+    values = tmp_path / "sessions.yaml"
+    values.write_text(
+        "draft:\n  maxSessions: 3\n  sessionIdleTimeoutSeconds: 0.5\ntarget:\n  stuckAfterSeconds: 90.25\n"
+    )
+    custom = Rendered(template(tools, "-f", str(values)).stdout)
+    draft, target = expanded_args(custom, "draft"), expanded_args(custom, "target")
+    assert _positive_int(flag_value(draft, "--max-sessions")) == 3
+    assert _idle_timeout(flag_value(draft, "--session-idle-timeout")) == 0.5
+    assert build_parser().parse_args(target).stuck_after == 90.25
+    # 0 is "never" on the draft, and is passed through rather than dropped (the server's default is 60).
+    never = Rendered(template(tools, "--set", "draft.sessionIdleTimeoutSeconds=0,draft.maxSessions=1000").stdout)
+    draft = expanded_args(never, "draft")
+    assert _idle_timeout(flag_value(draft, "--session-idle-timeout")) is None
+    assert _positive_int(flag_value(draft, "--max-sessions")) == 1000
 
 
 def test_checksum_rolls_pods_when_settings_change(tools, renders):

@@ -151,6 +151,10 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $_ := set $s "SPECWIRE_MAX_CONFIG_BYTES" (toString (int64 $v.maxConfigBytes)) -}}
 {{- $_ := set $s "SPECWIRE_MAX_EXTRA_BYTES" (toString (int64 $v.maxExtraBytes)) -}}
 {{- end -}}
+{{- if eq .component "draft" -}}
+{{- $_ := set $s "SPECWIRE_MAX_SESSIONS" (toString (int64 $v.maxSessions)) -}}
+{{- $_ := set $s "SPECWIRE_SESSION_IDLE_TIMEOUT" (toString $v.sessionIdleTimeoutSeconds) -}}
+{{- end -}}
 {{- if hasKey $v "model" -}}
 {{- if $v.model.name -}}
 {{- $_ := set $s "SPECWIRE_MODEL" $v.model.name -}}
@@ -196,6 +200,7 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $_ := set $s "SPECWIRE_MAX_PROMPT_CHARS" (toString (int64 $l.maxPromptChars)) -}}
 {{- $_ := set $s "SPECWIRE_PREPARE_WORKERS" (toString (int64 $l.prepareWorkers)) -}}
 {{- $_ := set $s "SPECWIRE_MAX_PREPARING" (toString (int64 $l.maxPreparing)) -}}
+{{- $_ := set $s "SPECWIRE_STUCK_AFTER" (toString $v.stuckAfterSeconds) -}}
 {{- end -}}
 {{- if $root.Values.metrics.enabled -}}
 {{- $_ := set $s "SPECWIRE_PROMETHEUS_PORT" (toString $root.Values.metrics.port) -}}
@@ -232,6 +237,9 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- if hasKey $settings "SPECWIRE_MODEL" -}}
 {{- $args = concat $args (list "--model" "$(SPECWIRE_MODEL)") -}}
 {{- end -}}
+{{- if eq .component "draft" -}}
+{{- $args = concat $args (list "--max-sessions" "$(SPECWIRE_MAX_SESSIONS)" "--session-idle-timeout" "$(SPECWIRE_SESSION_IDLE_TIMEOUT)") -}}
+{{- end -}}
 {{- if eq .component "target" -}}
 {{- $args = concat $args (list "--device" "$(SPECWIRE_DEVICE)" "--dtype" "$(SPECWIRE_DTYPE)") -}}
 {{- if hasKey $settings "SPECWIRE_CONFIG_ADDRESS" -}}
@@ -253,6 +261,7 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $args = concat $args (list (printf "--%s" $flag) (printf "$(%s)" $env)) -}}
 {{- end -}}
 {{- end -}}
+{{- $args = concat $args (list "--stuck-after" "$(SPECWIRE_STUCK_AFTER)") -}}
 {{- end -}}
 {{- toYaml (concat $args ($v.extraArgs | default list)) -}}
 {{- end -}}
