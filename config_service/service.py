@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -21,6 +20,7 @@ from specwire.config.v1 import config_service_pb2 as pb
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.errors import FieldProblem, InvalidArgument, NotFound, Unavailable
 from specwire.generation.config import GenerationConfig, unknown_keys
+from specwire.pools import eager_thread_pool
 from specwire.serving import handles_errors
 from specwire.wire.common import violation_to_proto
 from specwire.wire.generation_config import (
@@ -129,7 +129,7 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         self.max_extra_bytes = max_extra_bytes
         # Parsing and validating a config costs CPU in proportion to its lists: a pool of its own keeps it
         # off the event loop (health checks, other calls) without queueing behind SQLite calls.
-        self.checker = ThreadPoolExecutor(workers, thread_name_prefix="specwire-config-check")
+        self.checker = eager_thread_pool(workers, "specwire-config-check")
 
     async def _run(self, fn, *args):
         # SQLite calls are short but blocking: keep them off the event loop.

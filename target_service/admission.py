@@ -13,10 +13,10 @@ import asyncio
 import contextvars
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from specwire.errors import ResourceExhausted
+from specwire.pools import eager_thread_pool
 
 T = TypeVar("T")
 
@@ -45,7 +45,7 @@ class PreparationPool:
         self.workers = workers
         self.max_in_flight = max_in_flight
         self.retry_after_s = retry_after_s
-        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="specwire-prepare")
+        self.executor = eager_thread_pool(workers, "specwire-prepare")
         # Counted down when the work ends on its thread, not when the caller stops waiting: a cancelled
         # RPC does not stop a tokenizer call, and its thread is busy until then.
         self._lock = threading.Lock()
