@@ -68,8 +68,16 @@ def exhausted(fn, *args, **kwargs) -> SpecwireRpcError:
 
 def hold_scheduler(server) -> threading.Event:
     """Stall the batched scheduler's thread (no forward runs) until the returned event is set."""
-    gate = threading.Event()
-    servicer_of(server).engine.batcher.call(gate.wait, 60)
+    gate, held = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        held.set()
+        gate.wait(60)
+
+    # `forward` runs a call on the scheduler thread and waits for it: wait in a thread of our own.
+    batcher = servicer_of(server).engine.batcher
+    threading.Thread(target=batcher.forward, args=(stall,), daemon=True).start()
+    assert held.wait(30), "the scheduler thread never ran the stall"
     return gate
 
 
