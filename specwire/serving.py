@@ -23,13 +23,14 @@ from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specwire import telemetry
 from specwire.deadline import CALLER_DEADLINE, set_caller_deadline
-from specwire.errors import SpecwireError
+from specwire.errors import FieldProblem, InvalidArgument, SpecwireError
 from specwire.ports import PortInUse, port_in_use
 from specwire.rpc_limits import ConcurrencyLimitInterceptor
 from specwire.security import server_credentials, server_interceptors
@@ -145,6 +146,95 @@ def _reset_deadline(token: Any) -> None:
         pass
 
 
+class _Undecodable:
+    """What a guarded request deserializer returns instead of raising: the error to answer with."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: InvalidArgument):
+        self.error = error
+
+
+def undecodable_request_error(method: str, size: int, exc: DecodeError) -> InvalidArgument:
+    """The INVALID_ARGUMENT for `size` request bytes of `method` that protobuf refused to parse."""
+    text = str(exc)
+    if "Depth" in text:  # upb's "Exceeded upb_DecodeOptions_MaxDepth"
+        problem = "it nests deeper than the 100 message levels protobuf allows; each Struct dict level takes 3"
+        fix = "flatten deeply nested values in extra/Struct fields"
+    else:
+        problem = "the bytes are not a valid message of this method's request type"
+        fix = "send the request serialized by this service's generated stubs"
+    message = f"could not be parsed ({problem}; protobuf says: {text}): {fix}"
+    return InvalidArgument(f"request to {method}: {message}", [FieldProblem("request", f"{size} bytes", message)])
+
+
+class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers a request that protobuf cannot parse with INVALID_ARGUMENT instead of UNKNOWN.
+
+    gRPC parses a request with the method handler's `request_deserializer` before any handler (and so
+    before `handles_errors`) runs, and answers a `DecodeError` with UNKNOWN "Unexpected <class
+    'DecodeError'>", which reads like a server fault although the caller sent it: e.g. a
+    `GenerationConfig.extra` Struct nesting dicts ~34 levels deep exceeds protobuf's 100 message
+    levels. This interceptor makes the deserializer return a marker instead of raising, and the method
+    answer the marker with INVALID_ARGUMENT naming the request and the fix. In a request stream (the
+    draft service's Draft) the bad message ends the call the same way when the handler reads it.
+    Handlers that are not coroutines or async generators are left as they are.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _guard_decoding(handler, handler_call_details.method)
+
+
+def _guard_decoding(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """`handler` with a deserializer that returns `_Undecodable` on a DecodeError, and a method that
+    aborts with its error (in a request stream: when the handler reads that message)."""
+    behavior = handler.stream_stream or handler.unary_stream or handler.stream_unary or handler.unary_unary
+    streams = inspect.isasyncgenfunction(behavior)
+    if not (streams or inspect.iscoroutinefunction(behavior)):
+        return handler
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return _Undecodable(undecodable_request_error(method, len(data), exc))
+
+    async def checked_stream(requests, context):
+        async for request in requests:
+            if isinstance(request, _Undecodable):
+                await _abort(context, request.error)
+            yield request
+
+    async def checked(request, context):
+        if handler.request_streaming:
+            return checked_stream(request, context)
+        if isinstance(request, _Undecodable):
+            await _abort(context, request.error)
+        return request
+
+    if streams:
+
+        async def guarded_stream(request, context):
+            async for item in behavior(await checked(request, context), context):
+                yield item
+
+        guarded = guarded_stream
+    else:
+
+        async def guarded_unary(request, context):
+            return await behavior(await checked(request, context), context)
+
+        guarded = guarded_unary
+    kind = ("stream" if handler.request_streaming else "unary") + (
+        "_stream" if handler.response_streaming else "_unary"
+    )
+    return handler._replace(request_deserializer=deserialize, **{kind: guarded})
+
+
 @dataclass
 class ServiceBinding:
     """One servicer to mount: the generated `add_*_to_server` function, the servicer, its full name."""
@@ -225,7 +315,13 @@ class GrpcServer:
     async def start(self) -> int:
         """Bind, start serving and mark every service SERVING. Returns the bound port."""
         # Tracing first (outermost), so refused and failed calls are traced too; none when telemetry is off.
-        interceptors = [*telemetry.server_interceptors(), *self.interceptors, *server_interceptors()]
+        # Decoding innermost: a request that cannot be parsed is still traced, counted and authenticated.
+        interceptors = [
+            *telemetry.server_interceptors(),
+            *self.interceptors,
+            *server_interceptors(),
+            UndecodableRequestInterceptor(),
+        ]
         server = grpc.aio.server(options=self.options, interceptors=interceptors)
         for binding in self.bindings:
             binding.add_to_server(binding.servicer, server)
