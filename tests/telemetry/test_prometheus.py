@@ -175,5 +175,5 @@ def test_stats_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     from client.stats import plot
 
-    with pytest.raises(SystemExit, match=r"specwire\[bench\]"):
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[bench\]'"):
         plot(acceptance([EXPOSITION]), tmp_path / "x.png")
