@@ -130,10 +130,12 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         # Parsing and validating a config costs CPU in proportion to its lists: a pool of its own keeps it
         # off the event loop (health checks, other calls) without queueing behind SQLite calls.
         self.checker = eager_thread_pool(workers, "specwire-config-check")
+        # SQLite calls are short but blocking: off the event loop, on threads of their own (asyncio's
+        # default executor grows a thread at a time under load, which reads as a leak in the soak).
+        self.storage_calls = eager_thread_pool(2, "specwire-config-db")
 
     async def _run(self, fn, *args):
-        # SQLite calls are short but blocking: keep them off the event loop.
-        return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.storage_calls, fn, *args)
 
     async def _check(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.checker, fn, *args)
