@@ -13,7 +13,14 @@ from config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_EXTRA_B
 from config_service.storage import ConfigStore
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.paths import default_registry
-from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, run_until_signal, setup_logging
+from specwire.serving import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    GrpcServer,
+    ServiceBinding,
+    add_capacity_arguments,
+    run_until_signal,
+    setup_logging,
+)
 from specwire.telemetry import setup_telemetry
 
 SERVICE_NAME = "specwire.config.v1.ConfigService"
@@ -70,19 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         default=DEFAULT_MAX_EXTRA_BYTES,
         help=f"size of a config's extra (custom) entries (default {DEFAULT_MAX_EXTRA_BYTES})",
     )
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=DEFAULT_MAX_MESSAGE_BYTES,
-        help=f"largest request or response message (default {DEFAULT_MAX_MESSAGE_BYTES}, 16 MiB)",
-    )
-    parser.add_argument(
-        "--max-concurrent-rpcs",
-        type=int,
-        default=DEFAULT_MAX_CONCURRENT_RPCS,
-        help=f"calls served at once, health checks not counted; beyond it RESOURCE_EXHAUSTED with a retry "
-        f"hint (default {DEFAULT_MAX_CONCURRENT_RPCS})",
-    )
+    add_capacity_arguments(parser, DEFAULT_MAX_CONCURRENT_RPCS)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)

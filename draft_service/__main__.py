@@ -17,7 +17,14 @@ from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
-from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, run_until_signal, setup_logging
+from specwire.serving import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    GrpcServer,
+    ServiceBinding,
+    add_capacity_arguments,
+    run_until_signal,
+    setup_logging,
+)
 from specwire.telemetry import setup_telemetry
 
 SERVICE_NAME = "specwire.draft.v1.DraftService"
@@ -102,19 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         f"freed; 0 for never (default {DEFAULT_SESSION_IDLE_TIMEOUT_S:g})",
     )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds open streams get on SIGTERM")
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=DEFAULT_MAX_MESSAGE_BYTES,
-        help=f"largest message on a draft stream (default {DEFAULT_MAX_MESSAGE_BYTES}, 16 MiB)",
-    )
-    parser.add_argument(
-        "--max-concurrent-rpcs",
-        type=int,
-        default=DEFAULT_MAX_CONCURRENT_RPCS,
-        help=f"draft streams served at once, health checks not counted; beyond it RESOURCE_EXHAUSTED with a "
-        f"retry hint (default {DEFAULT_MAX_CONCURRENT_RPCS})",
-    )
+    add_capacity_arguments(parser, DEFAULT_MAX_CONCURRENT_RPCS, "draft streams")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)

@@ -402,6 +402,26 @@ class GrpcServer:
         await self.stop()
 
 
+def add_capacity_arguments(parser: Any, max_concurrent_rpcs: int, calls: str = "calls") -> None:
+    """`--max-message-bytes` and `--max-concurrent-rpcs`, the capacity flags every service takes.
+
+    `parser` is an `argparse` parser or argument group; `calls` names what is counted ("draft streams").
+    """
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help=f"largest request or response message (default {DEFAULT_MAX_MESSAGE_BYTES}, 16 MiB)",
+    )
+    parser.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=max_concurrent_rpcs,
+        help=f"{calls} served at once, health checks not counted; beyond it RESOURCE_EXHAUSTED with a retry "
+        f"hint (default {max_concurrent_rpcs})",
+    )
+
+
 def run_until_signal(server: GrpcServer, name: str) -> None:
     """A service's main loop: serve until SIGTERM/SIGINT; a port in use exits with one line, not a traceback."""
     try:

@@ -12,7 +12,14 @@ import os
 from specwire.generation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
-from specwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServiceBinding, run_until_signal, setup_logging
+from specwire.serving import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    GrpcServer,
+    ServiceBinding,
+    add_capacity_arguments,
+    run_until_signal,
+    setup_logging,
+)
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.telemetry import setup_telemetry
 from target_service.admission import DEFAULT_MAX_PREPARING, DEFAULT_PREPARE_WORKERS, PreparationPool
@@ -252,19 +259,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {defaults.max_prompt_chars})",
     )
     server = parser.add_argument_group("server capacity (refused with RESOURCE_EXHAUSTED and retry-after-s)")
-    server.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=DEFAULT_MAX_MESSAGE_BYTES,
-        help=f"largest request or response message (default {DEFAULT_MAX_MESSAGE_BYTES}, 16 MiB)",
-    )
-    server.add_argument(
-        "--max-concurrent-rpcs",
-        type=int,
-        default=DEFAULT_MAX_CONCURRENT_RPCS,
-        help=f"Generate calls and streams served at once, health checks not counted "
-        f"(default {DEFAULT_MAX_CONCURRENT_RPCS})",
-    )
+    add_capacity_arguments(server, DEFAULT_MAX_CONCURRENT_RPCS, "Generate calls and streams")
     server.add_argument(
         "--prepare-workers",
         type=int,
