@@ -96,10 +96,6 @@ class RequestLimits:
         return cls(max_model_len=max_model_len, **given)
 
 
-def _too_many(field: str, value: Any, message: str) -> InvalidArgument:
-    return InvalidArgument.for_field(field, value, message)
-
-
 # -- stage 1: the wire request, before tokenization ------------------------------------------------
 
 
@@ -110,7 +106,7 @@ def check_prompts(prompts, limits: RequestLimits, field_name: str = "prompts") -
     work to avoid; token prompts by their count (each must leave room for one new token).
     """
     if len(prompts) > limits.max_prompts:
-        raise _too_many(
+        raise InvalidArgument.for_field(
             field_name,
             len(prompts),
             f"at most {limits.max_prompts} prompts per request on this target: split the batch",
@@ -122,14 +118,14 @@ def check_prompts(prompts, limits: RequestLimits, field_name: str = "prompts") -
             chars += len(prompt.text)
         elif kind == "token_ids" and len(prompt.token_ids.ids) >= limits.max_model_len:
             count = len(prompt.token_ids.ids)
-            raise _too_many(
+            raise InvalidArgument.for_field(
                 f"{field_name}[{i}].token_ids",
                 f"{count} tokens",
                 f"this target's max_model_len is {limits.max_model_len} tokens (prompt + new tokens, "
                 f"--max-model-len): send at most {limits.max_model_len - 1} prompt tokens",
             )
     if chars > limits.max_prompt_chars:
-        raise _too_many(
+        raise InvalidArgument.for_field(
             field_name,
             f"{chars} characters of text",
             f"at most {limits.max_prompt_chars} characters of prompt text per request on this target "
@@ -170,10 +166,12 @@ def check_config(config: GenerationConfig, limits: RequestLimits) -> None:
     """Beams, rows per prompt, stop strings and bias entries of the merged config."""
     beams = _int(config.num_beams)
     if beams is not None and beams > limits.max_beams:
-        raise _too_many("config.num_beams", beams, f"at most {limits.max_beams} beams on this target (--max-beams)")
+        raise InvalidArgument.for_field(
+            "config.num_beams", beams, f"at most {limits.max_beams} beams on this target (--max-beams)"
+        )
     returns = _int(config.num_return_sequences)
     if returns is not None and returns > limits.max_request_rows:
-        raise _too_many(
+        raise InvalidArgument.for_field(
             "config.num_return_sequences",
             returns,
             f"at most {limits.max_request_rows} rows per request on this target (--max-request-rows)",
@@ -182,14 +180,14 @@ def check_config(config: GenerationConfig, limits: RequestLimits) -> None:
     stops = [stops] if isinstance(stops, str) else stops
     if isinstance(stops, (list, tuple)):
         if len(stops) > limits.max_stop_strings:
-            raise _too_many(
+            raise InvalidArgument.for_field(
                 "config.stop_strings",
                 f"{len(stops)} strings",
                 f"at most {limits.max_stop_strings} stop strings on this target (--max-stop-strings)",
             )
         for i, stop in enumerate(stops):
             if isinstance(stop, str) and len(stop) > limits.max_stop_string_chars:
-                raise _too_many(
+                raise InvalidArgument.for_field(
                     f"config.stop_strings[{i}]",
                     f"{len(stop)} characters",
                     f"a stop string has at most {limits.max_stop_string_chars} characters on this target "
@@ -246,7 +244,7 @@ def check_job(
             default is capped at.
     """
     if input_len >= limits.max_model_len:
-        raise _too_many(
+        raise InvalidArgument.for_field(
             "prompts",
             f"{input_len} tokens",
             f"this target's max_model_len is {limits.max_model_len} tokens (prompt + new tokens, "
