@@ -98,10 +98,12 @@ class _TokenInterceptor(
 # UNAVAILABLE instead of leaving them to their deadlines. Pings also go out with no call open (so an
 # idle pooled connection is checked before use) and without data frames (long streams that are
 # waiting). The servers accept a ping every 15 s (`specwire.serving.KEEPALIVE_SERVER_OPTIONS`), so
-# these never count as abuse.
+# these never count as abuse. gRPC core (1.85) times a keepalive ping out after
+# `grpc.http2.ping_timeout_ms` (default 60 s), not `keepalive_timeout_ms` alone: both are set.
 KEEPALIVE_CLIENT_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]

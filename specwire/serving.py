@@ -46,10 +46,12 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Keepalive of every server: ping a client after 60 s without traffic and close the connection when
 # no answer comes within 20 s (a vanished client's calls are cancelled, their work freed). Clients may
 # ping every 15 s or more, also with no call open (`specwire.security.KEEPALIVE_CLIENT_OPTIONS` pings
-# every 30 s); a client pinging faster is sent GOAWAY after 2 strikes.
+# every 30 s); a client pinging faster is sent GOAWAY after 2 strikes. The ping timeout is set with
+# the keepalive timeout (gRPC core times keepalive pings out after `grpc.http2.ping_timeout_ms`).
 KEEPALIVE_SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.ping_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 15_000),
     ("grpc.http2.max_ping_strikes", 2),

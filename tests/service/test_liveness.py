@@ -241,6 +241,9 @@ def test_servers_and_channels_have_keepalive():
     options = dict(server.options)
     for key, value in KEEPALIVE_SERVER_OPTIONS:
         assert options[key] == value
+    # gRPC core times keepalive pings out after the ping timeout: it must not outlast the keepalive's.
+    for options_of in (options, dict(KEEPALIVE_CLIENT_OPTIONS)):
+        assert options_of["grpc.http2.ping_timeout_ms"] == options_of["grpc.keepalive_timeout_ms"]
     # The servers accept the clients' pings.
     client = dict(KEEPALIVE_CLIENT_OPTIONS)
     assert options["grpc.http2.min_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]
@@ -262,7 +265,15 @@ def test_keepalive_finds_a_hung_server(tmp_path):
         from client.health import wait_healthy
 
         wait_healthy(f"127.0.0.1:{port}", timeout=60, process=process)
-        fast = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 1000)]
+        # No pings while idle: one that timed out between the two calls would close the connection
+        # before the second call is sent, and that call would wait on a reconnect (the stopped
+        # process's kernel still accepts TCP). Only the in-flight call is pinged.
+        fast = [
+            ("grpc.keepalive_time_ms", 1000),
+            ("grpc.keepalive_timeout_ms", 1000),
+            ("grpc.http2.ping_timeout_ms", 1000),
+            ("grpc.keepalive_permit_without_calls", 0),
+        ]
         channel = secure_channel(f"127.0.0.1:{port}", fast)
         client = ConfigClient(channel=channel, timeout=60)
         assert client.list() == []

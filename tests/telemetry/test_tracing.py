@@ -4,6 +4,7 @@ in-memory exporter. Round spans add up to the response's speculation statistics;
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -57,7 +58,21 @@ def stack(exported, loaded, tmp_path_factory):
 
 @pytest.fixture()
 def spans(exported):
+    """The exporter, cleared once the previous test's spans stopped arriving.
+
+    A cancelled stream's request and draft spans end after its test has returned; cleared too early,
+    they would land in the next test's trace checks.
+    """
     exporter, _ = exported
+    seen, quiet_since = -1, time.monotonic()
+    deadline = quiet_since + 10.0
+    while time.monotonic() < deadline:
+        count = len(exporter.get_finished_spans())
+        if count != seen:
+            seen, quiet_since = count, time.monotonic()
+        elif time.monotonic() - quiet_since >= 0.3:
+            break
+        time.sleep(0.05)
     exporter.clear()
     return exporter
 
@@ -83,8 +98,6 @@ def _finished(spans, count_at_least: int, servers=(TARGET,), clients=()):
             and all(_by_name(finished, c, SpanKind.CLIENT) for c in clients)
         ):
             return finished
-        import time
-
         time.sleep(0.02)
     return spans.get_finished_spans()
 
@@ -222,8 +235,6 @@ def test_sync_stream_carries_the_trace_and_still_cancels(stack, spans):
         finished = spans.get_finished_spans()
         if _by_name(finished, "/specwire.target.v1.TargetService/GenerateStream", SpanKind.SERVER):
             break
-        import time
-
         time.sleep(0.02)
     server = _one(finished, "/specwire.target.v1.TargetService/GenerateStream", SpanKind.SERVER)
     assert server.parent.span_id == caller.get_span_context().span_id
