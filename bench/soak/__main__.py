@@ -166,7 +166,7 @@ def run(args: argparse.Namespace, skip: set[str], out: Path) -> int:
                 process = stack.services[name].process
                 values = read_process(process.pid) if process.poll() is None else None
                 row = {"t": round(t, 2), "phase": phase, "service": name, "pid": process.pid}
-                row.update(values or {"rss_kib": None, "threads": None, "fds": None})
+                row.update(values or {"rss_kib": None, "threads": None, "fds": None, "thread_names": None})
                 row["health"] = probes[name].check()
                 rows.append(row)
             samples.extend(rows)

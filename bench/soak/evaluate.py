@@ -83,7 +83,17 @@ def flatness(segment: list[dict], metric: str, warmup_s: float, healthy_from: fl
         slope_pct_per_hour=round(100 * slope / start if start else 0.0, 2),
         flat=change <= FLAT_TOLERANCE,
     )
+    if metric == "threads":
+        result["names_change"] = _names_change(post[0].get("thread_names"), post[-1].get("thread_names"))
     return result
+
+
+def _names_change(before: dict | None, after: dict | None) -> dict[str, int]:
+    """Per thread name (see `monitor.thread_names`), how many more (or fewer) threads at the end."""
+    if not before or not after:
+        return {}
+    change = {name: after.get(name, 0) - before.get(name, 0) for name in sorted(set(before) | set(after))}
+    return {name: delta for name, delta in change.items() if delta}
 
 
 def resources(samples: list[dict], services: list[str], warmup_s: float, faults: list[dict]) -> dict:
@@ -135,6 +145,7 @@ def targets(results: dict) -> list[dict]:
             worst = max(judged, key=lambda s: s["change"]) if judged else None
             detail = ", ".join(
                 f"pid {s['pid']}: {s['start_level']} -> {s['end_level']} ({100 * s['change']:+.1f}%)"
+                + (f" [by name: {s['names_change']}]" if s.get("names_change") else "")
                 if s["judged"]
                 else f"pid {s['pid']}: not judged ({s['reason']})"
                 for s in segments

@@ -12,7 +12,10 @@ from specwire.security import secure_channel
 
 
 def read_process(pid: int) -> dict | None:
-    """`rss_kib` (VmRSS), `threads` (Threads) and `fds` (entries of /proc/PID/fd); None if it is gone."""
+    """`rss_kib` (VmRSS), `threads` (Threads), `fds` (entries of /proc/PID/fd) and `thread_names`.
+
+    None if the process is gone.
+    """
     values: dict[str, int] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -24,9 +27,26 @@ def read_process(pid: int) -> dict | None:
             elif key == "State" and rest.split()[0] == "Z":
                 return None  # exited, not yet reaped
         values["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+        values["thread_names"] = thread_names(pid)
     except (OSError, ValueError, IndexError):
         return None
     return values if {"rss_kib", "threads"} <= set(values) else None
+
+
+def thread_names(pid: int) -> dict[str, int]:
+    """How many of the process's threads carry each kernel name (/proc/PID/task/*/comm).
+
+    gRPC core names its threads (`grpc_global_tim`, `event_engine`, ...), Python 3.11 threads and
+    torch's OpenMP workers keep the process's name: when the thread count moves, this says whose.
+    """
+    names: dict[str, int] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{task}/comm").read_text().strip()
+        except OSError:
+            continue  # the thread ended meanwhile
+        names[name] = names.get(name, 0) + 1
+    return dict(sorted(names.items()))
 
 
 class HealthProbe:
