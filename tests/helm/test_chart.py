@@ -702,7 +702,7 @@ def test_config_and_draft_size_values_are_their_cli_flags(tools, renders):
     assert r.settings("draft")["SPECWIRE_MAX_MESSAGE_BYTES"] == "8388608"
     for c in ("config", "draft"):
         text = subprocess.run(
-            [sys.executable, "-m", f"{c}_service", "--help"],
+            [sys.executable, "-m", f"specwire.{c}_service", "--help"],
             capture_output=True,
             text=True,
             check=True,

@@ -33,7 +33,7 @@ def test_unloadable_model_exits_with_the_reason_and_the_fix(module, model_args, 
         text=True,
         timeout=120,
     )
-    service = module.replace("_", "-")
+    service = module.rpartition(".")[2].replace("_", "-")
     assert done.returncode == 1
     assert f"{service}: " in done.stderr and says in done.stderr and "fix:" in done.stderr
     assert "Traceback" not in done.stderr
