@@ -2,12 +2,12 @@
 #
 # One image runs any specwire service; the Helm chart picks the console script per Deployment.
 #
-#   CPU:   docker build -t ghcr.io/specwire/specwire:0.1.0 .
-#   CUDA:  docker build --build-arg VARIANT=cuda -t ghcr.io/specwire/specwire:0.1.0-cuda .
+#   CPU:   docker build -t ghcr.io/specwire/specwire:0.2.0 .
+#   CUDA:  docker build --build-arg VARIANT=cuda -t ghcr.io/specwire/specwire:0.2.0-cuda .
 #
-#   docker run --rm -p 50051:50051 ghcr.io/specwire/specwire:0.1.0            # config-service (default)
-#   docker run --rm -p 50053:50053 ghcr.io/specwire/specwire:0.1.0 draft-service --host 0.0.0.0 --port 50053
-#   docker run --rm --gpus all -p 50052:50052 ghcr.io/specwire/specwire:0.1.0-cuda \
+#   docker run --rm -p 50051:50051 ghcr.io/specwire/specwire:0.2.0            # config-service (default)
+#   docker run --rm -p 50053:50053 ghcr.io/specwire/specwire:0.2.0 draft-service --host 0.0.0.0 --port 50053
+#   docker run --rm --gpus all -p 50052:50052 ghcr.io/specwire/specwire:0.2.0-cuda \
 #     target-service --host 0.0.0.0 --port 50052 --model default --device cuda --dtype bfloat16 \
 #       --config-address HOST:50051 --draft-address dns:///HOST:50053
 #

@@ -55,7 +55,7 @@ def _run_clients(
     verbose: bool = False,
     sampling: bool = False,
 ) -> dict:
-    from client import TargetClient
+    from specwire.client import TargetClient
 
     tokens = [0] * clients
     errors: list[BaseException] = []
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         log_path = Path(tempfile.mkdtemp(prefix="specwire-bench-")) / "target.log"
         server = Service(
             "target-service",
-            "target_service",
+            "specwire.target_service",
             ["--model", args.model, "--scheduler", scheduler],
             free_port(),
             log_path,

@@ -99,7 +99,7 @@ def _phase(address: str, prompts: list[list[int]], clients: int, requests: int, 
     """8 clients' throughput; `extra(target, stop)` runs in one more thread meanwhile (None: alone)."""
     import grpc
 
-    from client import SpecwireRpcError, TargetClient
+    from specwire.client import SpecwireRpcError, TargetClient
 
     tokens = [0] * clients
     errors: list[BaseException] = []
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         env["OMP_NUM_THREADS"] = str(args.threads)
     server = Service(
         "target-service",
-        "target_service",
+        "specwire.target_service",
         [
             "--model",
             args.model,

@@ -100,8 +100,8 @@ class ServiceFailed(RuntimeError):
 
 def wait_healthy(service: Service, timeout: float) -> None:
     """Poll `grpc.health.v1` until SERVING; raise `ServiceFailed` if the process exits or time runs out."""
-    from client.health import NotHealthy
-    from client.health import wait_healthy as wait
+    from specwire.client.health import NotHealthy
+    from specwire.client.health import wait_healthy as wait
 
     try:
         wait(service.address, timeout=timeout, process=service.process)
@@ -151,7 +151,7 @@ class ServiceStack:
         config_port, draft_port, target_port = free_port(), free_port(), free_port()
         self.services["config"] = Service(
             "config-service",
-            "config_service",
+            "specwire.config_service",
             ["--db", str(self.log_dir / "registry.db")],
             config_port,
             self.log_dir / "config.log",
@@ -159,7 +159,7 @@ class ServiceStack:
         self.services["draft"] = self._draft_service(draft_port, self.draft_model)
         self.services["target"] = Service(
             "target-service",
-            "target_service",
+            "specwire.target_service",
             [
                 "--model",
                 self.model,
@@ -183,7 +183,7 @@ class ServiceStack:
 
     def _draft_service(self, port: int, model: str | None) -> Service:
         args = ["--model", model, "--device", self.draft_device, "--dtype", self.draft_dtype] if model else []
-        return Service("draft-service", "draft_service", args, port, self.log_dir / "draft.log")
+        return Service("draft-service", "specwire.draft_service", args, port, self.log_dir / "draft.log")
 
     def wait(self) -> None:
         """Wait until all services are healthy, falling back to a model-less draft service if needed."""

@@ -1,4 +1,4 @@
-"""The specwire side: timed requests to the target service through `client.TargetClient`."""
+"""The specwire side: timed requests to the target service through `specwire.client.TargetClient`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Specwire:
     """Timed calls to a running target service (one channel, reused)."""
 
     def __init__(self, address: str):
-        from client import TargetClient
+        from specwire.client import TargetClient
 
         self.address = address
         self.client = TargetClient(address)

@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (3 if args.quick else 12)
 
     from bench.progress import log
-    from client import TargetClient
-    from client.stats import acceptance, fetch
+    from specwire.client import TargetClient
+    from specwire.client.stats import acceptance, fetch
     from tests.otlp_sink import OtlpSink
 
     stack_class = _stack_class()

@@ -401,7 +401,7 @@ def draft_model(ctx: Context) -> dict:
 
 def _wave(address: str, prompt: list[int], clients: int, args: dict) -> tuple[float, list[float], int]:
     """`clients` concurrent Generate calls, one channel each; returns wall time, latencies and tokens."""
-    from client import TargetClient
+    from specwire.client import TargetClient
 
     channels = [TargetClient(address) for _ in range(clients)]
     barrier = threading.Barrier(clients + 1)
@@ -499,7 +499,7 @@ async def _round_trips(
     """Seconds per feedback -> proposal round on one Draft stream (prompt lookup: no model compute)."""
     import grpc
 
-    from client.config_client import config_to_wire
+    from specwire.client.config_client import config_to_wire
     from specwire.common.v1 import common_pb2
     from specwire.draft.v1 import draft_service_pb2 as pb
     from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc

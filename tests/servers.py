@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from client.health import wait_healthy
+from specwire.client.health import wait_healthy
 
 
 class ThreadedServer:

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, skip: set[str], out: Path) -> int:
     from bench.soak.kinds import REGISTRY_CONFIGS, ModelFacts, mix
     from bench.soak.load import ClientPool, Recorder
     from bench.soak.monitor import HealthProbe, read_process
-    from client import ConfigClient, TargetClient
+    from specwire.client import ConfigClient, TargetClient
 
     draft_name = args.draft_model or ("default-int8" if args.model == "default" else args.model)
     duration = args.minutes * 60.0

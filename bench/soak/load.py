@@ -129,7 +129,7 @@ class ClientPool:
             self.crashes.append(f"client {index}: {type(error).__name__}: {error}")
 
     def _loop(self, index: int) -> None:
-        from client import SpecwireRpcError, TargetClient
+        from specwire.client import SpecwireRpcError, TargetClient
 
         rng = random.Random(self.seed * 1000 + index)
         kinds, weights = list(self.weights), list(self.weights.values())

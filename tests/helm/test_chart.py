@@ -231,14 +231,14 @@ def test_gpu_cluster_puts_draft_and_target_on_distinct_pools(renders):
     assert not products(draft) & products(target), "the two pools must ask for different GPU products"
     for c in ("draft", "target"):
         assert gpu_count(r.container(c)) == (1, 1), f"{c}: GPU requests must equal limits"
-        assert r.container(c)["image"].endswith(":0.1.0-cuda")
+        assert r.container(c)["image"].endswith(":0.2.0-cuda")
     assert r.settings("target")["SPECWIRE_DEVICE"] == "cuda"
     assert r.settings("target")["SPECWIRE_DTYPE"] == "bfloat16"
     # The registry stays on CPU nodes.
     config = r.pod_spec("config")
     assert "nodeSelector" not in config and "tolerations" not in config
     assert gpu_count(r.container("config")) == (None, None)
-    assert r.container("config")["image"].endswith(":0.1.0")
+    assert r.container("config")["image"].endswith(":0.2.0")
 
 
 @pytest.mark.parametrize("variant", ["default", "minimal-cpu"])
@@ -247,7 +247,7 @@ def test_cpu_installs_request_no_gpu(renders, variant):
     assert "nvidia.com/gpu" not in r.text
     assert r.settings("target")["SPECWIRE_DEVICE"] == "cpu"
     for c in COMPONENTS:
-        assert r.container(c)["image"] == "ghcr.io/specwire/specwire:0.1.0"
+        assert r.container(c)["image"] == "ghcr.io/specwire/specwire:0.2.0"
 
 
 def test_gpu_values_are_per_service(tools):
@@ -514,7 +514,7 @@ def test_every_value_is_documented():
 
 def test_image_tags_default_to_app_version(tools, renders):
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    assert chart["appVersion"] == "0.1.0"
+    assert chart["appVersion"] == "0.2.0"
     images = [
         c["image"] for d in renders["default"].all("Deployment") for c in d["spec"]["template"]["spec"]["containers"]
     ]
@@ -590,7 +590,7 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
 
 def test_scheduler_values_reach_the_target_command_line(tools, renders):
     """The expanded args parse with the target's real CLI: the chart's defaults are the server's."""
-    from target_service.__main__ import build_parser
+    from specwire.target_service.__main__ import build_parser
 
     def parsed(r):
         data = r.settings("target")
@@ -636,7 +636,7 @@ LIMIT_FLAGS = (
 
 def test_limit_values_reach_the_target_command_line(tools, renders):
     """Request limits, message size and RPC cap: the chart's defaults are the server's, and values reach it."""
-    from target_service.__main__ import build_parser
+    from specwire.target_service.__main__ import build_parser
 
     def parsed(r):
         data = r.settings("target")
@@ -702,7 +702,7 @@ def test_config_and_draft_size_values_are_their_cli_flags(tools, renders):
     assert r.settings("draft")["SPECWIRE_MAX_MESSAGE_BYTES"] == "8388608"
     for c in ("config", "draft"):
         text = subprocess.run(
-            [sys.executable, "-m", f"{c}_service", "--help"],
+            [sys.executable, "-m", f"specwire.{c}_service", "--help"],
             capture_output=True,
             text=True,
             check=True,
@@ -735,11 +735,11 @@ def flag_value(args: list[str], flag: str) -> str:
 def test_session_and_liveness_values_reach_the_right_servers(tools, renders, tmp_path):
     """draft.maxSessions, draft.sessionIdleTimeoutSeconds and target.stuckAfterSeconds become the draft's
     --max-sessions/--session-idle-timeout and the target's --stuck-after, with the servers' defaults."""
-    from draft_service.__main__ import _idle_timeout, _positive_int
-    from target_service.__main__ import build_parser
+    from specwire.draft_service.__main__ import _idle_timeout, _positive_int
+    from specwire.target_service.__main__ import build_parser
 
     draft_help = subprocess.run(
-        [sys.executable, "-m", "draft_service", "--help"],
+        [sys.executable, "-m", "specwire.draft_service", "--help"],
         capture_output=True,
         text=True,
         check=True,

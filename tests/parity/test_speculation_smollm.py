@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client import TargetClient
-from draft_service.__main__ import build_server as build_draft_server
-from target_service.__main__ import build_server as build_target_server
-from target_service.drafting import DraftPolicy
+from specwire.client import TargetClient
+from specwire.draft_service.__main__ import build_server as build_draft_server
+from specwire.target_service.__main__ import build_server as build_target_server
+from specwire.target_service.drafting import DraftPolicy
 from tests.servers import threaded_server
 
 CODE = '''def moving_average(values, window):

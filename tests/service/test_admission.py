@@ -15,13 +15,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import ConfigClient, SpecwireRpcError, TargetClient
-from config_service.__main__ import build_server as build_config_server
+from specwire.client import ConfigClient, SpecwireRpcError, TargetClient
+from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.models import load_model
 from specwire.security import secure_channel
-from target_service.__main__ import build_server
-from target_service.admission import PreparationPool
-from target_service.scheduler import SchedulerOptions
+from specwire.target_service.__main__ import build_server
+from specwire.target_service.admission import PreparationPool
+from specwire.target_service.scheduler import SchedulerOptions
 from tests.servers import threaded_server
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])

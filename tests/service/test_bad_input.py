@@ -15,14 +15,14 @@ import pytest
 import torch
 import transformers
 
-from client import ConfigClient, SpecwireRpcError, TargetClient
-from config_service.__main__ import build_server as build_config_server
+from specwire.client import ConfigClient, SpecwireRpcError, TargetClient
+from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.models import load_model
 from specwire.serving import GrpcServer, ServiceBinding, handles_errors
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
-from target_service.__main__ import build_server as build_target_server
-from target_service.limits import RequestLimits
+from specwire.target_service.__main__ import build_server as build_target_server
+from specwire.target_service.limits import RequestLimits
 from tests.servers import threaded_server
 
 PROMPTS = [[5, 6, 7, 8], [20, 21, 22, 23]]

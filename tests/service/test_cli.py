@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from client.cli import main
-from config_service.__main__ import build_server as build_config_server
+from specwire.client.cli import main
+from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.models import load_model
-from target_service.__main__ import build_server as build_target_server
+from specwire.target_service.__main__ import build_server as build_target_server
 from tests.servers import free_port, threaded_server
 
 
@@ -166,7 +166,7 @@ def test_demo_runs_three_services_and_prints_stats(tiny_model_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "client.cli",
+            "specwire.client.cli",
             "demo",
             "Hello world",
             "--model",
@@ -243,7 +243,7 @@ def test_help_shows_defaults(capsys):
 def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(services):
     _, target = services
     process = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "generate", "Hello", "--address", target, "--no-chat", "--stream"]
+        [sys.executable, "-m", "specwire.client.cli", "generate", "Hello", "--address", target, "--no-chat", "--stream"]
         + ["--set", "max_new_tokens=200", "--set", "min_new_tokens=200"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

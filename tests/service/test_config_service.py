@@ -15,8 +15,8 @@ import grpc
 import pytest
 import transformers
 
-from client import AsyncConfigClient, ConfigClient, SpecwireRpcError
-from config_service.__main__ import build_server
+from specwire.client import AsyncConfigClient, ConfigClient, SpecwireRpcError
+from specwire.config_service.__main__ import build_server
 from specwire.generation.config import GenerationConfig
 from tests.servers import free_port, subprocess_server, threaded_server
 
@@ -212,7 +212,7 @@ def test_import_from_hub_offline_cache(tmp_path):
     _fill_hub_cache(cache, "acme/tiny-chat", {"generation_config.json": json.dumps(hub_config)})
     port = free_port()
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "hf-home")}
-    args = ["config_service", "--port", str(port), "--db", str(tmp_path / "r.db")]
+    args = ["specwire.config_service", "--port", str(port), "--db", str(tmp_path / "r.db")]
     with subprocess_server(args, port, env=env):
         with ConfigClient(f"127.0.0.1:{port}") as client:
             record = client.import_from_hub("acme/tiny-chat")
@@ -227,7 +227,7 @@ def test_import_from_hub_offline_cache(tmp_path):
 def test_survives_restart_and_sigterm(tmp_path):
     db = tmp_path / "persist.db"
     port = free_port()
-    args = ["config_service", "--port", str(port), "--db", str(db)]
+    args = ["specwire.config_service", "--port", str(port), "--db", str(db)]
     with subprocess_server(args, port) as process:
         with ConfigClient(f"127.0.0.1:{port}") as client:
             client.create("keep", {"max_new_tokens": 11})

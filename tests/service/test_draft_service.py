@@ -12,10 +12,10 @@ import pytest
 import torch
 import transformers
 
-from draft_service.__main__ import build_server
 from specwire.common.v1 import common_pb2
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
+from specwire.draft_service.__main__ import build_server
 from specwire.models import load_model
 from specwire.wire.generation_config import dict_to_proto
 from specwire.wire.tensors import tensor_from_proto
@@ -283,7 +283,7 @@ def test_cancelled_and_broken_streams_release_their_sessions(draft_loaded):
     [(["--max-sessions", "0"], "--max-sessions"), (["--session-idle-timeout", "-1"], "--session-idle-timeout")],
 )
 def test_session_flags_reject_bad_values(capsys, argv, message):
-    from draft_service.__main__ import main
+    from specwire.draft_service.__main__ import main
 
     with pytest.raises(SystemExit):
         main(argv)

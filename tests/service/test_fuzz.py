@@ -30,14 +30,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import ConfigClient, SpecwireRpcError
-from config_service.__main__ import build_server as build_config_server
+from specwire.client import ConfigClient, SpecwireRpcError
 from specwire.config.v1 import generation_config_pb2 as gc_pb
+from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.models import load_model
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
+from specwire.target_service.__main__ import build_server as build_target_server
 from specwire.wire.generation_config import config_from_proto
-from target_service.__main__ import build_server as build_target_server
 from tests.servers import threaded_server
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from bench.head_of_line import HungDraftService
-from client import TargetClient
+from specwire.client import TargetClient
 from specwire.models import load_model
-from target_service.__main__ import build_server
-from target_service.drafting import DraftPolicy
-from target_service.scheduler import SchedulerOptions
+from specwire.target_service.__main__ import build_server
+from specwire.target_service.drafting import DraftPolicy
+from specwire.target_service.scheduler import SchedulerOptions
 from tests.servers import threaded_server
 
 PROMPT = [5, 6, 7, 8, 9]

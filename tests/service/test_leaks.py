@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from client import SpecwireRpcError, TargetClient
-from draft_service.__main__ import build_server as build_draft_server
+from specwire.client import SpecwireRpcError, TargetClient
+from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.models import load_model
-from target_service.__main__ import build_server as build_target_server
-from target_service.drafting import DraftPolicy
-from target_service.scheduler import SchedulerOptions
+from specwire.target_service.__main__ import build_server as build_target_server
+from specwire.target_service.drafting import DraftPolicy
+from specwire.target_service.scheduler import SchedulerOptions
 from tests.servers import free_port, subprocess_server, threaded_server
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # repetitive: prompt lookup finds matches
@@ -318,7 +318,7 @@ def _stream_to_the_end(address: str, kwargs: dict, started: threading.Barrier, o
 @pytest.mark.parametrize("scheduler, kwargs, remote", _params(REMOTE))
 def test_draft_service_killed_mid_stream_releases_everything(tiny_draft_dir, tiny_model_dir, scheduler, kwargs, remote):
     port = free_port()
-    args = ["draft_service", "--port", str(port), "--model", str(tiny_draft_dir)]
+    args = ["specwire.draft_service", "--port", str(port), "--model", str(tiny_draft_dir)]
     with ExitStack() as stack:
         target = start_target(stack, tiny_model_dir, scheduler, f"127.0.0.1:{port}")
         with subprocess_server(args, port) as draft:

@@ -8,10 +8,10 @@ import grpc
 import pytest
 import torch
 
-from client import SpecwireRpcError, TargetClient
+from specwire.client import SpecwireRpcError, TargetClient
 from specwire.models import load_model
-from target_service.__main__ import build_parser, build_server, limits_from_args
-from target_service.limits import RequestLimits
+from specwire.target_service.__main__ import build_parser, build_server, limits_from_args
+from specwire.target_service.limits import RequestLimits
 from tests.servers import threaded_server
 
 LIMITS = dict(

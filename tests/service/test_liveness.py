@@ -22,18 +22,18 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.head_of_line import HungDraftService
-from client import ConfigClient, SpecwireRpcError, TargetClient
-from config_service.__main__ import build_server as build_config_server
+from specwire.client import ConfigClient, SpecwireRpcError, TargetClient
 from specwire.config.v1 import config_service_pb2_grpc as config_pb_grpc
+from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.deadline import set_caller_deadline
 from specwire.errors import DeadlineExceeded
 from specwire.models import load_model
 from specwire.security import KEEPALIVE_CLIENT_OPTIONS, secure_channel
 from specwire.serving import KEEPALIVE_SERVER_OPTIONS, GrpcServer
-from target_service.__main__ import build_server
-from target_service.config_resolver import ConfigResolver, LruCache
-from target_service.drafting import DraftPolicy
-from target_service.scheduler import SchedulerOptions
+from specwire.target_service.__main__ import build_server
+from specwire.target_service.config_resolver import ConfigResolver, LruCache
+from specwire.target_service.drafting import DraftPolicy
+from specwire.target_service.scheduler import SchedulerOptions
 from tests.servers import free_port, threaded_server
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -256,13 +256,13 @@ def test_keepalive_finds_a_hung_server(tmp_path):
     # long before its 60 s deadline.
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "config_service", "--port", str(port), "--db", str(tmp_path / "r.db")],
+        [sys.executable, "-m", "specwire.config_service", "--port", str(port), "--db", str(tmp_path / "r.db")],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        from client.health import wait_healthy
+        from specwire.client.health import wait_healthy
 
         wait_healthy(f"127.0.0.1:{port}", timeout=60, process=process)
         # No pings while idle: one that timed out between the two calls would close the connection
@@ -296,7 +296,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_model_dir):
     with HungDraftService() as hung:
         port = free_port()
         args = [
-            "target_service",
+            "specwire.target_service",
             "--port",
             str(port),
             "--model",
@@ -316,7 +316,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_model_dir):
             text=True,
         )
         try:
-            from client.health import wait_healthy
+            from specwire.client.health import wait_healthy
 
             address = f"127.0.0.1:{port}"
             wait_healthy(address, timeout=120, process=process)

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from client.cli import main
-from config_service.__main__ import build_server as build_config_server
+from specwire.client.cli import main
+from specwire.config_service.__main__ import build_server as build_config_server
 from tests.servers import free_port, threaded_server
 
 
@@ -45,7 +45,15 @@ def _wait(condition, timeout: float = 60.0) -> bool:
 def test_a_service_refuses_a_port_in_use_with_one_line_naming_the_holder(tmp_path):
     with threaded_server(lambda: build_config_server(str(tmp_path / "a.db"))) as first:
         result = subprocess.run(
-            [sys.executable, "-m", "config_service", "--port", str(first.port), "--db", str(tmp_path / "b.db")],
+            [
+                sys.executable,
+                "-m",
+                "specwire.config_service",
+                "--port",
+                str(first.port),
+                "--db",
+                str(tmp_path / "b.db"),
+            ],
             capture_output=True,
             text=True,
             timeout=60,
@@ -56,7 +64,7 @@ def test_a_service_refuses_a_port_in_use_with_one_line_naming_the_holder(tmp_pat
 
 def _serve(tiny_model_dir, home: Path, ports: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "serve", "--model", str(tiny_model_dir), "--draft-model", "none"]
+        [sys.executable, "-m", "specwire.client.cli", "serve", "--model", str(tiny_model_dir), "--draft-model", "none"]
         + ["--config-port", ports[0], "--target-port", ports[1], "--draft-port", ports[2]],
         env={**os.environ, "SPECWIRE_HOME": str(home), "PYTHONUNBUFFERED": "1"},
         stderr=subprocess.PIPE,

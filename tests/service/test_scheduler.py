@@ -12,10 +12,10 @@ import grpc
 import pytest
 import torch
 
-from client import SpecwireRpcError, TargetClient
+from specwire.client import SpecwireRpcError, TargetClient
 from specwire.models import load_model
-from target_service.__main__ import build_server
-from target_service.scheduler import BatchScheduler, SchedulerOptions, close_logits
+from specwire.target_service.__main__ import build_server
+from specwire.target_service.scheduler import BatchScheduler, SchedulerOptions, close_logits
 from tests.servers import threaded_server
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26]]

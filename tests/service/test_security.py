@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import ConfigClient, SpecwireRpcError
+from specwire.client import ConfigClient, SpecwireRpcError
 from specwire.security import secure_channel
 from tests.servers import free_port, subprocess_server
 
@@ -53,7 +53,7 @@ def test_tls_and_bearer_token(tmp_path, tls_files, monkeypatch):
     monkeypatch.setenv("SPECWIRE_AUTH_TOKEN", "s3cret")
     port = free_port()
     address = f"127.0.0.1:{port}"
-    args = ["config_service", "--port", str(port), "--db", str(tmp_path / "r.db")]
+    args = ["specwire.config_service", "--port", str(port), "--db", str(tmp_path / "r.db")]
     with subprocess_server(args, port, env=server_env):
         with ConfigClient(address) as client:
             assert client.create("secure", {"max_new_tokens": 3}).version == 1

@@ -13,15 +13,15 @@ import pytest
 import torch
 import transformers
 
-from client import TargetClient
-from draft_service.__main__ import build_server as build_draft_server
+from specwire.client import TargetClient
 from specwire.draft.v1 import draft_service_pb2 as draft_pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
+from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.models import load_model
 from specwire.serving import GrpcServer, ServiceBinding
+from specwire.target_service.__main__ import build_server as build_target_server
+from specwire.target_service.drafting import DraftPolicy
 from specwire.wire.tensors import tensor_to_proto
-from target_service.__main__ import build_server as build_target_server
-from target_service.drafting import DraftPolicy
 from tests.servers import free_port, subprocess_server, threaded_server
 
 # Repetitive prompts so prompt lookup finds matches; row 2 left padded in the batch of 3.
@@ -195,7 +195,7 @@ def test_unreachable_or_slow_draft_service_falls_back(loaded, draft_server):
 
 def test_killing_the_draft_service_mid_generation_changes_nothing(tmp_path, loaded, tiny_model_dir):
     port = free_port()
-    args = ["draft_service", "--port", str(port), "--model", str(tiny_model_dir)]
+    args = ["specwire.draft_service", "--port", str(port), "--model", str(tiny_model_dir)]
     policy = DraftPolicy(f"127.0.0.1:{port}", round_timeout_s=10.0)
     with threaded_server(lambda: build_target_server(loaded, drafting=policy)) as server:
         with TargetClient(server.address) as client:

@@ -15,8 +15,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     ("module", "model_args", "says"),
     [
-        ("target_service", ["--model", "no/such-model-here"], "cannot load model 'no/such-model-here'"),
-        ("draft_service", ["--model", "default-int8", "--dtype", "bfloat16"], "int8 layers compute in float32"),
+        ("specwire.target_service", ["--model", "no/such-model-here"], "cannot load model 'no/such-model-here'"),
+        (
+            "specwire.draft_service",
+            ["--model", "default-int8", "--dtype", "bfloat16"],
+            "int8 layers compute in float32",
+        ),
     ],
 )
 def test_unloadable_model_exits_with_the_reason_and_the_fix(module, model_args, says):
@@ -29,7 +33,7 @@ def test_unloadable_model_exits_with_the_reason_and_the_fix(module, model_args, 
         text=True,
         timeout=120,
     )
-    service = module.replace("_", "-")
+    service = module.rpartition(".")[2].replace("_", "-")
     assert done.returncode == 1
     assert f"{service}: " in done.stderr and says in done.stderr and "fix:" in done.stderr
     assert "Traceback" not in done.stderr

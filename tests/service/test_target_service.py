@@ -18,10 +18,10 @@ import pytest
 import torch
 import transformers
 
-from client import AsyncTargetClient, ConfigClient, SpecwireRpcError, TargetClient
-from config_service.__main__ import build_server as build_config_server
+from specwire.client import AsyncTargetClient, ConfigClient, SpecwireRpcError, TargetClient
+from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.models import load_model
-from target_service.__main__ import build_server as build_target_server
+from specwire.target_service.__main__ import build_server as build_target_server
 from tests.servers import threaded_server
 
 

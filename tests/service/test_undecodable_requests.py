@@ -8,18 +8,18 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
-from config_service.__main__ import build_server as build_config_server
-from draft_service.__main__ import build_server as build_draft_server
 from specwire.common.v1 import common_pb2
 from specwire.config.v1 import config_service_pb2 as config_pb
 from specwire.config.v1 import config_service_pb2_grpc as config_grpc
+from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.draft.v1 import draft_service_pb2 as draft_pb
 from specwire.draft.v1 import draft_service_pb2_grpc as draft_grpc
+from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.models import load_model
 from specwire.target.v1 import target_service_pb2 as target_pb
 from specwire.target.v1 import target_service_pb2_grpc as target_grpc
+from specwire.target_service.__main__ import build_server as build_target_server
 from specwire.wire.generation_config import dict_to_proto
-from target_service.__main__ import build_server as build_target_server
 from tests.servers import threaded_server
 
 

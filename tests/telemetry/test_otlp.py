@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from client import TargetClient
-from draft_service.__main__ import build_server as build_draft_server
 from specwire import telemetry
-from target_service.__main__ import build_server as build_target_server
-from target_service.drafting import DraftPolicy
-from target_service.observability import REQUEST_SPAN, ROUND_SPAN
+from specwire.client import TargetClient
+from specwire.draft_service.__main__ import build_server as build_draft_server
+from specwire.target_service.__main__ import build_server as build_target_server
+from specwire.target_service.drafting import DraftPolicy
+from specwire.target_service.observability import REQUEST_SPAN, ROUND_SPAN
 from tests.otlp_sink import OtlpSink, attributes
 from tests.servers import threaded_server
 from tests.telemetry.conftest import PROMPT, telemetry_for_module

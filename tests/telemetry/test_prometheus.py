@@ -8,13 +8,13 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import TargetClient
-from client.cli import main as cli_main
-from client.stats import acceptance
-from draft_service.__main__ import build_server as build_draft_server
+from specwire.client import TargetClient
+from specwire.client.cli import main as cli_main
+from specwire.client.stats import acceptance
+from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.generation.config import GenerationConfig
-from target_service.__main__ import build_server as build_target_server
-from target_service.drafting import DraftPolicy
+from specwire.target_service.__main__ import build_server as build_target_server
+from specwire.target_service.drafting import DraftPolicy
 from tests.servers import threaded_server
 from tests.telemetry.conftest import BATCH, PROMPT, telemetry_for_module
 
@@ -173,7 +173,7 @@ def test_stats_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    from client.stats import plot
+    from specwire.client.stats import plot
 
     with pytest.raises(SystemExit, match=r"pip install -e '\.\[bench\]'"):
         plot(acceptance([EXPOSITION]), tmp_path / "x.png")

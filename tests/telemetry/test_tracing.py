@@ -11,13 +11,13 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from client import AsyncTargetClient, ConfigClient, TargetClient
-from config_service.__main__ import build_server as build_config_server
-from draft_service.__main__ import build_server as build_draft_server
 from specwire import telemetry
-from target_service.__main__ import build_server as build_target_server
-from target_service.drafting import DraftPolicy
-from target_service.observability import FALLBACK_EVENT, REQUEST_SPAN, ROUND_SPAN
+from specwire.client import AsyncTargetClient, ConfigClient, TargetClient
+from specwire.config_service.__main__ import build_server as build_config_server
+from specwire.draft_service.__main__ import build_server as build_draft_server
+from specwire.target_service.__main__ import build_server as build_target_server
+from specwire.target_service.drafting import DraftPolicy
+from specwire.target_service.observability import FALLBACK_EVENT, REQUEST_SPAN, ROUND_SPAN
 from tests.servers import free_port, threaded_server
 from tests.telemetry.conftest import BATCH, PROMPT, telemetry_for_module
 
@@ -256,7 +256,7 @@ def test_async_client_joins_the_trace(stack, spans):
 
 
 def test_errors_keep_their_codes_and_field_violations_when_traced(stack, spans):
-    from client.errors import SpecwireRpcError
+    from specwire.client.errors import SpecwireRpcError
 
     with TargetClient(stack.address) as client, pytest.raises(SpecwireRpcError) as raised:
         client.generate(PROMPT, max_new_tokens=4, temperature=-1.0, do_sample=True)

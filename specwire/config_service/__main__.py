@@ -9,9 +9,9 @@ import argparse
 import logging
 from pathlib import Path
 
-from config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_EXTRA_BYTES, ConfigServicer
-from config_service.storage import ConfigStore
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
+from specwire.config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_EXTRA_BYTES, ConfigServicer
+from specwire.config_service.storage import ConfigStore
 from specwire.paths import default_registry
 from specwire.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,

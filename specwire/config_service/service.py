@@ -14,10 +14,10 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from config_service.refs import ConfigRef, check_name, check_tag
-from config_service.storage import ConfigStore, StoredConfig, decode_page_token
 from specwire.config.v1 import config_service_pb2 as pb
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
+from specwire.config_service.refs import ConfigRef, check_name, check_tag
+from specwire.config_service.storage import ConfigStore, StoredConfig, decode_page_token
 from specwire.errors import FieldProblem, InvalidArgument, NotFound, Unavailable
 from specwire.generation.config import GenerationConfig, unknown_keys
 from specwire.pools import eager_thread_pool

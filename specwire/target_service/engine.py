@@ -1,7 +1,7 @@
 """Runs decoding jobs on the model, one step at a time, off the event loop.
 
 With `scheduler="batched"` (the default), requests the slot cache can serve go to `BatchScheduler`
-(`target_service/scheduler.py`): one packed forward per step for all of them. The rest (the
+(`specwire/target_service/scheduler.py`): one packed forward per step for all of them. The rest (the
 sequential lane: no cache, classifier-free guidance, over-long or over-wide requests) and every
 request with `scheduler="sequential"` take the one-request-per-step path below.
 
@@ -40,9 +40,9 @@ from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.speculative_loop import iter_speculative
 from specwire.model_thread import is_device_error, model_executor
 from specwire.models import LoadedModel
-from target_service.drafting import DraftPolicy
-from target_service.requests import GenerationJob
-from target_service.scheduler import SCHEDULERS, BatchScheduler, SchedulerOptions
+from specwire.target_service.drafting import DraftPolicy
+from specwire.target_service.requests import GenerationJob
+from specwire.target_service.scheduler import SCHEDULERS, BatchScheduler, SchedulerOptions
 
 log = logging.getLogger("specwire.target_service.engine")
 
@@ -56,7 +56,7 @@ class Engine:
         loaded (`LoadedModel`): the model, tokenizer and the model's generation config.
         drafting (`DraftPolicy`, *optional*): speculation settings.
         scheduler (`str`, defaults to `"batched"`): `"batched"` (shared packed forwards, see
-            `target_service.scheduler`) or `"sequential"` (one request per forward).
+            `specwire.target_service.scheduler`) or `"sequential"` (one request per forward).
         scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
         stuck_after_s (`float`, defaults to 60.0): seconds the model may make no progress while work
             waits before the engine reports itself stuck (`problem`).

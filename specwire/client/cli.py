@@ -92,7 +92,7 @@ def _print_record(record, as_json: bool = False) -> None:
 
 
 def _config_command(args) -> int:
-    from client import ConfigClient
+    from specwire.client import ConfigClient
 
     with ConfigClient(args.address, timeout=args.timeout or None) as client:
         cmd = args.config_command
@@ -144,7 +144,7 @@ def _config_command(args) -> int:
 
 
 def _generate_command(args) -> int:
-    from client import SpecwireRpcError, TargetClient
+    from specwire.client import SpecwireRpcError, TargetClient
 
     if not args.prompt:
         raise UsageError('give a prompt, e.g. specwire generate "Hello" (several prompts make a batch)')
@@ -272,7 +272,7 @@ class ServiceFailed(Exception):
 
 
 def _wait_healthy(address: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
-    from client.health import NotHealthy, wait_healthy
+    from specwire.client.health import NotHealthy, wait_healthy
 
     try:
         wait_healthy(address, timeout=timeout, process=process)
@@ -335,7 +335,7 @@ class LocalStack:
         # SPECWIRE_PROMETHEUS_PORT goes to the target only (its speculation metrics): servers can't share a port.
         self._start(
             "config-service",
-            ["config_service", "--host", a.host, "--port", str(a.config_port), "--db", a.db, *log],
+            ["specwire.config_service", "--host", a.host, "--port", str(a.config_port), "--db", a.db, *log],
             drop=("SPECWIRE_PROMETHEUS_PORT",),
         )
         draft_model = [] if a.draft_model == "none" else ["--model", a.draft_model]
@@ -346,7 +346,7 @@ class LocalStack:
         )
         self._start(
             "draft-service",
-            ["draft_service", "--host", a.host, "--port", str(a.draft_port), *draft_model, *log],
+            ["specwire.draft_service", "--host", a.host, "--port", str(a.draft_port), *draft_model, *log],
             drop=("SPECWIRE_PROMETHEUS_PORT",),
         )
         print(
@@ -356,7 +356,7 @@ class LocalStack:
         self._start(
             "target-service",
             [
-                "target_service",
+                "specwire.target_service",
                 "--host",
                 a.host,
                 "--port",
@@ -427,7 +427,7 @@ def _serve_command(args) -> int:
 
 
 def _health_command(args) -> int:
-    from client.health import NotHealthy, wait_healthy
+    from specwire.client.health import NotHealthy, wait_healthy
 
     failed = 0
     for name, address in (
@@ -447,7 +447,7 @@ def _health_command(args) -> int:
 
 
 def _demo_command(args) -> int:
-    from client import ConfigClient, TargetClient
+    from specwire.client import ConfigClient, TargetClient
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.db is None:
@@ -645,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(cfg_sub, "export", help="print a version as generation_config.json")
     p.add_argument("ref")
 
-    from client.stats import add_parser as add_stats_parser
+    from specwire.client.stats import add_parser as add_stats_parser
 
     add_stats_parser(sub)
     return parser
@@ -680,13 +680,13 @@ def _print_rpc_error(exc) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from client.errors import SpecwireRpcError
+    from specwire.client.errors import SpecwireRpcError
     from specwire.telemetry import get_tracer, setup_telemetry
     from specwire.wire.generation_config import WireFormatError
 
     try:
         if args.command == "stats":
-            from client.stats import stats_command
+            from specwire.client.stats import stats_command
 
             return stats_command(args)
         # OTEL_* tracing of the client's calls; the scrape port is for servers, not for the CLI.

@@ -17,17 +17,17 @@ from specwire.models import LoadedModel
 from specwire.serving import handles_errors
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
+from specwire.target_service.admission import PreparationPool
+from specwire.target_service.config_resolver import ConfigResolver
+from specwire.target_service.drafting import PROPOSER_NAMES, DraftPolicy
+from specwire.target_service.engine import Engine
+from specwire.target_service.limits import DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
+from specwire.target_service.observability import RequestObserver, SpecDecodeMetrics
+from specwire.target_service.requests import GenerationJob, build_job
+from specwire.target_service.scheduler import SchedulerOptions
 from specwire.wire.common import FINISH_REASONS, violation_to_proto
 from specwire.wire.generation_config import config_to_proto
 from specwire.wire.tensors import tensor_to_proto
-from target_service.admission import PreparationPool
-from target_service.config_resolver import ConfigResolver
-from target_service.drafting import PROPOSER_NAMES, DraftPolicy
-from target_service.engine import Engine
-from target_service.limits import DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
-from target_service.observability import RequestObserver, SpecDecodeMetrics
-from target_service.requests import GenerationJob, build_job
-from target_service.scheduler import SchedulerOptions
 
 log = logging.getLogger("specwire.target_service")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from client.errors import Violation, raises_rpc_errors
+from specwire.client.errors import Violation, raises_rpc_errors
 from specwire.config.v1 import config_service_pb2 as pb
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.config.v1 import generation_config_pb2

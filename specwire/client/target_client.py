@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import torch
 
-from client.config_client import config_to_wire
-from client.errors import SpecwireRpcError, Violation, raises_rpc_errors
+from specwire.client.config_client import config_to_wire
+from specwire.client.errors import SpecwireRpcError, Violation, raises_rpc_errors
 from specwire.common.v1 import common_pb2
 from specwire.generation.outputs import compute_transition_scores as _compute_transition_scores
 from specwire.security import DEFAULT_CLIENT_MAX_MESSAGE_BYTES, secure_channel

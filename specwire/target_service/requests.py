@@ -18,10 +18,10 @@ from specwire.generation.config import GenerationConfig, field_suggestion, merge
 from specwire.generation.speculative_loop import SpeculationStats
 from specwire.models import LoadedModel
 from specwire.target.v1 import target_service_pb2 as pb
+from specwire.target_service.admission import PreparationPool
+from specwire.target_service.config_resolver import ConfigResolver, ResolvedConfig
+from specwire.target_service.limits import RequestLimits, check_config, check_job, check_prompts
 from specwire.wire.generation_config import WireFormatError, config_from_proto
-from target_service.admission import PreparationPool
-from target_service.config_resolver import ConfigResolver, ResolvedConfig
-from target_service.limits import RequestLimits, check_config, check_job, check_prompts
 
 # Drafting methods that need the target's hidden states every round: not servable by a separate
 # draft service, and not implemented in-process either.

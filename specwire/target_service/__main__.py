@@ -21,13 +21,13 @@ from specwire.serving import (
     setup_logging,
 )
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
+from specwire.target_service.admission import DEFAULT_MAX_PREPARING, DEFAULT_PREPARE_WORKERS, PreparationPool
+from specwire.target_service.config_resolver import ConfigResolver
+from specwire.target_service.drafting import DraftPolicy
+from specwire.target_service.limits import RequestLimits, default_output_bytes
+from specwire.target_service.scheduler import SCHEDULERS, SchedulerOptions
+from specwire.target_service.service import TargetServicer
 from specwire.telemetry import setup_telemetry
-from target_service.admission import DEFAULT_MAX_PREPARING, DEFAULT_PREPARE_WORKERS, PreparationPool
-from target_service.config_resolver import ConfigResolver
-from target_service.drafting import DraftPolicy
-from target_service.limits import RequestLimits, default_output_bytes
-from target_service.scheduler import SCHEDULERS, SchedulerOptions
-from target_service.service import TargetServicer
 
 SERVICE_NAME = "specwire.target.v1.TargetService"
 # The scheduler when none is given; SPECWIRE_TARGET_SCHEDULER overrides it (deployments, and running
@@ -57,9 +57,9 @@ def build_server(
     """A ready-to-start target server over an already loaded model.
 
     `scheduler` is `"sequential"` (one request per forward) or `"batched"` (requests share forwards;
-    `scheduler_options` sets its limits), see `target_service.scheduler`. `limits` caps what one
+    `scheduler_options` sets its limits), see `specwire.target_service.scheduler`. `limits` caps what one
     request may ask (default `RequestLimits.for_model`, its output budget fitted to
-    `max_message_bytes`); `pool` prepares requests off the event loop (see `target_service.admission`).
+    `max_message_bytes`); `pool` prepares requests off the event loop (see `specwire.target_service.admission`).
     Health follows the engine's liveness (`stuck_after`: seconds without progress while work waits
     before it counts as stuck).
     """
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    """The per-request limits (`target_service.limits`), message size, RPC and preparation caps."""
+    """The per-request limits (`specwire.target_service.limits`), message size, RPC and preparation caps."""
     limits = parser.add_argument_group("request limits (refused with INVALID_ARGUMENT before any model work)")
     defaults = RequestLimits(max_model_len=2)
     limits.add_argument(
