@@ -62,8 +62,7 @@ def _watermark_processor(watermarking_config: Any, vocab_size: int) -> Watermark
         fields = {k: getattr(watermarking_config, k) for k in vars(watermarking_config)}
     if "ngram_len" in fields or "keys" in fields:
         raise ValueError(
-            "SynthID text watermarking (`watermarking_config` with `ngram_len`/`keys`) is not supported; "
-            "use the "
+            "SynthID text watermarking (`watermarking_config` with `ngram_len`/`keys`) is not supported; use the "
             "green-list watermark: {'greenlist_ratio': 0.25, 'bias': 2.0, 'seeding_scheme': 'lefthash'}."
         )
     unknown = sorted(set(fields) - set(_WATERMARK_DEFAULTS))
