@@ -113,7 +113,8 @@ def tensor_scalars(value: Any, *, as_long: bool = False) -> list[Any] | None:
 
 
 def tensor_dtype(scalars: list[Any]) -> str:
-    # torch's inferred dtype: float if any float (and for an empty list), bool if all bools, else int64.
+    """torch's inferred dtype of these scalars: float if any float (and for an empty list), bool if all bools,
+    else int64."""
     if not scalars or any(isinstance(s, float) for s in scalars):
         return "float"
     if all(isinstance(s, bool) for s in scalars):
