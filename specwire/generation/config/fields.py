@@ -122,7 +122,7 @@ class GenerationConfig:
     # Parameters that control the cache
     use_cache: bool | None = None
     cache_implementation: str | None = None
-    cache_config: dict | None = None
+    cache_config: dict[str, Any] | None = None
     max_cache_len: int | None = None
 
     # Parameters for manipulation of the model output logits
@@ -143,13 +143,13 @@ class GenerationConfig:
     forced_bos_token_id: int | None = None
     forced_eos_token_id: int | list[int] | None = None
     remove_invalid_values: bool | None = None
-    exponential_decay_length_penalty: tuple[int, float] | list | None = None
+    exponential_decay_length_penalty: tuple[int, float] | list[Any] | None = None
     suppress_tokens: list[int] | None = None
     begin_suppress_tokens: list[int] | None = None
-    sequence_bias: list | dict | None = None
+    sequence_bias: list[Any] | dict[Any, Any] | None = None
     token_healing: bool | None = None
     guidance_scale: float | None = None
-    watermarking_config: dict | None = None
+    watermarking_config: dict[str, Any] | None = None
 
     # Parameters that define the output variables of `generate`
     num_return_sequences: int | None = None
@@ -182,12 +182,12 @@ class GenerationConfig:
     speculation_type: str | None = None
 
     # Performance
-    compile_config: dict | None = None
+    compile_config: dict[str, Any] | None = None
     disable_compile: bool | None = None
     prefill_chunk_size: int | None = None
 
     # Deprecated: continuous batching settings (transformers 5.13 moved them out of GenerationConfig)
-    continuous_batching_config: dict | None = None
+    continuous_batching_config: dict[str, Any] | None = None
 
     # Deprecated: v4.56 modes moved to the Hub in v5 (contrastive search, DoLa, group and constrained beam
     # search)
@@ -196,8 +196,8 @@ class GenerationConfig:
     dola_layers: str | list[int] | None = None
     diversity_penalty: float | None = None
     num_beam_groups: int | None = None
-    constraints: list[dict] | None = None
-    force_words_ids: list | None = None
+    constraints: list[dict[str, Any]] | None = None
+    force_words_ids: list[Any] | None = None
 
     # specwire extension (not a transformers field): seed of this request's sampling generator
     seed: int | None = None

@@ -182,8 +182,9 @@ def check_warpers(r: Recorder, e: Effective) -> None:
             r.error(name, value, f"`{name}` (={value!r}) has to be a float in (0, 1) (0.0 disables it).")
 
 
-def check_watermark_processor(r: Recorder, wm: dict) -> None:
+def check_watermark_processor(r: Recorder, wm: dict[str, Any]) -> None:
     """What the watermarking processor's constructor refuses (the dict's keys were checked before)."""
+    checks: tuple[tuple[bool, str], ...]
     if watermark_kind(wm) == "synthid":
         full = {**SYNTHID_DEFAULTS, **wm}
         keys = tensor_scalars(full["keys"])

@@ -25,7 +25,7 @@ from specwire.generation.config.fields import FIELD_NAMES, GenerationConfig
 from specwire.generation.config.generate_rules import check_generate
 from specwire.generation.config.modes import REMOVED_MODE_FIELDS, REMOVED_MODE_NAMES
 from specwire.generation.config.serialization import is_synthid_watermark
-from specwire.generation.config.value_types import is_int, is_number
+from specwire.generation.config.value_types import is_int
 from specwire.generation.config.violations import Recorder, Violation, errors
 
 __all__ = ["check_runnable", "field_suggestion", "raise_for_errors", "unknown_keys", "validate"]
@@ -148,7 +148,8 @@ def refuse_unsupported_modes(config: GenerationConfig) -> None:
             f"custom_generate recipe, and specwire does not run those; unset {field}",
             getattr(config, field),
         )
-    if config.low_memory and is_number(config.num_beams) and config.num_beams > 1:
+    beams = config.num_beams
+    if config.low_memory and isinstance(beams, (int, float)) and beams > 1:
         raise UnsupportedModeError(
             "low_memory",
             "sequential (low_memory) beam search was removed in transformers 5; unset low_memory",

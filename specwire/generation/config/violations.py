@@ -88,6 +88,8 @@ class Effective:
             The config as given.
     """
 
+    cache_implementation: Any  # read below; every other field is set the same way
+
     def __init__(self, config: GenerationConfig):
         for name in FIELD_NAMES:
             value = getattr(config, name)
