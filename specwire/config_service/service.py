@@ -19,7 +19,7 @@ from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.config_service.refs import ConfigRef, check_name, check_tag
 from specwire.config_service.storage import ConfigStore, StoredConfig, decode_page_token
 from specwire.errors import FieldProblem, InvalidArgument, NotFound, Unavailable
-from specwire.generation.config import GenerationConfig, unknown_keys
+from specwire.generation.config import GenerationConfig, raise_for_errors, unknown_keys
 from specwire.pools import eager_thread_pool
 from specwire.serving import handles_errors
 from specwire.wire.common import violation_to_proto
@@ -62,11 +62,7 @@ def checked_config(
 ) -> list[dict[str, Any]]:
     """Validate; raise INVALID_ARGUMENT on errors, return the warnings as storable dicts."""
     violations = config_violations(config, strict, allow_custom)
-    errors = [v for v in violations if v.severity == "error"]
-    if errors:
-        problems = [FieldProblem(f"{field}.{v.field}", v.value, v.message) for v in errors]
-        summary = "; ".join(f"{p.field}={p.value!r}: {p.message}" for p in problems)
-        raise InvalidArgument(f"invalid GenerationConfig: {summary}", problems)
+    raise_for_errors(violations, field_prefix=f"{field}.", summary="invalid GenerationConfig")
     return [
         {"field": f"{field}.{v.field}", "value": v.value, "message": v.message, "severity": "warning"}
         for v in violations

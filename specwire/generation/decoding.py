@@ -21,9 +21,9 @@ Cancellation is the caller closing or abandoning the generator: no work runs pas
 
 Semantics follow transformers 5.23's `generate()` for decoder-only models, in this order:
 
-1. Refuse the modes transformers 5 dropped (group/constrained beam search, contrastive search, DoLa)
-   and the ones specwire does not run (token healing, SynthID watermarking) with
-   `UnsupportedModeError` naming the field; refuse token ids past the model's vocabulary.
+1. Refuse (`config.check_runnable`) the modes transformers 5 dropped (group/constrained beam search,
+   contrastive search, DoLa) and the ones specwire does not run (token healing, SynthID watermarking)
+   with `UnsupportedModeError` naming the field; refuse token ids past the model's vocabulary.
 2. Apply the global defaults to unset fields (`max_length=20`, `top_k=50`, ...; the config passed in
    is already merged request > model `generation_config.json`).
 3. Special tokens: `eos_token_id` becomes a list; `pad_token_id` defaults to `eos[0]`.
@@ -57,10 +57,9 @@ from typing import Any
 
 import torch
 
-from specwire.errors import FieldProblem
 from specwire.generation.argument_errors import InvalidGenerationArgument, UnsupportedModeError
 from specwire.generation.beam_search import BeamSearch
-from specwire.generation.config import GenerationMode, errors, is_synthid_watermark
+from specwire.generation.config import check_runnable
 from specwire.generation.outputs import (
     FINISH_EOS,
     FINISH_LENGTH,
@@ -409,107 +408,6 @@ def _as_id_list(value: Any) -> list[int] | None:
     return [int(value)]
 
 
-# The field that selects each mode transformers 5 moved to Hub `custom_generate` recipes.
-_REMOVED_MODE_FIELDS = {
-    GenerationMode.CONSTRAINED_BEAM_SEARCH: ("constraints", "force_words_ids"),
-    GenerationMode.GROUP_BEAM_SEARCH: ("num_beam_groups",),
-    GenerationMode.CONTRASTIVE_SEARCH: ("penalty_alpha",),
-    GenerationMode.DOLA_GENERATION: ("dola_layers",),
-}
-_REMOVED_MODE_NAMES = {
-    GenerationMode.CONSTRAINED_BEAM_SEARCH: "constrained beam search",
-    GenerationMode.GROUP_BEAM_SEARCH: "group (diverse) beam search",
-    GenerationMode.CONTRASTIVE_SEARCH: "contrastive search",
-    GenerationMode.DOLA_GENERATION: "DoLa decoding",
-}
-
-
-def _check_mode(config: Any) -> None:
-    """Refuses the decoding modes transformers 5 removed from `generate()` (now Hub recipes).
-
-    `config` has the global defaults applied (contrastive search depends on the default `top_k=50`).
-    """
-    mode = config.get_generation_mode()
-    if mode in _REMOVED_MODE_FIELDS:
-        field = next(
-            (name for name in _REMOVED_MODE_FIELDS[mode] if getattr(config, name) is not None),
-            _REMOVED_MODE_FIELDS[mode][0],
-        )
-        raise UnsupportedModeError(
-            field,
-            f"{_REMOVED_MODE_NAMES[mode]} is not supported: transformers 5 moved it out of generate() to a "
-            f"Hub custom_generate recipe, and specwire does not run those; unset {field}",
-            getattr(config, field),
-        )
-    if (config.num_beams or 1) > 1 and config.low_memory:
-        raise UnsupportedModeError(
-            "low_memory",
-            "sequential (low_memory) beam search was removed in transformers 5; unset low_memory",
-            config.low_memory,
-        )
-    if config.token_healing:
-        raise UnsupportedModeError(
-            "token_healing",
-            "token healing is not supported by specwire; unset token_healing",
-            config.token_healing,
-        )
-    if is_synthid_watermark(config.watermarking_config):
-        # Refused here, with the other unserved modes, so that every caller (target service, library,
-        # scheduler routing) answers before any forward pass instead of failing in the processor factory.
-        raise UnsupportedModeError(
-            "watermarking_config",
-            "SynthID text watermarking (a watermarking_config with ngram_len/keys) is not supported by "
-            "specwire; unset watermarking_config, or use the green-list watermark, e.g. "
-            "{'greenlist_ratio': 0.25, 'bias': 2.0, 'seeding_scheme': 'lefthash'}",
-            config.watermarking_config,
-        )
-
-
-def _check_config(config: Any) -> None:
-    """Raises on what transformers' `generate()` refuses from the config alone (`config.validate()`)."""
-    problems = errors(config.validate())
-    if not problems:
-        return
-    if len(problems) == 1:
-        raise InvalidGenerationArgument.for_field(problems[0].field, problems[0].value, problems[0].message)
-    raise InvalidGenerationArgument(
-        "; ".join(f"{p.field}={p.value!r}: {p.message}" for p in problems),
-        [FieldProblem(p.field, p.value, p.message) for p in problems],
-    )
-
-
-def _check_values(config: Any) -> None:
-    """The config checks of transformers' `GenerationConfig.validate` that decide the loop's shape."""
-    num_beams, nrs = config.num_beams, config.num_return_sequences
-    if not isinstance(num_beams, int) or num_beams < 1:
-        raise InvalidGenerationArgument.for_field("num_beams", num_beams, "num_beams must be a positive integer")
-    if not isinstance(nrs, int) or nrs < 1:
-        raise InvalidGenerationArgument.for_field(
-            "num_return_sequences", nrs, "num_return_sequences must be a positive integer"
-        )
-    if nrs > 1 and num_beams == 1 and not config.do_sample:
-        raise InvalidGenerationArgument.for_field(
-            "num_return_sequences",
-            nrs,
-            "greedy decoding (do_sample != True, num_beams == 1) returns one sequence per prompt; "
-            "set do_sample=True or num_beams >= num_return_sequences",
-        )
-    if num_beams > 1 and nrs > num_beams:
-        raise InvalidGenerationArgument.for_field(
-            "num_return_sequences",
-            nrs,
-            f"num_return_sequences ({nrs}) has to be smaller or equal to num_beams ({num_beams})",
-        )
-    if config.early_stopping not in (True, False, "never"):
-        raise InvalidGenerationArgument.for_field(
-            "early_stopping", config.early_stopping, "early_stopping must be true, false or 'never'"
-        )
-    if config.max_new_tokens is not None and config.max_new_tokens <= 0:
-        raise InvalidGenerationArgument.for_field(
-            "max_new_tokens", config.max_new_tokens, "max_new_tokens must be greater than 0"
-        )
-
-
 # Config fields holding token ids that the loop indexes the scores or the embedding with. An id past
 # the model's vocabulary is refused up front, naming the field: transformers fails later, inside the
 # loop ("The model vocabulary size is ..." at the first processor call, or an index error).
@@ -642,11 +540,7 @@ def prepare_generation(
     # Whether a max_length was set anywhere (request or model config) decides the "20 new tokens" rule, so
     # it must be read before the global default (max_length=20) fills the field.
     has_default_max_length = config.max_length is None
-    resolved = config.with_defaults()
-    _check_mode(resolved)
-    _check_config(config)
-    config = resolved
-    _check_values(config)
+    config = check_runnable(config)
     rows = input_ids.shape[0] * max(int(config.num_beams), int(config.num_return_sequences))
     check_token_ids(config, model_limits(model)[0], input_ids, rows)
 

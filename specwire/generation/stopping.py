@@ -559,9 +559,8 @@ def build_stopping_criteria(
     if stop_strings is not None:
         if tokenizer is None:
             raise ValueError(
-                "`stop_strings` is set but no tokenizer was given; stop strings are matched on decoded "
-                "tokens, so "
-                "pass the model's tokenizer (or drop `stop_strings`)."
+                "`stop_strings` is set but no tokenizer was given; stop strings are matched on decoded tokens, so pass "
+                "the model's tokenizer (or drop `stop_strings`)."
             )
         criteria.append(StopStringCriteria(tokenizer, stop_strings))
     if eos_token_ids is not None:

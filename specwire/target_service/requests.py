@@ -14,7 +14,14 @@ from typing import Any
 import torch
 
 from specwire.errors import FieldProblem, InvalidArgument, Unimplemented
-from specwire.generation.config import GenerationConfig, field_suggestion, merge, unknown_keys
+from specwire.generation.config import (
+    UNSERVED_FIELDS,
+    GenerationConfig,
+    field_suggestion,
+    merge,
+    raise_for_errors,
+    unknown_keys,
+)
 from specwire.generation.speculative_loop import SpeculationStats
 from specwire.models import LoadedModel
 from specwire.target.v1 import target_service_pb2 as pb
@@ -22,10 +29,6 @@ from specwire.target_service.admission import PreparationPool
 from specwire.target_service.config_resolver import ConfigResolver, ResolvedConfig
 from specwire.target_service.limits import RequestLimits, check_config, check_job, check_prompts
 from specwire.wire.generation_config import WireFormatError, config_from_proto
-
-# Drafting methods that need the target's hidden states every round: not servable by a separate
-# draft service, and not implemented in-process either.
-UNSERVED_FIELDS = ("use_mtp", "assistant_early_exit", "speculation_type")
 
 
 @dataclass
@@ -95,14 +98,10 @@ def effective_config(
     if limits is not None:
         check_config(merged, limits)  # before validation: its cost grows with the lists it checks
     violations = merged.validate()
-    errors = [
-        FieldProblem(f"config.{v.field}", v.value, v.message) for v in violations if v.severity == "error"
-    ]
-    if errors:
-        summary = "; ".join(f"{p.field}={p.value!r}: {p.message}" for p in errors)
-        raise InvalidArgument(f"invalid generation config: {summary}", errors)
+    raise_for_errors(violations, field_prefix="config.", summary="invalid generation config")
     # Modes transformers 5 removed (group/constrained beams, contrastive, DoLa) are refused by the
-    # decoding loop itself with UNIMPLEMENTED, naming the field.
+    # decoding loop itself with UNIMPLEMENTED, naming the field; the drafting methods of UNSERVED_FIELDS
+    # need the target's hidden states every round, which a separate draft service cannot have.
     for name in UNSERVED_FIELDS:
         if getattr(merged, name) not in (None, False):
             raise Unimplemented(

@@ -37,13 +37,14 @@ import torch
 
 from specwire.generation.config import (
     DEPRECATED_FIELDS,
+    REMOVED_MODE_FIELDS,
     GenerationConfig,
     errors,
     merge,
 )
 
 PROMPT = [[1, 5, 6]]
-_REMOVED_MODE_FIELDS = ("constraints", "force_words_ids", "penalty_alpha", "dola_layers", "num_beam_groups")
+_REMOVED_MODE_FIELDS = tuple(name for names in REMOVED_MODE_FIELDS.values() for name in names)
 _SYNTHID_KEYS = {
     "ngram_len",
     "keys",

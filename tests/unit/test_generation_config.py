@@ -13,15 +13,22 @@ import pytest
 import transformers
 
 from specwire.generation import config as config_module
+from specwire.generation.argument_errors import InvalidGenerationArgument, UnsupportedModeError
 from specwire.generation.config import (
     DEFAULT_GENERATION_PARAMS,
     DEPRECATED_FIELDS,
     FIELD_NAMES,
+    FIELD_TYPES,
+    MODE_FIELDS,
+    REMOVED_MODE_FIELDS,
+    UNSERVED_FIELDS,
     GenerationConfig,
     GenerationMode,
     Violation,
+    check_runnable,
     errors,
     merge,
+    raise_for_errors,
 )
 
 V456_FIELDS = {
@@ -480,6 +487,58 @@ def test_errors_helper_filters_by_severity():
     found = GenerationConfig(do_sample=True, top_k=-1, length_penalty=2.0).validate()
     assert [v.severity for v in found] == ["warning", "error"]
     assert errors(found) == [found[1]]
+
+
+def test_mode_table_is_the_one_list_of_removed_deprecated_and_unserved_fields():
+    assert set(DEPRECATED_FIELDS) | set(UNSERVED_FIELDS) == {row.field for row in MODE_FIELDS}
+    assert not set(DEPRECATED_FIELDS) & set(UNSERVED_FIELDS)
+    # Each field the table ties to a removed mode selects that mode under transformers' rules.
+    selecting = {
+        "penalty_alpha": {"penalty_alpha": 0.6, "top_k": 4},
+        "dola_layers": {"dola_layers": "high"},
+        "num_beam_groups": {"num_beam_groups": 2, "num_beams": 4},
+        "constraints": {"constraints": [{"type": "phrasal", "token_ids": [5]}]},
+        "force_words_ids": {"force_words_ids": [[5]]},
+    }
+    tied = {name: mode for mode, names in REMOVED_MODE_FIELDS.items() for name in names}
+    assert set(tied) == set(selecting)
+    for name, data in selecting.items():
+        assert transformers.GenerationConfig(**data).get_generation_mode().value == tied[name].value
+
+
+def test_field_types_come_from_the_annotations():
+    assert set(FIELD_TYPES) == set(FIELD_NAMES)
+    assert FIELD_TYPES["temperature"] == (int, float)  # a float field takes ints too
+    assert FIELD_TYPES["num_beams"] == (int,)
+    assert FIELD_TYPES["eos_token_id"] == (int, list)
+    assert FIELD_TYPES["stop_strings"] == (str, list)
+    assert FIELD_TYPES["exponential_decay_length_penalty"] == (tuple, list)
+
+
+def test_raise_for_errors_lists_every_error_and_ignores_warnings():
+    found = GenerationConfig(do_sample=True, top_k=-1, temperature=0.0, length_penalty=2.0).validate()
+    with pytest.raises(InvalidGenerationArgument) as caught:
+        raise_for_errors(found, field_prefix="config.", summary="invalid generation config")
+    error = caught.value
+    assert isinstance(error, ValueError) and error.code == "INVALID_ARGUMENT"
+    assert [p.field for p in error.violations] == ["config.temperature", "config.top_k"]
+    assert error.message.startswith("invalid generation config: config.temperature=0.0: `temperature` (=0.0)")
+    assert "config.top_k=-1: `top_k` (=-1) has to be a strictly positive integer" in error.message
+    raise_for_errors([v for v in found if v.severity == "warning"])  # warnings alone raise nothing
+
+
+def test_check_runnable_refuses_what_the_decoding_loop_cannot_run():
+    with pytest.raises(UnsupportedModeError) as caught:
+        check_runnable(GenerationConfig(penalty_alpha=0.6))  # contrastive search with the default top_k=50
+    assert caught.value.field == "penalty_alpha" and caught.value.code == "UNIMPLEMENTED"
+    with pytest.raises(InvalidGenerationArgument, match="temperature"):
+        check_runnable(GenerationConfig(do_sample=True, temperature=0.0))
+    # transformers runs no return sequences without beams (one row per prompt); the loop refuses it.
+    assert errors(GenerationConfig(num_return_sequences=0).validate()) == []
+    with pytest.raises(InvalidGenerationArgument, match=r"`num_return_sequences` \(=0\) must be a positive integer"):
+        check_runnable(GenerationConfig(num_return_sequences=0))
+    resolved = check_runnable(GenerationConfig(do_sample=True, temperature=0.5))
+    assert (resolved.temperature, resolved.top_k, resolved.max_length) == (0.5, 50, 20)
 
 
 # ----------------------------------------------------------------------------------------------------

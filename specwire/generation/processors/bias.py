@@ -25,16 +25,14 @@ def _normalise_sequence_bias(sequence_bias: Any) -> dict[tuple[int, ...], float]
     example = "e.g. {(42,): -5.0, (10, 11): 2.0} or [[[42], -5.0], [[10, 11], 2.0]]"
     if not isinstance(sequence_bias, (dict, list)) or len(sequence_bias) == 0:
         raise ValueError(
-            f"`sequence_bias` has to be a non-empty dict or list of pairs ({example}), "
-            f"but is {sequence_bias!r}."
+            f"`sequence_bias` has to be a non-empty dict or list of pairs ({example}), but is {sequence_bias!r}."
         )
     pairs = sequence_bias.items() if isinstance(sequence_bias, dict) else sequence_bias
     result: dict[tuple[int, ...], float] = {}
     for pair in pairs:
         if isinstance(sequence_bias, list) and (not isinstance(pair, (list, tuple)) or len(pair) != 2):
             raise ValueError(
-                f"Each element of `sequence_bias` has to be a pair [token_ids, bias] ({example}), "
-                f"got {pair!r}."
+                f"Each element of `sequence_bias` has to be a pair [token_ids, bias] ({example}), got {pair!r}."
             )
         ids, bias = pair
         if isinstance(sequence_bias, dict) and not isinstance(ids, tuple):
@@ -43,15 +41,13 @@ def _normalise_sequence_bias(sequence_bias: Any) -> dict[tuple[int, ...], float]
             )
         if not _is_id_sequence(ids):
             raise ValueError(
-                f"Each token sequence in `sequence_bias` has to be a non-empty sequence of non-negative ints "
-                f"({example}), "
-                f"got {ids!r}."
+                "Each token sequence in `sequence_bias` has to be a non-empty sequence of non-negative ints "
+                f"({example}), got {ids!r}."
             )
         # transformers insists on floats (an int bias is rejected); so do we, so configs port both ways.
         if isinstance(bias, bool) or not isinstance(bias, float):
             raise ValueError(
-                f"Each bias in `sequence_bias` has to be a float (write 2.0, not 2), "
-                f"got {bias!r} for {ids!r}."
+                f"Each bias in `sequence_bias` has to be a float (write 2.0, not 2), got {bias!r} for {ids!r}."
             )
         result[tuple(int(t) for t in ids)] = bias
     return result
@@ -144,8 +140,7 @@ class NoBadWordsLogitsProcessor(SequenceBiasLogitsProcessor):
     ):
         if not isinstance(bad_words_ids, list) or len(bad_words_ids) == 0:
             raise ValueError(
-                "`bad_words_ids` has to be a non-empty list of token-id lists, e.g. [[42], [10, 11]], "
-                "but is "
+                "`bad_words_ids` has to be a non-empty list of token-id lists, e.g. [[42], [10, 11]], but is "
                 f"{bad_words_ids!r}."
             )
         for entry in bad_words_ids:
@@ -153,8 +148,7 @@ class NoBadWordsLogitsProcessor(SequenceBiasLogitsProcessor):
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in entry
             ):
                 raise ValueError(
-                    "Each entry of `bad_words_ids` has to be a list of non-negative token ids, "
-                    "e.g. [[42], [10, 11]], "
+                    "Each entry of `bad_words_ids` has to be a list of non-negative token ids, e.g. [[42], [10, 11]], "
                     f"but got {entry!r}."
                 )
         self.bad_words_ids = bad_words_ids
@@ -164,8 +158,7 @@ class NoBadWordsLogitsProcessor(SequenceBiasLogitsProcessor):
             kept = [entry for entry in bad_words_ids if not (len(entry) == 1 and entry[0] in eos)]
         if not kept:
             raise ValueError(
-                f"`bad_words_ids` ({bad_words_ids!r}) only lists end-of-sequence tokens, which can't be "
-                "banned on their "
-                "own; use `min_new_tokens` / `min_length` to delay EOS instead."
+                f"`bad_words_ids` ({bad_words_ids!r}) only lists end-of-sequence tokens, which can't be banned on "
+                "their own; use `min_new_tokens` / `min_length` to delay EOS instead."
             )
         super().__init__({tuple(int(t) for t in entry): float("-inf") for entry in kept})

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from specwire.generation.argument_errors import InvalidGenerationArgument
+from specwire.generation.config.serialization import WATERMARK_DEFAULTS
 
 from .base import LogitsProcessorList, token_id_list
 from .bias import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
@@ -40,14 +41,6 @@ from .warpers import (
 )
 from .watermark import WatermarkLogitsProcessor
 
-_WATERMARK_DEFAULTS = {
-    "greenlist_ratio": 0.25,
-    "bias": 2.0,
-    "hashing_key": 15485863,
-    "seeding_scheme": "lefthash",
-    "context_width": 1,
-}
-
 
 def _field(config: Any, name: str) -> Any:
     # `config` is our GenerationConfig (every field present, None when unset) or any object with the
@@ -62,16 +55,15 @@ def _watermark_processor(watermarking_config: Any, vocab_size: int) -> Watermark
         fields = {k: getattr(watermarking_config, k) for k in vars(watermarking_config)}
     if "ngram_len" in fields or "keys" in fields:
         raise ValueError(
-            "SynthID text watermarking (`watermarking_config` with `ngram_len`/`keys`) is not supported; "
-            "use the "
+            "SynthID text watermarking (`watermarking_config` with `ngram_len`/`keys`) is not supported; use the "
             "green-list watermark: {'greenlist_ratio': 0.25, 'bias': 2.0, 'seeding_scheme': 'lefthash'}."
         )
-    unknown = sorted(set(fields) - set(_WATERMARK_DEFAULTS))
+    unknown = sorted(set(fields) - set(WATERMARK_DEFAULTS))
     if unknown:
         raise ValueError(
-            f"Unknown `watermarking_config` keys {unknown}; allowed keys are {sorted(_WATERMARK_DEFAULTS)}."
+            f"Unknown `watermarking_config` keys {unknown}; allowed keys are {sorted(WATERMARK_DEFAULTS)}."
         )
-    params = {**_WATERMARK_DEFAULTS, **{k: v for k, v in fields.items() if v is not None}}
+    params = {**WATERMARK_DEFAULTS, **{k: v for k, v in fields.items() if v is not None}}
     return WatermarkLogitsProcessor(vocab_size=vocab_size, **params)
 
 

@@ -1,0 +1,174 @@
+"""Decoding modes: transformers' `GenerationMode`, how a config selects one, and the ONE table of fields
+that select a mode specwire does not run.
+
+`MODE_FIELDS` is the only list of removed, deprecated and unserved generation options; everything else
+(the warnings of `validate()`, the fields `validate()` ignores, the UNIMPLEMENTED refusal of the decoding
+loop and of the target service) is derived from it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DEPRECATED_FIELDS",
+    "MODE_FIELDS",
+    "REMOVED_MODES",
+    "REMOVED_MODE_FIELDS",
+    "REMOVED_MODE_NAMES",
+    "UNSERVED_FIELDS",
+    "FieldStatus",
+    "GenerationMode",
+    "ModeField",
+    "assisted_requested",
+    "generation_mode",
+]
+
+
+class GenerationMode(enum.StrEnum):
+    """Decoding modes, with transformers' `GenerationMode` values.
+
+    `group_beam_search`, `constrained_beam_search`, `contrastive_search` and `dola_generation` were moved to
+    Hub `custom_generate` repositories in transformers v5; specwire reports them but does not run them.
+    """
+
+    CONTRASTIVE_SEARCH = "contrastive_search"
+    GREEDY_SEARCH = "greedy_search"
+    SAMPLE = "sample"
+    ASSISTED_GENERATION = "assisted_generation"
+    DOLA_GENERATION = "dola_generation"
+    BEAM_SEARCH = "beam_search"
+    BEAM_SAMPLE = "beam_sample"
+    CONSTRAINED_BEAM_SEARCH = "constrained_beam_search"
+    GROUP_BEAM_SEARCH = "group_beam_search"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class FieldStatus(enum.Enum):
+    """Why specwire does not act on a field of `MODE_FIELDS`."""
+
+    # Selects a mode transformers v5 moved to a Hub `custom_generate` repository: `validate()` warns and
+    # checks the rest of the config as if it were unset; the decoding loop answers UNIMPLEMENTED.
+    REMOVED_MODE = "removed_mode"
+    # An option of a removed mode (or of v4's sequential beam search): no effect; `validate()` warns.
+    REMOVED_OPTION = "removed_option"
+    # Moved out of `GenerationConfig` by transformers 5.13 and ignored by `generate()`; `validate()` warns.
+    MOVED_OUT = "moved_out"
+    # transformers runs it, but it needs the target's hidden states every round, which a separate draft
+    # service cannot have: the target service answers UNIMPLEMENTED.
+    UNSERVED = "unserved"
+
+
+@dataclass(frozen=True)
+class ModeField:
+    """One row of `MODE_FIELDS`.
+
+    Args:
+        field (`str`):
+            The GenerationConfig field.
+        status (`FieldStatus`):
+            Why specwire does not act on it.
+        mode (`GenerationMode`, *optional*):
+            The removed mode the field selects (`FieldStatus.REMOVED_MODE` only).
+    """
+
+    field: str
+    status: FieldStatus
+    mode: GenerationMode | None = None
+
+
+# In the order `validate()` reports its warnings.
+MODE_FIELDS: tuple[ModeField, ...] = (
+    ModeField("low_memory", FieldStatus.REMOVED_OPTION),
+    ModeField("penalty_alpha", FieldStatus.REMOVED_MODE, GenerationMode.CONTRASTIVE_SEARCH),
+    ModeField("dola_layers", FieldStatus.REMOVED_MODE, GenerationMode.DOLA_GENERATION),
+    ModeField("diversity_penalty", FieldStatus.REMOVED_OPTION),
+    ModeField("num_beam_groups", FieldStatus.REMOVED_MODE, GenerationMode.GROUP_BEAM_SEARCH),
+    ModeField("constraints", FieldStatus.REMOVED_MODE, GenerationMode.CONSTRAINED_BEAM_SEARCH),
+    ModeField("force_words_ids", FieldStatus.REMOVED_MODE, GenerationMode.CONSTRAINED_BEAM_SEARCH),
+    ModeField("continuous_batching_config", FieldStatus.MOVED_OUT),
+    ModeField("use_mtp", FieldStatus.UNSERVED),
+    ModeField("assistant_early_exit", FieldStatus.UNSERVED),
+    ModeField("speculation_type", FieldStatus.UNSERVED),
+)
+
+# Fields that select a mode v5 moved to the Hub, or that v5 ignores: `validate()` warns whenever one is set.
+DEPRECATED_FIELDS: tuple[str, ...] = tuple(f.field for f in MODE_FIELDS if f.status is not FieldStatus.UNSERVED)
+
+# Drafting methods that need the target's hidden states every round: not servable by a separate draft
+# service, and not implemented in-process either.
+UNSERVED_FIELDS: tuple[str, ...] = tuple(f.field for f in MODE_FIELDS if f.status is FieldStatus.UNSERVED)
+
+# Each removed mode and the fields that select it, first field first (it is named when none is set, as
+# for contrastive search selected by the default `top_k` and a `penalty_alpha`).
+REMOVED_MODE_FIELDS: dict[GenerationMode, tuple[str, ...]] = {}
+for _row in MODE_FIELDS:
+    if _row.mode is not None:
+        REMOVED_MODE_FIELDS[_row.mode] = (*REMOVED_MODE_FIELDS.get(_row.mode, ()), _row.field)
+del _row
+
+REMOVED_MODES = frozenset(REMOVED_MODE_FIELDS)
+
+REMOVED_MODE_NAMES = {
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: "constrained beam search",
+    GenerationMode.GROUP_BEAM_SEARCH: "group (diverse) beam search",
+    GenerationMode.CONTRASTIVE_SEARCH: "contrastive search",
+    GenerationMode.DOLA_GENERATION: "DoLa decoding",
+}
+
+
+def _greater(value: Any, bound: Any) -> bool:
+    # transformers compares these fields with numbers; any other value would raise there, and counts as
+    # unset here.
+    return isinstance(value, (int, float)) and value > bound
+
+
+def generation_mode(cfg: Any, *, assisted_triggers: bool) -> GenerationMode:
+    """transformers 5.23 `GenerationConfig.get_generation_mode()` on any object with the config's fields.
+
+    Args:
+        cfg (`Any`):
+            A `GenerationConfig`, or a view of one with the same attributes.
+        assisted_triggers (`bool`):
+            Whether `prompt_lookup_num_tokens`, `assistant_early_exit` and `use_mtp` turn greedy search and
+            sampling into assisted generation.
+
+    Returns:
+        `GenerationMode`: the mode.
+    """
+    if cfg.constraints is not None or cfg.force_words_ids is not None:
+        mode = GenerationMode.CONSTRAINED_BEAM_SEARCH
+    elif cfg.num_beams is None or cfg.num_beams == 1:
+        if cfg.do_sample is not True:
+            if (
+                cfg.top_k is not None
+                and _greater(cfg.top_k, 1)
+                and cfg.penalty_alpha is not None
+                and _greater(cfg.penalty_alpha, 0)
+            ):
+                mode = GenerationMode.CONTRASTIVE_SEARCH
+            else:
+                mode = GenerationMode.GREEDY_SEARCH
+        else:
+            mode = GenerationMode.SAMPLE
+    elif cfg.num_beam_groups is not None and _greater(cfg.num_beam_groups, 1):
+        mode = GenerationMode.GROUP_BEAM_SEARCH
+    elif cfg.do_sample is True:
+        mode = GenerationMode.BEAM_SAMPLE
+    else:
+        mode = GenerationMode.BEAM_SEARCH
+    if assisted_triggers and assisted_requested(cfg):
+        if mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+            mode = GenerationMode.ASSISTED_GENERATION
+    if cfg.dola_layers is not None and mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        mode = GenerationMode.DOLA_GENERATION
+    return mode
+
+
+def assisted_requested(cfg: Any) -> bool:
+    """Whether the config asks for assisted generation (prompt lookup, early exit or MTP)."""
+    return bool(cfg.use_mtp) or cfg.prompt_lookup_num_tokens is not None or cfg.assistant_early_exit is not None

@@ -1,0 +1,193 @@
+"""The one owner of the rules a generation config must follow, and of how their violations reach a caller.
+
+- `validate(config)` reports, without raising, exactly what transformers refuses from the config alone (the
+  rules of `constructor_rules`, then of `generate_rules` and `processor_rules`, in transformers' order), and
+  transformers' "minor issues" as warnings. `tests/parity/test_validation_battery.py` checks the verdicts
+  against the installed transformers.
+- `unknown_keys(config)` warns about custom entries (a misspelled field lands there).
+- `check_runnable(config)` is what the decoding loop runs before its first forward: the modes specwire does
+  not run (`UnsupportedModeError`, UNIMPLEMENTED), `validate()`'s errors, and specwire's own limits on the
+  values that shape the loop.
+- `raise_for_errors(violations)` is the one place where violations become an `InvalidArgument`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+from specwire.errors import FieldProblem
+from specwire.generation.argument_errors import InvalidGenerationArgument, UnsupportedModeError
+from specwire.generation.config.constructor_rules import check_constructor
+from specwire.generation.config.fields import FIELD_NAMES, GenerationConfig
+from specwire.generation.config.generate_rules import check_generate
+from specwire.generation.config.modes import REMOVED_MODE_FIELDS, REMOVED_MODE_NAMES
+from specwire.generation.config.serialization import is_synthid_watermark
+from specwire.generation.config.value_types import is_int
+from specwire.generation.config.violations import Recorder, Violation, errors
+
+__all__ = ["check_runnable", "field_suggestion", "raise_for_errors", "unknown_keys", "validate"]
+
+
+def validate(config: GenerationConfig, strict: bool = False) -> list[Violation]:
+    """Check the config the way transformers does, without raising, logging or modifying anything.
+
+    See `GenerationConfig.validate()`, which calls this.
+
+    Args:
+        config (`GenerationConfig`):
+            The config as given (unset fields take `DEFAULT_GENERATION_PARAMS`).
+        strict (`bool`, *optional*, defaults to `False`):
+            Report warnings as errors.
+
+    Returns:
+        `list[Violation]`: errors and warnings, in transformers' checking order; empty when all is well.
+    """
+    recorder = Recorder(config)
+    check_constructor(recorder)
+    check_generate(recorder)
+    found = recorder.violations
+    if strict:
+        found = [dataclasses.replace(v, severity="error") for v in found]
+    return found
+
+
+def field_suggestion(key: str) -> str:
+    """ "did you mean `temperature`?" for a key close to a GenerationConfig field, else ""."""
+    close = difflib.get_close_matches(key, FIELD_NAMES, n=1, cutoff=0.75)
+    return f"did you mean `{close[0]}`?" if close else ""
+
+
+def unknown_keys(config: GenerationConfig) -> list[Violation]:
+    """A warning per `extra` key: transformers keeps unknown keys as custom entries, and uses none of them.
+
+    A misspelled field (`temprature`) lands here and would otherwise change nothing without a word; a
+    registry that stores custom entries on purpose says so (`allow_custom`).
+    """
+    found = []
+    for key, value in sorted(config.extra.items()):
+        hint = field_suggestion(key)
+        found.append(
+            Violation(
+                key,
+                value,
+                f"not a GenerationConfig field{'; ' + hint if hint else ''}: generation ignores it (transformers "
+                "keeps it as a custom entry); fix the name, or store it on purpose with allow_custom",
+                "warning",
+            )
+        )
+    return found
+
+
+def raise_for_errors(violations: Iterable[Violation], *, field_prefix: str = "", summary: str = "") -> None:
+    """Raise `InvalidGenerationArgument` (INVALID_ARGUMENT) listing the errors among `violations`, if any.
+
+    Args:
+        violations (`Iterable[Violation]`):
+            What `validate()` (or another rule) returned; warnings are ignored.
+        field_prefix (`str`, *optional*, defaults to `""`):
+            Put before each field name, to name it inside the request (`"config."`).
+        summary (`str`, *optional*, defaults to `""`):
+            Put before the list of problems in the message (`"invalid generation config"`).
+
+    Raises:
+        `InvalidGenerationArgument`: one field violation per error; the message lists them as
+        `field=value: message`.
+    """
+    problems = [FieldProblem(f"{field_prefix}{v.field}", v.value, v.message) for v in errors(violations)]
+    if not problems:
+        return
+    # Values and messages as the problems bound them, so a long list still fits the response metadata.
+    listed = "; ".join(f"{p.field}={p.value!r}: {p.message}" for p in problems)
+    raise InvalidGenerationArgument(f"{summary}: {listed}" if summary else listed, problems)
+
+
+def check_runnable(config: GenerationConfig) -> GenerationConfig:
+    """Raise what stops the decoding loop from running `config`, before any forward pass.
+
+    In order: a mode specwire does not run, what transformers refuses (`validate()`), and specwire's own
+    limits on the values that shape the loop.
+
+    Args:
+        config (`GenerationConfig`):
+            The merged request/model config (unset fields allowed).
+
+    Returns:
+        `GenerationConfig`: the config with the global defaults applied.
+
+    Raises:
+        `UnsupportedModeError`: a mode transformers 5 removed or specwire does not run is selected.
+        `InvalidGenerationArgument`: any other error, one field violation each.
+    """
+    resolved = config.with_defaults()
+    refuse_unsupported_modes(resolved)
+    raise_for_errors(config.validate())
+    raise_for_errors(_loop_shape_violations(resolved))
+    return resolved
+
+
+def refuse_unsupported_modes(config: GenerationConfig) -> None:
+    """Refuse the modes transformers 5 removed from `generate()` (now Hub recipes) and those specwire does not run.
+
+    Args:
+        config (`GenerationConfig`):
+            The config with the global defaults applied (contrastive search depends on the default `top_k=50`).
+
+    Raises:
+        `UnsupportedModeError`: naming the field that selects the mode.
+    """
+    mode = config.get_generation_mode()
+    if mode in REMOVED_MODE_FIELDS:
+        fields = REMOVED_MODE_FIELDS[mode]
+        field = next((name for name in fields if getattr(config, name) is not None), fields[0])
+        raise UnsupportedModeError(
+            field,
+            f"{REMOVED_MODE_NAMES[mode]} is not supported: transformers 5 moved it out of generate() to a Hub "
+            f"custom_generate recipe, and specwire does not run those; unset {field}",
+            getattr(config, field),
+        )
+    beams = config.num_beams
+    if config.low_memory and isinstance(beams, (int, float)) and beams > 1:
+        raise UnsupportedModeError(
+            "low_memory",
+            "sequential (low_memory) beam search was removed in transformers 5; unset low_memory",
+            config.low_memory,
+        )
+    if config.token_healing:
+        raise UnsupportedModeError(
+            "token_healing", "token healing is not supported by specwire; unset token_healing", config.token_healing
+        )
+    if is_synthid_watermark(config.watermarking_config):
+        # Refused here, with the other unserved modes, so that every caller (target service, library,
+        # scheduler routing) answers before any forward pass instead of failing in the processor factory.
+        raise UnsupportedModeError(
+            "watermarking_config",
+            "SynthID text watermarking (a watermarking_config with ngram_len/keys) is not supported by specwire; "
+            "unset watermarking_config, or use the green-list watermark, e.g. "
+            "{'greenlist_ratio': 0.25, 'bias': 2.0, 'seeding_scheme': 'lefthash'}",
+            config.watermarking_config,
+        )
+
+
+def _loop_shape_violations(config: GenerationConfig) -> list[Violation]:
+    """specwire's limits on the values that size the loop's rows, beyond transformers' own.
+
+    transformers repeats each prompt `max(num_beams, num_return_sequences)` times and so accepts, for example,
+    `num_return_sequences=0` without beams; the loop wants both counts to be whole and positive.
+    """
+    found = []
+    for name in ("num_beams", "num_return_sequences"):
+        value: Any = getattr(config, name)
+        if not is_int(value) or value < 1:
+            found.append(
+                Violation(
+                    name,
+                    value,
+                    f"`{name}` (={value!r}) must be a positive integer: each prompt runs as max(num_beams, "
+                    "num_return_sequences) rows.",
+                    "error",
+                )
+            )
+    return found
