@@ -25,7 +25,7 @@ from specwire.target_service.admission import DEFAULT_MAX_PREPARING, DEFAULT_PRE
 from specwire.target_service.config_resolver import ConfigResolver
 from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.limits import RequestLimits, default_output_bytes
-from specwire.target_service.scheduler import SCHEDULERS, SchedulerOptions
+from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
 from specwire.target_service.service import TargetServicer
 from specwire.telemetry import setup_telemetry
 
@@ -46,7 +46,7 @@ def build_server(
     port: int = 0,
     grace: float = 30.0,
     drafting: DraftPolicy | None = None,
-    scheduler: str = DEFAULT_SCHEDULER,
+    scheduler: SchedulerKind | str = DEFAULT_SCHEDULER,
     scheduler_options: SchedulerOptions | None = None,
     limits: RequestLimits | None = None,
     pool: PreparationPool | None = None,
@@ -56,8 +56,8 @@ def build_server(
 ) -> GrpcServer:
     """A ready-to-start target server over an already loaded model.
 
-    `scheduler` is `"sequential"` (one request per forward) or `"batched"` (requests share forwards;
-    `scheduler_options` sets its limits), see `specwire.target_service.scheduler`. `limits` caps what one
+    `scheduler` is `SchedulerKind.SEQUENTIAL` (one request per forward) or `BATCHED` (requests share
+    forwards; `scheduler_options` sets its limits), see `specwire.target_service.scheduler`. `limits` caps what one
     request may ask (default `RequestLimits.for_model`, its output budget fitted to
     `max_message_bytes`); `pool` prepares requests off the event loop (see `specwire.target_service.admission`).
     Health follows the engine's liveness (`stuck_after`: seconds without progress while work waits
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scheduler",
         default=DEFAULT_SCHEDULER,
-        choices=list(SCHEDULERS),
+        choices=[kind.value for kind in SchedulerKind],
         help=f"batched: one forward per step for all running requests; sequential: one request "
         f"per forward (default {DEFAULT_SCHEDULER})",
     )

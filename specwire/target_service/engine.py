@@ -1,11 +1,11 @@
 """Runs decoding jobs on the model, one step at a time, off the event loop.
 
-With `scheduler="batched"` (the default), requests the slot cache can serve go to `BatchScheduler`
-(`specwire/target_service/scheduler.py`): one packed forward per step for all of them. The rest (the
+With `SchedulerKind.BATCHED` (the default), requests the slot cache can serve go to `BatchScheduler`
+(`specwire.target_service.scheduler`): one packed forward per step for all of them. The rest (the
 sequential lane: no cache, classifier-free guidance, over-long or over-wide requests) and every
-request with `scheduler="sequential"` take the one-request-per-step path below.
+request with `SchedulerKind.SEQUENTIAL` take the one-request-per-step path below.
 
-One request per step. With `"sequential"`, every step runs on one model thread (a worker of our
+One request per step. With `SEQUENTIAL`, every step runs on one model thread (a worker of our
 own), so concurrent requests interleave step by step (the forward passes never race on the model).
 In the batched scheduler's lane, each request's steps run in a thread of its own and only its model
 calls run on the scheduler thread (`BatchScheduler.forward`), so its draft waits and loop work never
@@ -42,7 +42,8 @@ from specwire.model_thread import is_device_error, model_executor
 from specwire.models import LoadedModel
 from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.requests import GenerationJob
-from specwire.target_service.scheduler import SCHEDULERS, BatchScheduler, SchedulerOptions
+from specwire.target_service.scheduler.batch_scheduler import BatchScheduler
+from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
 
 log = logging.getLogger("specwire.target_service.engine")
 
@@ -55,8 +56,9 @@ class Engine:
     Args:
         loaded (`LoadedModel`): the model, tokenizer and the model's generation config.
         drafting (`DraftPolicy`, *optional*): speculation settings.
-        scheduler (`str`, defaults to `"batched"`): `"batched"` (shared packed forwards, see
-            `specwire.target_service.scheduler`) or `"sequential"` (one request per forward).
+        scheduler (`SchedulerKind` or its value, defaults to `SchedulerKind.BATCHED`): `BATCHED` (shared
+            packed forwards, see `specwire.target_service.scheduler`) or `SEQUENTIAL` (one request per
+            forward).
         scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
         stuck_after_s (`float`, defaults to 60.0): seconds the model may make no progress while work
             waits before the engine reports itself stuck (`problem`).
@@ -66,12 +68,16 @@ class Engine:
         self,
         loaded: LoadedModel,
         drafting: DraftPolicy | None = None,
-        scheduler: str = "batched",
+        scheduler: SchedulerKind | str = SchedulerKind.BATCHED,
         scheduler_options: SchedulerOptions | None = None,
         stuck_after_s: float = 60.0,
     ):
-        if scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+        try:
+            kind = SchedulerKind(scheduler)
+        except ValueError:
+            raise ValueError(
+                f"scheduler must be one of {[member.value for member in SchedulerKind]}, got {scheduler!r}"
+            ) from None
         if stuck_after_s <= 0:
             raise ValueError(f"stuck_after_s must be > 0, got {stuck_after_s}")
         self.stuck_after_s = stuck_after_s
@@ -86,22 +92,32 @@ class Engine:
         self.lane_active = 0  # requests in the batched scheduler's sequential lane
         self._lane_steps = 0
         self._lock = threading.Lock()
-        self.scheduler = scheduler
+        # The batched scheduler, None with SchedulerKind.SEQUENTIAL (`scheduler` is derived from it).
         self.batcher: BatchScheduler | None = None
-        if scheduler == "batched":
+        if kind is SchedulerKind.BATCHED:
             self.batcher = BatchScheduler(loaded.model, self._start, scheduler_options, loaded.max_position_embeddings)
         # Every forward runs on one thread (`specwire.model_thread`): the scheduler's when it runs
         # (the sequential lane posts its forwards there), else this worker of our own.
         self.executor = model_executor("specwire-model")
         # The lane's requests' model: the served one, with every call posted to the scheduler thread.
-        self._lane_model = (
-            _ForwardsOn(loaded.model, self.batcher) if self.batcher is not None and self.batcher.enabled else None
-        )
+        self._lane_model = _ForwardsOn(loaded.model, self._serving) if self._serving is not None else None
+
+    @property
+    def scheduler(self) -> SchedulerKind:
+        """The scheduler this engine was built with. A `BATCHED` one whose model the slot cache cannot
+        serve (`batcher.enabled` is False, `batcher.unsupported` says why) runs every request one per
+        forward, as `SEQUENTIAL` does."""
+        return SchedulerKind.SEQUENTIAL if self.batcher is None else SchedulerKind.BATCHED
+
+    @property
+    def _serving(self) -> BatchScheduler | None:
+        """The batched scheduler when it serves (its start-up probe accepted the model), else None."""
+        return self.batcher if self.batcher is not None and self.batcher.enabled else None
 
     @property
     def steps_run(self) -> int:
         """Model steps executed, over all requests (observability and tests)."""
-        return self._lane_steps + (self.batcher.forwards if self.batcher is not None else 0)
+        return self._lane_steps + (self.batcher.stats().forwards if self.batcher is not None else 0)
 
     def close(self) -> None:
         if self.batcher is not None:
@@ -207,20 +223,21 @@ class Engine:
 
     async def _route(self, job: GenerationJob) -> AsyncIterator[StepEvent | GenerationResult]:
         """Run `job` in the batched scheduler, its sequential lane, or one request per step."""
-        if self.batcher is not None and self.batcher.enabled:
-            lane, plan = self.batcher.lane_reason(job)  # invalid requests raise here
+        batcher = self._serving
+        if batcher is not None:
+            lane, plan = batcher.lane_reason(job)  # invalid requests raise here
             if not lane:
                 with self._lock:
                     self.active += 1
                 try:
-                    async for item in self.batcher.run(job, plan):
+                    async for item in batcher.run(job, plan):
                         yield item
                 finally:
                     with self._lock:
                         self.active -= 1
                 return
             log.debug("request %s runs in the sequential lane: %s", job.request_id or "-", lane)
-            limit = self.batcher.options.max_lane_requests
+            limit = batcher.options.max_lane_requests
             with self._lock:
                 if self.lane_active >= limit:
                     raise ResourceExhausted(
@@ -280,9 +297,8 @@ class Engine:
     def queue_full(self) -> float | None:
         """A retry hint in seconds when the batched scheduler's queue is full, else None (a cheap probe:
         the service refuses a request with it before preparing the request)."""
-        if self.batcher is not None and self.batcher.enabled:
-            return self.batcher.queue_full()
-        return None
+        batcher = self._serving
+        return batcher.queue_full() if batcher is not None else None
 
 
 def _in_inference_mode(fn, *args):

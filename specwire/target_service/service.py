@@ -24,7 +24,7 @@ from specwire.target_service.engine import Engine
 from specwire.target_service.limits import DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
 from specwire.target_service.observability import RequestObserver, SpecDecodeMetrics
 from specwire.target_service.requests import GenerationJob, build_job
-from specwire.target_service.scheduler import SchedulerOptions
+from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
 from specwire.wire.common import FINISH_REASONS, violation_to_proto
 from specwire.wire.generation_config import config_to_proto
 from specwire.wire.tensors import tensor_to_proto
@@ -128,7 +128,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         loaded (`LoadedModel`): the served model.
         resolver (`ConfigResolver`): registry lookups for `config_ref`.
         drafting (`DraftPolicy`, *optional*): speculation settings (draft service, default proposer).
-        scheduler (`str`, defaults to `"batched"`): `"batched"` or `"sequential"` (see `Engine`).
+        scheduler (`SchedulerKind` or its value, defaults to `SchedulerKind.BATCHED`): see `Engine`.
         scheduler_options (`SchedulerOptions`, *optional*): limits of the batched scheduler.
         limits (`RequestLimits`, *optional*): what one request may ask; defaults to
             `RequestLimits.for_model(...)` (`max_model_len` = the model's context).
@@ -145,7 +145,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         loaded: LoadedModel,
         resolver: ConfigResolver,
         drafting: DraftPolicy | None = None,
-        scheduler: str = "batched",
+        scheduler: SchedulerKind | str = SchedulerKind.BATCHED,
         scheduler_options: SchedulerOptions | None = None,
         limits: RequestLimits | None = None,
         pool: PreparationPool | None = None,
@@ -164,7 +164,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         """The cheap capacity checks, before the request costs anything (no tokenizing, no validation)."""
         retry_after_s = self.engine.queue_full()
         if retry_after_s is not None:
-            queued, limit = len(self.engine.batcher.waiting), self.engine.batcher.options.max_queued
+            queued, limit = self.engine.batcher.stats().queued, self.engine.batcher.options.max_queued
             raise ResourceExhausted(
                 f"the target service is at capacity: {queued} requests queued (--max-queued {limit}); retry later",
                 retry_after_s=retry_after_s,

@@ -21,7 +21,7 @@ from specwire.models import load_model
 from specwire.security import secure_channel
 from specwire.target_service.__main__ import build_server
 from specwire.target_service.admission import PreparationPool
-from specwire.target_service.scheduler import SchedulerOptions
+from specwire.target_service.scheduler.options import SchedulerOptions
 from tests.servers import threaded_server
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])

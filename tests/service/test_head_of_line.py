@@ -19,7 +19,7 @@ from specwire.client import TargetClient
 from specwire.models import load_model
 from specwire.target_service.__main__ import build_server
 from specwire.target_service.drafting import DraftPolicy
-from specwire.target_service.scheduler import SchedulerOptions
+from specwire.target_service.scheduler.options import SchedulerOptions
 from tests.servers import threaded_server
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -64,10 +64,10 @@ def test_a_request_waiting_on_a_hung_draft_service_does_not_hold_up_the_others(l
         try:
             next(stream)  # step 0 is out; the next step waits on the hung draft service
             if path == "batched":
-                wait_for(lambda: any(r.drafting for r in batcher.running))
+                wait_for(lambda: batcher.stats().drafting > 0)
             else:
                 wait_for(lambda: engine.lane_active == 1 and hung.streams == 1)
-            forwards = batcher.forwards
+            forwards = batcher.stats().forwards
             outputs, errors = [], []
 
             def generate():
@@ -82,11 +82,11 @@ def test_a_request_waiting_on_a_hung_draft_service_does_not_hold_up_the_others(l
             worker.join(DEADLINE_S + 30)
             assert not errors, errors
             assert torch.equal(outputs[0], want)
-            assert batcher.forwards - forwards >= 20
+            assert batcher.stats().forwards - forwards >= 20
             # The hung request is still waiting on its drafter: it was never what the forwards waited for.
             assert hung.streams == 1
             if path == "batched":
-                assert any(r.drafting for r in batcher.running)
+                assert batcher.stats().drafting > 0
             else:
                 assert engine.lane_active == 1
         finally:

@@ -30,7 +30,7 @@ from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.models import load_model
 from specwire.target_service.__main__ import build_server as build_target_server
 from specwire.target_service.drafting import DraftPolicy
-from specwire.target_service.scheduler import SchedulerOptions
+from specwire.target_service.scheduler.options import SchedulerOptions
 from tests.servers import free_port, subprocess_server, threaded_server
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # repetitive: prompt lookup finds matches
@@ -203,11 +203,11 @@ def warmed_baseline(target: Target, kwargs: dict, draft_server=None) -> dict[str
     """Run one short request of the kind under test (lazy threads start), then take the baseline."""
     # In the lane, it must be longer than a slot.
     new_tokens = LANE_SLOT_TOKENS if target.scheduler == "lane" else 8
-    forwards = target.batcher.forwards if target.batcher is not None else 0
+    forwards = target.batcher.stats().forwards if target.batcher is not None else 0
     with TargetClient(target.address) as client:
         output = client.generate(PROMPT, max_new_tokens=new_tokens, **kwargs)
     if target.scheduler == "lane":
-        assert target.batcher.forwards == forwards, "the request did not run in the sequential lane"
+        assert target.batcher.stats().forwards == forwards, "the request did not run in the sequential lane"
     assert output.speculation.fallback_reason == "" or kwargs["proposer"] == "none"
     baseline = reference(target, draft_server)
     settled(baseline, target, draft_server)  # the warm-up's own call has ended everywhere

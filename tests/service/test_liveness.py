@@ -33,7 +33,7 @@ from specwire.serving import KEEPALIVE_SERVER_OPTIONS, GrpcServer
 from specwire.target_service.__main__ import build_server
 from specwire.target_service.config_resolver import ConfigResolver, LruCache
 from specwire.target_service.drafting import DraftPolicy
-from specwire.target_service.scheduler import SchedulerOptions
+from specwire.target_service.scheduler.options import SchedulerOptions
 from tests.servers import free_port, threaded_server
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -180,7 +180,7 @@ def test_draft_round_waits_at_most_the_callers_remaining_time(tiny_model_dir):
         # The request's thread stopped waiting on the hung draft service with its caller (not after
         # the 600 s round timeout): its slot is back and no request is left running.
         batcher = servicer.engine.batcher
-        wait_for(lambda: not batcher.running and batcher.free_slots == batcher.cache.num_slots)
+        wait_for(lambda: batcher.stats().running == 0 and batcher.free_slots == batcher.cache.num_slots)
         assert hung.streams == 1
 
 

@@ -15,7 +15,9 @@ import torch
 from specwire.client import SpecwireRpcError, TargetClient
 from specwire.models import load_model
 from specwire.target_service.__main__ import build_server
-from specwire.target_service.scheduler import BatchScheduler, SchedulerOptions, close_logits
+from specwire.target_service.scheduler.batch_scheduler import BatchScheduler
+from specwire.target_service.scheduler.options import SchedulerOptions
+from specwire.target_service.scheduler.startup_probe import close_logits
 from tests.servers import threaded_server
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26]]
@@ -99,16 +101,16 @@ def test_batched_scheduler_is_enabled_on_the_tiny_model(batched):
 def test_eight_concurrent_mixed_clients_get_their_sequential_results(sequential, batched):
     want = expected(sequential, MIXED)
     batcher = batcher_of(batched)
-    shared_before = batcher.shared_forwards
-    processing_before = batcher.shared_process_batches
+    before = batcher.stats()
     got = run_concurrently(batched.address, MIXED)
     for (_, kw), ours, theirs in zip(MIXED, got, want, strict=True):
         assert torch.equal(ours, theirs), (kw, ours, theirs)
     # They really shared forwards (not one request per forward), and logits processing: the
     # sampling, repetition-penalty and beam-sample requests' processors ran as one batch.
-    shared = batcher.shared_forwards - shared_before
-    assert shared >= 5 and batcher.requests_peak >= 4, (shared, batcher.requests_peak)
-    assert batcher.shared_process_batches - processing_before >= 3
+    after = batcher.stats()
+    shared = after.shared_forwards - before.shared_forwards
+    assert shared >= 5 and after.requests_peak >= 4, (shared, after.requests_peak)
+    assert after.shared_process_batches - before.shared_process_batches >= 3
     # And the batched server alone, one request at a time, gives the same as well.
     alone = expected(batched, MIXED)
     for i, (a, b) in enumerate(zip(alone, want, strict=True)):
@@ -131,7 +133,7 @@ def test_concurrent_sampling_shares_processing_and_keeps_every_rows_scores(seque
     with TargetClient(sequential.address) as client:
         want = [client.generate(prompts, **kw) for prompts, kw in cases]
     batcher = batcher_of(batched)
-    before = batcher.shared_process_batches
+    before = batcher.stats().shared_process_batches
     got = [None] * len(cases)
     start = threading.Barrier(len(cases))
 
@@ -145,7 +147,7 @@ def test_concurrent_sampling_shares_processing_and_keeps_every_rows_scores(seque
         t.start()
     for t in threads:
         t.join(120)
-    assert batcher.shared_process_batches - before >= 3
+    assert batcher.stats().shared_process_batches - before >= 3
     for (_, kw), ours, theirs in zip(cases, got, want, strict=True):
         assert torch.equal(ours.sequences, theirs.sequences), kw
         assert len(ours.scores) == len(theirs.scores)
@@ -173,7 +175,7 @@ def test_full_queue_is_resource_exhausted_with_a_retry_hint(loaded, sequential):
 
             waiter = threading.Thread(target=queued)
             waiter.start()
-            wait_for(lambda: len(batcher.waiting) == 1)
+            wait_for(lambda: batcher.stats().queued == 1)
             with TargetClient(server.address) as d:
                 with pytest.raises(SpecwireRpcError) as info:
                     d.generate(PROMPTS[:1], max_new_tokens=6)
@@ -228,7 +230,7 @@ def test_cancel_and_deadline_free_the_slot_within_one_step(loaded):
             assert batcher.free_slots == slots - 2
             stream.close()  # cancels the RPC
             wait_for(lambda: batcher.free_slots == slots - 1)
-            cancelled_at, freed_at = batcher.cancellations[-1]
+            cancelled_at, freed_at = batcher.stats().cancellations[-1]
             assert freed_at - cancelled_at <= 1
             # A deadline is a cancellation too. The request (batched: it fits a slot) is running when
             # its deadline passes whatever the machine's speed: the test holds the scheduler's lock, so
@@ -244,11 +246,11 @@ def test_cancel_and_deadline_free_the_slot_within_one_step(loaded):
                     for _ in hurried_stream:
                         pass
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            wait_for(lambda: len(batcher.cancellations) == 2 and batcher.free_slots == slots - 1)
-            cancelled_at, freed_at = batcher.cancellations[-1]
+            wait_for(lambda: len(batcher.stats().cancellations) == 2 and batcher.free_slots == slots - 1)
+            cancelled_at, freed_at = batcher.stats().cancellations[-1]
             assert freed_at - cancelled_at <= 1
             background.close()
-        wait_for(lambda: batcher.free_slots == slots and not batcher.running)
+        wait_for(lambda: batcher.free_slots == slots and batcher.stats().running == 0)
 
 
 def test_long_request_finishes_while_short_ones_come_and_go(loaded, sequential):
@@ -306,21 +308,21 @@ def test_sequential_lane_runs_between_packed_forwards_on_the_scheduler_thread(se
     # sequential lane, whose loops run in their own threads and whose forwards (the guidance
     # processor's included) the scheduler thread runs between packed forwards.
     engine = batched.server.bindings[0].servicer.engine
-    lane_forwards_before = engine.batcher.lane_forwards
+    lane_forwards_before = engine.batcher.stats().lane_forwards
     lane = [
         (PROMPTS[:1], dict(max_new_tokens=10, use_cache=False)),
         (PROMPTS[1:], dict(max_new_tokens=8, guidance_scale=1.5)),
     ]
     cases = lane + MIXED[:4]
     want = expected(sequential, cases)
-    lane_before, shared_before = engine._lane_steps, engine.batcher.shared_forwards
+    lane_before, shared_before = engine._lane_steps, engine.batcher.stats().shared_forwards
     got = run_concurrently(batched.address, cases)
     for (_, kw), ours, theirs in zip(cases, got, want, strict=True):
         assert torch.equal(ours, theirs), (kw, ours, theirs)
     assert engine._lane_steps - lane_before >= 18  # the two lane requests' steps
     # Their forwards ran on the scheduler thread: one per use_cache=False step, two per guidance step.
-    assert engine.batcher.lane_forwards - lane_forwards_before >= 10 + 2 * 8
-    assert engine.batcher.shared_forwards > shared_before  # while the batched ones shared forwards
+    assert engine.batcher.stats().lane_forwards - lane_forwards_before >= 10 + 2 * 8
+    assert engine.batcher.stats().shared_forwards > shared_before  # while the batched ones shared forwards
 
 
 @pytest.mark.smollm

@@ -1,0 +1,47 @@
+"""Routing: which requests the slot cache serves, and which run in the sequential lane.
+
+The lane runs `Engine`'s per-request path (one request per forward, with a `DynamicCache`), its model
+calls posted to the scheduler thread (`BatchScheduler.forward`). It takes what the slot cache cannot
+serve: `use_cache=False`, classifier-free guidance (its processor runs its own forward), more rows
+than slots, longer than a slot, padding that is not left padding, and prompt rows with no unmasked
+token. A model `slot_support` refuses, or one the start-up probe refused, sends every request there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specwire.generation.slot_cache import SlotKVCache
+
+
+def planned_rows(plan: Any) -> int:
+    """The KV slots a planned request takes: its prompts times `max(num_beams, num_return_sequences)`."""
+    return plan.input_ids.shape[0] * plan.expand
+
+
+def lane_reason(plan: Any, cache: SlotKVCache) -> str:
+    """Why the request `plan` (a `GenerationPlan`) runs in the sequential lane, "" when `cache` serves it.
+
+    Args:
+        plan (`GenerationPlan`): the request's resolved plan (`prepare_generation`).
+        cache (`SlotKVCache`): the scheduler's slots.
+    """
+    config = plan.config
+    rows = planned_rows(plan)
+    if not config.use_cache:
+        return "use_cache=False"
+    if config.guidance_scale is not None and config.guidance_scale != 1:
+        return "classifier-free guidance"
+    if rows > cache.num_slots:
+        return f"{rows} rows > {cache.num_slots} slots"
+    if plan.max_length > cache.slot_tokens:
+        return f"max_length {plan.max_length} > {cache.slot_tokens} slot tokens"
+    mask = plan.attention_mask
+    # Only left padding can be skipped: a 0 after a 1 changes what the reference computes.
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        return "padding that is not left padding"
+    # A row that is all padding (pad ids with no mask sent) has no token for a slot to start from;
+    # transformers still generates from it, and so does the lane.
+    if not bool(mask.any(dim=1).all()):
+        return "a prompt row with no unmasked token"
+    return ""
