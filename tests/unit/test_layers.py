@@ -27,6 +27,17 @@ CORE = ("specwire.generation", "specwire.runtime", "specwire.models")
 GRPC_AND_PROTOBUF = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "google.protobuf", "google.rpc")
 # Our modules that are gRPC plumbing (they import grpc themselves).
 SERVER_PLUMBING = ("specwire.serving", "specwire.security", "specwire.rpc_limits", "specwire.telemetry")
+# The bottom: every layer may import these; they import nothing of ours but BASE.
+BASE = ("specwire.errors", "specwire.vocabulary")
+# Shared utilities: deadlines, thread pools, the model thread, ports, folders, the heap setting.
+UTILITIES = (
+    "specwire.deadline",
+    "specwire.pools",
+    "specwire.model_thread",
+    "specwire.ports",
+    "specwire.paths",
+    "specwire.heap",
+)
 # What a service may import of specwire besides its own package.
 SERVICE_MAY_IMPORT = (
     *GENERATED,
@@ -35,16 +46,11 @@ SERVICE_MAY_IMPORT = (
     "specwire.generation",
     "specwire.models",
     "specwire.runtime",
-    "specwire.errors",
-    "specwire.vocabulary",
-    # shared utilities: deadlines, thread pools, the model thread, ports, folders, the heap setting
-    "specwire.deadline",
-    "specwire.pools",
-    "specwire.model_thread",
-    "specwire.ports",
-    "specwire.paths",
-    "specwire.heap",
+    *BASE,
+    *UTILITIES,
 )
+# What the wire conversions may import of specwire: the messages they convert and the domain types.
+WIRE_MAY_IMPORT = ("specwire.wire", *GENERATED, "specwire.generation", *BASE)
 # The data types of the core that the client hands to its callers (a config, transition scores).
 # Everything else in the core (loops, processors, KV runtime, model loading) must not load when a
 # client module is imported.
@@ -148,14 +154,25 @@ RULES = [
         lambda importer, target: within(target, ("specwire.models", "specwire.runtime")),
     ),
     Rule(
-        "wire imports no service and no client",
+        "wire imports of specwire only the generated stubs, generation and errors/vocabulary (no service, "
+        "no client, no server plumbing: serving imports wire)",
         ("specwire.wire",),
-        lambda importer, target: within(target, (*SERVICES, *CLIENT)),
+        lambda importer, target: within(target, ("specwire",)) and not within(target, WIRE_MAY_IMPORT),
+    ),
+    Rule(
+        "the server plumbing (serving, security, telemetry, rpc_limits) imports no service, no client and no core",
+        SERVER_PLUMBING,
+        lambda importer, target: within(target, (*SERVICES, *CLIENT, *CORE)),
     ),
     Rule(
         "errors and vocabulary import nothing of specwire (every layer imports them)",
-        ("specwire.errors", "specwire.vocabulary"),
+        BASE,
         lambda importer, target: within(target, ("specwire",)),
+    ),
+    Rule(
+        "the shared utilities import nothing of specwire but errors and vocabulary",
+        UTILITIES,
+        lambda importer, target: within(target, ("specwire",)) and not within(target, BASE),
     ),
     Rule(
         "nothing in specwire imports the tests, the benchmarks, or the legacy-name finder (the .pth loads it)",
