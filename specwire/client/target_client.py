@@ -29,7 +29,7 @@ from specwire.wire.proposers import PROPOSER_FROM_PROTO, PROPOSER_TO_PROTO
 from specwire.wire.tensors import tensor_from_proto
 
 # A request's `proposer` argument -> the wire's enum; None leaves the choice to the target.
-PROPOSERS: dict[str | None, int] = {None: pb.PROPOSER_UNSPECIFIED, **PROPOSER_TO_PROTO}
+PROPOSERS: dict[str | None, pb.Proposer] = dict([(None, pb.PROPOSER_UNSPECIFIED), *PROPOSER_TO_PROTO.items()])
 
 
 @dataclass

@@ -10,6 +10,7 @@ from contextlib import aclosing
 import torch
 
 from specwire import telemetry
+from specwire.common.v1 import common_pb2
 from specwire.errors import ResourceExhausted
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.speculative_loop import SpeculationStats
@@ -97,7 +98,9 @@ def response_from_result(
                 token_ids=ids,
                 prompt_length=prompt_length,
                 text=text,
-                finish_reason=FINISH_REASON_TO_PROTO.get(result.finish_reasons[row], 0),
+                finish_reason=FINISH_REASON_TO_PROTO.get(
+                    result.finish_reasons[row], common_pb2.FINISH_REASON_UNSPECIFIED
+                ),
             )
         )
     response = pb.GenerateResponse(

@@ -9,7 +9,7 @@ from specwire.errors import MAX_PROBLEM_MESSAGE_CHARS, clip, short_value
 from specwire.vocabulary import FINISH_CANCELLED, FINISH_REASONS
 
 # Finish reason name -> `FinishReason` enum value, by the enum's naming rule (`FINISH_REASON_<NAME>`).
-FINISH_REASON_TO_PROTO: dict[str, int] = {
+FINISH_REASON_TO_PROTO: dict[str, common_pb2.FinishReason] = {
     name: common_pb2.FinishReason.Value(f"FINISH_REASON_{name.upper()}") for name in (*FINISH_REASONS, FINISH_CANCELLED)
 }
 FINISH_REASON_FROM_PROTO: dict[int, str] = {value: name for name, value in FINISH_REASON_TO_PROTO.items()}
