@@ -21,6 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specwire.vocabulary import (
+    PROPOSER_DRAFT_MODEL,
+    PROPOSER_NONE,
+    PROPOSER_PROMPT_LOOKUP,
+    PROPOSER_UNSPECIFIED,
+    PROPOSERS,
+)
+
 # Deadlines of the CLI's calls: the clients' defaults (`TargetClient`: 600 s, `ConfigClient`: 30 s),
 # repeated here because the clients are imported only when a command runs (they import torch).
 DEFAULT_GENERATE_TIMEOUT_S = 600.0
@@ -216,7 +224,11 @@ def _print_warnings(output) -> None:
 
 def speculation_ran(stats) -> bool:
     """Whether the request speculated (or tried to): plain requests print no speculation line."""
-    return stats.proposer not in ("", "none", "unspecified") or stats.rounds > 0 or bool(stats.fallback_reason)
+    return (
+        stats.proposer not in ("", PROPOSER_NONE, PROPOSER_UNSPECIFIED)
+        or stats.rounds > 0
+        or bool(stats.fallback_reason)
+    )
 
 
 def _print_stats(output) -> None:
@@ -457,7 +469,7 @@ def _demo_command(args) -> int:
                 record = registry.create("demo-greedy", {"max_new_tokens": args.max_new_tokens, "do_sample": False})
                 print(f"stored config {record.name}@{record.version} in the registry", file=sys.stderr)
             prompt = args.prompt or DEFAULT_PROMPT
-            proposer = "prompt_lookup" if args.draft_model == "none" else "draft_model"
+            proposer = PROPOSER_PROMPT_LOOKUP if args.draft_model == "none" else PROPOSER_DRAFT_MODEL
             print(f"\nprompt: {prompt}\n(speculation: {proposer})\n", file=sys.stderr)
             request = dict(
                 text=prompt,
@@ -479,7 +491,7 @@ def _demo_command(args) -> int:
                 _print_stats(output)
                 # The same request without speculation: what speculation bought on this machine.
                 started = time.perf_counter()
-                plain = client.generate(proposer="none", **request)
+                plain = client.generate(proposer=PROPOSER_NONE, **request)
                 plain_s = time.perf_counter() - started
             new_tokens = output.sequences.shape[1] - output.prompt_length
             plain_tokens = plain.sequences.shape[1] - plain.prompt_length
@@ -568,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat_option(gen)
     gen.add_argument(
         "--proposer",
-        choices=["none", "prompt_lookup", "draft_model"],
+        choices=list(PROPOSERS),
         default=None,
         help="speculation (default: the target's --default-proposer)",
     )

@@ -21,10 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-DRAFTS = "specwire_spec_decode_drafts_total"
-DRAFT_TOKENS = "specwire_spec_decode_draft_tokens_total"
-ACCEPTED = "specwire_spec_decode_accepted_tokens_total"
-PER_POSITION = "specwire_spec_decode_accepted_tokens_per_position_total"
+from specwire.vocabulary import (
+    LABEL_CONFIG,
+    LABEL_MODEL,
+    LABEL_POSITION,
+    LABEL_PROPOSER,
+    METRIC_ACCEPTED_PER_POSITION,
+    METRIC_ACCEPTED_TOKENS,
+    METRIC_DRAFT_TOKENS,
+    METRIC_DRAFTS,
+)
 
 
 @dataclass
@@ -84,19 +90,19 @@ def acceptance(texts: list[str], model: str | None = None) -> list[Acceptance]:
     from prometheus_client.parser import text_string_to_metric_families
 
     groups: dict[tuple[str, str], Acceptance] = {}
-    fields = {DRAFTS: "drafts", DRAFT_TOKENS: "draft_tokens", ACCEPTED: "accepted_tokens"}
+    fields = {METRIC_DRAFTS: "drafts", METRIC_DRAFT_TOKENS: "draft_tokens", METRIC_ACCEPTED_TOKENS: "accepted_tokens"}
     for text in texts:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name not in fields and sample.name != PER_POSITION:
+                if sample.name not in fields and sample.name != METRIC_ACCEPTED_PER_POSITION:
                     continue
                 labels = sample.labels
-                if model is not None and labels.get("model") != model:
+                if model is not None and labels.get(LABEL_MODEL) != model:
                     continue
-                key = (labels.get("proposer", ""), labels.get("config", ""))
+                key = (labels.get(LABEL_PROPOSER, ""), labels.get(LABEL_CONFIG, ""))
                 group = groups.setdefault(key, Acceptance(*key))
-                if sample.name == PER_POSITION:
-                    position = int(labels.get("position", "0"))
+                if sample.name == METRIC_ACCEPTED_PER_POSITION:
+                    position = int(labels.get(LABEL_POSITION, "0"))
                     group.accepted_by_position[position] = (
                         group.accepted_by_position.get(position, 0.0) + sample.value
                     )

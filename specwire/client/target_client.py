@@ -22,24 +22,21 @@ from specwire.generation.outputs import compute_transition_scores as _compute_tr
 from specwire.security import DEFAULT_CLIENT_MAX_MESSAGE_BYTES, secure_channel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
-from specwire.wire.common import FINISH_REASON_NAMES
+from specwire.vocabulary import FINISH_UNSPECIFIED, PROPOSER_NONE, PROPOSER_UNSPECIFIED
+from specwire.wire.common import FINISH_REASON_FROM_PROTO
 from specwire.wire.generation_config import config_from_proto
+from specwire.wire.proposers import PROPOSER_FROM_PROTO, PROPOSER_TO_PROTO
 from specwire.wire.tensors import tensor_from_proto
 
-PROPOSERS = {
-    None: pb.PROPOSER_UNSPECIFIED,
-    "none": pb.PROPOSER_NONE,
-    "prompt_lookup": pb.PROPOSER_PROMPT_LOOKUP,
-    "draft_model": pb.PROPOSER_DRAFT_MODEL,
-}
-PROPOSER_NAMES = {v: k or "unspecified" for k, v in PROPOSERS.items()}
+# A request's `proposer` argument -> the wire's enum; None leaves the choice to the target.
+PROPOSERS: dict[str | None, pb.Proposer] = dict([(None, pb.PROPOSER_UNSPECIFIED), *PROPOSER_TO_PROTO.items()])
 
 
 @dataclass
 class SpeculationStats:
     """Speculative decoding statistics of one request."""
 
-    proposer: str = "none"
+    proposer: str = PROPOSER_NONE
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -52,7 +49,7 @@ class SpeculationStats:
     @classmethod
     def from_proto(cls, message: pb.SpeculationStats) -> SpeculationStats:
         return cls(
-            proposer=PROPOSER_NAMES.get(message.proposer, "unspecified"),
+            proposer=PROPOSER_FROM_PROTO.get(message.proposer, PROPOSER_UNSPECIFIED),
             rounds=message.rounds,
             drafted_tokens=message.drafted_tokens,
             accepted_tokens=message.accepted_tokens,
@@ -95,7 +92,7 @@ class GenerateOutput:
             sequences=torch.tensor([list(s.token_ids) for s in response.sequences], dtype=torch.long),
             text=[s.text for s in response.sequences],
             finish_reasons=[
-                FINISH_REASON_NAMES.get(s.finish_reason, "unspecified") for s in response.sequences
+                FINISH_REASON_FROM_PROTO.get(s.finish_reason, FINISH_UNSPECIFIED) for s in response.sequences
             ],
             scores=steps("scores"),
             logits=steps("logits"),

@@ -63,9 +63,14 @@ def _open_session(start: pb.DraftStart, draft_model: LoadedModel | None, prompt_
             )
         generator = None
         if config.do_sample:
+            # The session's own generator: seeding torch's global one (`torch.seed()`) would change the
+            # random stream of everything else in the process, other sessions included.
             device = next(draft_model.model.parameters()).device
             generator = torch.Generator(device=device)
-            generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+            if config.seed is not None:
+                generator.manual_seed(config.seed)
+            else:
+                generator.seed()
         return ModelDrafter(draft_model.model, rows, config, start.vocab_size, start.return_probs, generator)
     raise InvalidArgument.for_field(
         "start.method", start.method, "choose DRAFT_METHOD_PROMPT_LOOKUP or DRAFT_METHOD_MODEL"

@@ -60,18 +60,11 @@ import torch
 from specwire.generation.argument_errors import InvalidGenerationArgument, UnsupportedModeError
 from specwire.generation.beam_search import BeamSearch
 from specwire.generation.config import check_runnable
-from specwire.generation.outputs import (
-    FINISH_EOS,
-    FINISH_LENGTH,
-    FINISH_STOP_STRING,
-    FINISH_TIME,
-    GenerationResult,
-    StepEvent,
-    compute_transition_scores,
-)
+from specwire.generation.outputs import GenerationResult, StepEvent, compute_transition_scores
 from specwire.generation.processors import build_logits_processors
 from specwire.generation.sampling import make_generator, select_tokens
-from specwire.generation.stopping import FinishReason, build_stopping_criteria
+from specwire.generation.stopping import build_stopping_criteria
+from specwire.vocabulary import FINISH_LENGTH, FINISH_REASON_NAMES, FinishReason
 
 # Transformers' default when no length is set anywhere: this many *new* tokens.
 DEFAULT_NEW_TOKENS = 20
@@ -615,12 +608,7 @@ def prepare_generation(
 
 
 def _reason_names() -> dict[int, str]:
-    return {
-        int(FinishReason.EOS): FINISH_EOS,
-        int(FinishReason.LENGTH): FINISH_LENGTH,
-        int(FinishReason.STOP_STRING): FINISH_STOP_STRING,
-        int(FinishReason.TIME): FINISH_TIME,
-    }
+    return dict(FINISH_REASON_NAMES)
 
 
 class _StopCodes:

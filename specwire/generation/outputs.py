@@ -11,14 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Finish reasons as strings, the form results and events carry. The integer codes of
-# `specwire.generation.stopping.FinishReason` map onto these.
-FINISH_EOS = "eos"
-FINISH_LENGTH = "length"
-FINISH_STOP_STRING = "stop_string"
-FINISH_TIME = "time"
-FINISH_REASONS = (FINISH_EOS, FINISH_LENGTH, FINISH_STOP_STRING, FINISH_TIME)
-
 
 @dataclass
 class StepEvent:
@@ -160,11 +152,6 @@ def compute_transition_scores(
 
 
 __all__ = [
-    "FINISH_EOS",
-    "FINISH_LENGTH",
-    "FINISH_REASONS",
-    "FINISH_STOP_STRING",
-    "FINISH_TIME",
     "GenerationResult",
     "StepEvent",
     "compute_transition_scores",

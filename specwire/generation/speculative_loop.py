@@ -29,13 +29,14 @@ import torch
 
 from specwire.generation.decoding import GenerationPlan, RowBatch
 from specwire.generation.drafters import Drafter, Proposal
-from specwire.generation.outputs import FINISH_LENGTH, GenerationResult, StepEvent
+from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.schedules import DraftSchedule
 from specwire.generation.speculative import (
     greedy_accept,
     rejection_sample,
     sampled_accept_without_draft_probs,
 )
+from specwire.vocabulary import FINISH_LENGTH, PROPOSER_NONE
 
 __all__ = ["DraftFailure", "RaggedRows", "RoundRecord", "SpeculationStats", "speculative_loop"]
 
@@ -62,7 +63,7 @@ class RoundRecord(NamedTuple):
 class SpeculationStats:
     """What speculation did for one request (summed over rows and rounds)."""
 
-    proposer: str = "none"
+    proposer: str = PROPOSER_NONE
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0

@@ -9,7 +9,6 @@ done). `StoppingCriteriaList` ORs them and, unlike transformers, can say *why* e
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import numbers
@@ -23,20 +22,12 @@ from typing import Any
 
 import torch
 
+from specwire.vocabulary import FinishReason
+
 from .argument_errors import InvalidGenerationArgument
 from .processors.base import token_id_list
 
 logger = logging.getLogger(__name__)
-
-
-class FinishReason(enum.IntEnum):
-    """Why a row stopped; `NONE` while it is still running."""
-
-    NONE = 0
-    LENGTH = 1
-    EOS = 2
-    STOP_STRING = 3
-    TIME = 4
 
 
 class MaxLengthCriteria:

@@ -28,6 +28,7 @@ from specwire.target_service.limits import RequestLimits, default_output_bytes
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
 from specwire.target_service.service import TargetServicer
 from specwire.telemetry import setup_telemetry
+from specwire.vocabulary import PROPOSER_NONE, PROPOSERS
 
 SERVICE_NAME = "specwire.target.v1.TargetService"
 # The scheduler when none is given; SPECWIRE_TARGET_SCHEDULER overrides it (deployments, and running
@@ -106,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--default-proposer",
-        default="none",
-        choices=["none", "prompt_lookup", "draft_model"],
+        default=PROPOSER_NONE,
+        choices=list(PROPOSERS),
         help="drafter for requests that choose none (prompt_lookup_num_tokens always picks prompt lookup)",
     )
     parser.add_argument(

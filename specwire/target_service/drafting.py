@@ -34,17 +34,13 @@ from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.generation.drafters import Drafter, PromptLookupDrafter, Proposal
 from specwire.generation.speculative_loop import DraftFailure
 from specwire.security import secure_channel
-from specwire.target.v1 import target_service_pb2 as target_pb
+from specwire.vocabulary import PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
 from specwire.wire.generation_config import config_to_proto
+from specwire.wire.proposers import PROPOSER_FROM_PROTO
 from specwire.wire.tensors import tensor_from_proto
 
 log = logging.getLogger("specwire.target_service.drafting")
 
-PROPOSER_NAMES = {
-    target_pb.PROPOSER_NONE: "none",
-    target_pb.PROPOSER_PROMPT_LOOKUP: "prompt_lookup",
-    target_pb.PROPOSER_DRAFT_MODEL: "draft_model",
-}
 # How long a finished stream may take to end politely (half-close, the service's OK) before it is cancelled.
 _GOODBYE_S = 5.0
 
@@ -288,7 +284,7 @@ class DraftPolicy:
     """
 
     draft_address: str | None = None
-    default_proposer: str = "none"
+    default_proposer: str = PROPOSER_NONE
     round_timeout_s: float = 5.0
     prompt_lookup_tokens: int = 10
     prompt_lookup_rule: str = "longest"
@@ -311,10 +307,10 @@ class DraftPolicy:
 
     def proposer(self, requested: int, config: Any) -> str:
         """The proposer a request runs with: its own choice, else the config's, else the server default."""
-        if requested in PROPOSER_NAMES:
-            return PROPOSER_NAMES[requested]
+        if requested in PROPOSER_FROM_PROTO:
+            return PROPOSER_FROM_PROTO[requested]
         if config.prompt_lookup_num_tokens is not None:
-            return "prompt_lookup"
+            return PROPOSER_PROMPT_LOOKUP
         return self.default_proposer
 
     def opener(self, proposer: str, vocab_size: int):
@@ -322,7 +318,7 @@ class DraftPolicy:
 
         def open_drafter(rows: list[list[int]], config: Any) -> Drafter:
             sampling = bool(config.do_sample)
-            if proposer == "prompt_lookup":
+            if proposer == PROPOSER_PROMPT_LOOKUP:
                 if self.draft_address is None:
                     return PromptLookupDrafter(rows, config, vocab_size, self.prompt_lookup_rule)
                 method = pb.DRAFT_METHOD_PROMPT_LOOKUP
@@ -345,7 +341,7 @@ class DraftPolicy:
 
     def draft_length(self, proposer: str, config: Any) -> int | None:
         """Constant draft length for prompt lookup (transformers applies no schedule to it)."""
-        if proposer == "prompt_lookup":
+        if proposer == PROPOSER_PROMPT_LOOKUP:
             return config.prompt_lookup_num_tokens or self.prompt_lookup_tokens
         return None
 

@@ -44,6 +44,7 @@ from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.requests import GenerationJob
 from specwire.target_service.scheduler.batch_scheduler import BatchScheduler
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
+from specwire.vocabulary import PROPOSER_NONE
 
 log = logging.getLogger("specwire.target_service.engine")
 
@@ -167,7 +168,7 @@ class Engine:
         mask = None if job.attention_mask is None else job.attention_mask.to(device)
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer
-        if proposer == "none":
+        if proposer == PROPOSER_NONE:
             return iter_generate(model, input_ids, mask, **common)
         with self._lock:
             opened = self._drafters.get(id(job))

@@ -25,15 +25,20 @@ from opentelemetry.trace import Status, StatusCode
 from specwire import telemetry
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.speculative_loop import SpeculationStats
-
-# Metric names (OTLP); Prometheus shows the histograms with `.` -> `_` and a `_seconds` suffix.
-DRAFTS = "specwire_spec_decode_drafts_total"
-DRAFT_TOKENS = "specwire_spec_decode_draft_tokens_total"
-ACCEPTED_TOKENS = "specwire_spec_decode_accepted_tokens_total"
-ACCEPTED_PER_POSITION = "specwire_spec_decode_accepted_tokens_per_position_total"
-REQUEST_DURATION = "gen_ai.server.request.duration"
-TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"
-TIME_PER_OUTPUT_TOKEN = "gen_ai.server.time_per_output_token"
+from specwire.vocabulary import (
+    LABEL_CONFIG,
+    LABEL_MODEL,
+    LABEL_POSITION,
+    LABEL_PROPOSER,
+    METRIC_ACCEPTED_PER_POSITION,
+    METRIC_ACCEPTED_TOKENS,
+    METRIC_DRAFT_TOKENS,
+    METRIC_DRAFTS,
+    METRIC_REQUEST_DURATION,
+    METRIC_TIME_PER_OUTPUT_TOKEN,
+    METRIC_TIME_TO_FIRST_TOKEN,
+    PROPOSER_NONE,
+)
 
 # Bucket boundaries the GenAI semantic conventions recommend for these histograms.
 DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
@@ -56,31 +61,31 @@ class SpecDecodeMetrics:
 
     def __init__(self, meter: Any):
         self.drafts = meter.create_counter(
-            DRAFTS, unit="{draft}", description="Drafts: one per row per speculative round with a draft"
+            METRIC_DRAFTS, unit="{draft}", description="Drafts: one per row per speculative round with a draft"
         )
         self.draft_tokens = meter.create_counter(
-            DRAFT_TOKENS, unit="{token}", description="Draft tokens proposed"
+            METRIC_DRAFT_TOKENS, unit="{token}", description="Draft tokens proposed"
         )
         self.accepted_tokens = meter.create_counter(
-            ACCEPTED_TOKENS, unit="{token}", description="Draft tokens accepted by the target"
+            METRIC_ACCEPTED_TOKENS, unit="{token}", description="Draft tokens accepted by the target"
         )
         self.accepted_per_position = meter.create_counter(
-            ACCEPTED_PER_POSITION, unit="{token}", description="Accepted draft tokens by position (0-based)"
+            METRIC_ACCEPTED_PER_POSITION, unit="{token}", description="Accepted draft tokens by position (0-based)"
         )
         self.request_duration = meter.create_histogram(
-            REQUEST_DURATION,
+            METRIC_REQUEST_DURATION,
             unit="s",
             description="Generation request duration in the target service",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
         )
         self.time_to_first_token = meter.create_histogram(
-            TIME_TO_FIRST_TOKEN,
+            METRIC_TIME_TO_FIRST_TOKEN,
             unit="s",
             description="Time from arrival to the first generated token",
             explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
         )
         self.time_per_output_token = meter.create_histogram(
-            TIME_PER_OUTPUT_TOKEN,
+            METRIC_TIME_PER_OUTPUT_TOKEN,
             unit="s",
             description="Time per output token after the first",
             explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
@@ -88,14 +93,14 @@ class SpecDecodeMetrics:
 
     def record_speculation(self, stats: SpeculationStats, labels: dict[str, str]) -> None:
         """Add one request's speculation statistics (nothing for requests that did not speculate)."""
-        if stats.proposer == "none":
+        if stats.proposer == PROPOSER_NONE:
             return
         drafts = sum(r.drafted_rows for r in stats.round_log)
         self.drafts.add(drafts, labels)
         self.draft_tokens.add(stats.drafted_tokens, labels)
         self.accepted_tokens.add(stats.accepted_tokens, labels)
         for position, count in enumerate(stats.accepted_by_position):
-            self.accepted_per_position.add(count, {**labels, "position": str(position)})
+            self.accepted_per_position.add(count, {**labels, LABEL_POSITION: str(position)})
 
     def record_latency(
         self,
@@ -184,9 +189,9 @@ class RequestObserver:
 
     def _labels(self, stats: SpeculationStats | None) -> dict[str, str]:
         return {
-            "model": self.model_id,
-            "proposer": stats.proposer if stats is not None else "none",
-            "config": config_label(self.request, self.job),
+            LABEL_MODEL: self.model_id,
+            LABEL_PROPOSER: stats.proposer if stats is not None else PROPOSER_NONE,
+            LABEL_CONFIG: config_label(self.request, self.job),
         }
 
     def _finish(self, exc: BaseException | None, ended: float) -> None:
@@ -219,7 +224,7 @@ class RequestObserver:
         attributes: dict[str, Any] = {
             "specwire.request_id": job.request_id,
             "specwire.rows": int(job.input_ids.shape[0]),
-            "specwire.config.name": labels["config"],
+            "specwire.config.name": labels[LABEL_CONFIG],
             "gen_ai.usage.input_tokens": int(job.attention_mask.sum())
             if job.attention_mask is not None
             else int(job.input_ids.numel()),

@@ -10,6 +10,7 @@ from contextlib import aclosing
 import torch
 
 from specwire import telemetry
+from specwire.common.v1 import common_pb2
 from specwire.errors import ResourceExhausted
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.speculative_loop import SpeculationStats
@@ -19,19 +20,18 @@ from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.target_service.admission import PreparationPool
 from specwire.target_service.config_resolver import ConfigResolver
-from specwire.target_service.drafting import PROPOSER_NAMES, DraftPolicy
+from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.engine import Engine
 from specwire.target_service.limits import DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
 from specwire.target_service.observability import RequestObserver, SpecDecodeMetrics
 from specwire.target_service.requests import GenerationJob, build_job
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
-from specwire.wire.common import FINISH_REASONS, violation_to_proto
+from specwire.wire.common import FINISH_REASON_TO_PROTO, violation_to_proto
 from specwire.wire.generation_config import config_to_proto
+from specwire.wire.proposers import PROPOSER_TO_PROTO
 from specwire.wire.tensors import tensor_to_proto
 
 log = logging.getLogger("specwire.target_service")
-
-PROPOSERS = {name: value for value, name in PROPOSER_NAMES.items()}
 
 
 class TextDeltas:
@@ -68,7 +68,7 @@ def peak_device_memory_bytes(device: torch.device) -> int:
 
 def speculation_to_proto(stats: SpeculationStats) -> pb.SpeculationStats:
     return pb.SpeculationStats(
-        proposer=PROPOSERS.get(stats.proposer, pb.PROPOSER_UNSPECIFIED),
+        proposer=PROPOSER_TO_PROTO.get(stats.proposer, pb.PROPOSER_UNSPECIFIED),
         rounds=stats.rounds,
         drafted_tokens=stats.drafted_tokens,
         accepted_tokens=stats.accepted_tokens,
@@ -98,7 +98,9 @@ def response_from_result(
                 token_ids=ids,
                 prompt_length=prompt_length,
                 text=text,
-                finish_reason=FINISH_REASONS.get(result.finish_reasons[row], 0),
+                finish_reason=FINISH_REASON_TO_PROTO.get(
+                    result.finish_reasons[row], common_pb2.FINISH_REASON_UNSPECIFIED
+                ),
             )
         )
     response = pb.GenerateResponse(

@@ -6,15 +6,13 @@ from typing import Any
 
 from specwire.common.v1 import common_pb2
 from specwire.errors import MAX_PROBLEM_MESSAGE_CHARS, clip, short_value
+from specwire.vocabulary import FINISH_CANCELLED, FINISH_REASONS
 
-FINISH_REASONS = {
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "eos": common_pb2.FINISH_REASON_EOS,
-    "stop_string": common_pb2.FINISH_REASON_STOP_STRING,
-    "time": common_pb2.FINISH_REASON_TIME,
-    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+# Finish reason name -> `FinishReason` enum value, by the enum's naming rule (`FINISH_REASON_<NAME>`).
+FINISH_REASON_TO_PROTO: dict[str, common_pb2.FinishReason] = {
+    name: common_pb2.FinishReason.Value(f"FINISH_REASON_{name.upper()}") for name in (*FINISH_REASONS, FINISH_CANCELLED)
 }
-FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+FINISH_REASON_FROM_PROTO: dict[int, str] = {value: name for name, value in FINISH_REASON_TO_PROTO.items()}
 
 
 def violation_to_proto(violation: Any, prefix: str = "") -> common_pb2.FieldViolation:

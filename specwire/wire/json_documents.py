@@ -10,6 +10,7 @@ so documents deeper than `MAX_JSON_DEPTH` are refused as INVALID_ARGUMENT, namin
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from specwire.errors import InvalidArgument
@@ -26,6 +27,7 @@ def json_depth(value: Any) -> int:
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(node, dict):
             children = node.values()
         elif isinstance(node, list):

@@ -144,6 +144,22 @@ def test_model_session_returns_probabilities_when_sampling(server):
     stream.close()
 
 
+def test_sampling_sessions_leave_the_global_rng_alone(server):
+    """A sampling draft session draws from a generator of its own, seeded or not: torch's global RNG
+    (every other user of randomness in the process) is neither reseeded nor advanced."""
+    before = torch.get_rng_state()
+    for seed in (None, 3):
+        config = {"eos_token_id": 2, "do_sample": True, "assistant_confidence_threshold": 0.0}
+        if seed is not None:
+            config["seed"] = seed
+        stream = Stream(server.address)
+        first = stream.send(start([[5, 6, 7]], pb.DRAFT_METHOD_MODEL, config, num_tokens=3))
+        assert len(first.rows) == 1
+        stream.send(feedback([0], [[9]], num_tokens=3))
+        stream.close()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 @pytest.mark.parametrize(
     "messages, code",
     [

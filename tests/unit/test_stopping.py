@@ -15,7 +15,6 @@ from transformers.generation import stopping_criteria as hf
 from specwire.generation.stopping import (
     ConfidenceCriteria,
     EosTokenCriteria,
-    FinishReason,
     MaxLengthCriteria,
     MaxTimeCriteria,
     StoppingCriteriaList,
@@ -23,6 +22,7 @@ from specwire.generation.stopping import (
     _bytes_to_unicode,
     build_stopping_criteria,
 )
+from specwire.vocabulary import FinishReason
 from tests.tiny_models import build_tokenizer
 
 # transformers' own stop-string examples (tests/generation/test_stopping_criteria.py).

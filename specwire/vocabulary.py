@@ -1,0 +1,91 @@
+"""The words every side of specwire shares: proposer names, finish reasons and metric names.
+
+The services, the client, the decoding core and the benchmarks spell these the same way, so they are
+defined here once. Standard library only: the `specwire` CLI imports it at start-up (no torch, no
+gRPC), and the pure core may import it too.
+
+The wire's enums follow one naming rule, `PROPOSER_<NAME>` (`specwire.target.v1.Proposer`) and
+`FINISH_REASON_<NAME>` (`specwire.common.v1.FinishReason`), so `specwire.wire` derives its enum
+mappings from the names here (and fails at import if a name has no enum value).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final
+
+# ---------------------------------------------------------------------------------------------------
+# Proposers: who drafts tokens for speculative decoding. The values of `--proposer`,
+# `--default-proposer`, `SpeculationStats.proposer` and the `proposer` metric label.
+# ---------------------------------------------------------------------------------------------------
+
+PROPOSER_NONE: Final = "none"
+PROPOSER_PROMPT_LOOKUP: Final = "prompt_lookup"
+PROPOSER_DRAFT_MODEL: Final = "draft_model"
+PROPOSERS: Final = (PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP, PROPOSER_DRAFT_MODEL)
+# What a client shows for the wire's zero value (a response that names no proposer).
+PROPOSER_UNSPECIFIED: Final = "unspecified"
+
+# ---------------------------------------------------------------------------------------------------
+# Finish reasons: why a row stopped. Results, step events, the client's `finish_reasons` and the
+# `gen_ai.response.finish_reasons` span attribute carry the names; stopping criteria compute the
+# `FinishReason` codes on tensors.
+# ---------------------------------------------------------------------------------------------------
+
+FINISH_LENGTH: Final = "length"
+FINISH_EOS: Final = "eos"
+FINISH_STOP_STRING: Final = "stop_string"
+FINISH_TIME: Final = "time"
+# The decoding loops report only the four above; the wire has a fifth for a cancelled request.
+FINISH_CANCELLED: Final = "cancelled"
+FINISH_REASONS: Final = (FINISH_EOS, FINISH_LENGTH, FINISH_STOP_STRING, FINISH_TIME)
+# What a client shows for the wire's zero value (a reason it does not know).
+FINISH_UNSPECIFIED: Final = "unspecified"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a row stopped, as the integer code stopping criteria put in tensors; `NONE` while it runs.
+
+    The numbers are those of the wire's `specwire.common.v1.FinishReason` (0 is its `UNSPECIFIED`).
+    """
+
+    NONE = 0
+    LENGTH = 1
+    EOS = 2
+    STOP_STRING = 3
+    TIME = 4
+
+
+# Code -> name, for the codes that mean a finished row.
+FINISH_REASON_NAMES: Final[Mapping[int, str]] = MappingProxyType(
+    {
+        FinishReason.LENGTH: FINISH_LENGTH,
+        FinishReason.EOS: FINISH_EOS,
+        FinishReason.STOP_STRING: FINISH_STOP_STRING,
+        FinishReason.TIME: FINISH_TIME,
+    }
+)
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics: what the target service exports (`specwire.target_service.observability`) and
+# `specwire stats` reads back from a Prometheus scrape (`specwire.client.stats`).
+# ---------------------------------------------------------------------------------------------------
+
+# Speculative-decoding counters. Prometheus shows them under the same names.
+METRIC_DRAFTS: Final = "specwire_spec_decode_drafts_total"
+METRIC_DRAFT_TOKENS: Final = "specwire_spec_decode_draft_tokens_total"
+METRIC_ACCEPTED_TOKENS: Final = "specwire_spec_decode_accepted_tokens_total"
+METRIC_ACCEPTED_PER_POSITION: Final = "specwire_spec_decode_accepted_tokens_per_position_total"
+# Request-latency histograms (GenAI semantic conventions). Prometheus shows them with `.` -> `_` and
+# a `_seconds` suffix (`gen_ai_server_request_duration_seconds`).
+METRIC_REQUEST_DURATION: Final = "gen_ai.server.request.duration"
+METRIC_TIME_TO_FIRST_TOKEN: Final = "gen_ai.server.time_to_first_token"
+METRIC_TIME_PER_OUTPUT_TOKEN: Final = "gen_ai.server.time_per_output_token"
+
+# Labels (attributes) of those metrics.
+LABEL_MODEL: Final = "model"
+LABEL_PROPOSER: Final = "proposer"
+LABEL_CONFIG: Final = "config"
+LABEL_POSITION: Final = "position"  # 0-based draft position, on METRIC_ACCEPTED_PER_POSITION only
