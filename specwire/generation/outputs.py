@@ -8,6 +8,7 @@ Field names follow transformers' `GenerateDecoderOnlyOutput` / `GenerateBeamDeco
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,8 +63,8 @@ class GenerationResult:
 
     Args:
         sequences (`torch.LongTensor` of shape `(batch_size * num_return_sequences, sequence_length)`):
-            Prompt plus generated tokens; rows that finished early are padded (see `GenerationResult` notes in
-            `specwire.generation.decoding`).
+            Prompt plus generated tokens; rows that finished early are padded (see `StepEvent` and the loops in
+            `specwire.generation.loops`).
         scores (`tuple(torch.FloatTensor)`, *optional*):
             Processed scores per step, each `(rows, vocab_size)`; rows is `batch * num_return_sequences` for
             greedy/sampling and `batch * num_beams` for beam search (processed log-probabilities, before the
@@ -159,6 +160,17 @@ def compute_transition_scores(
     return transition
 
 
+def outputs_wanted(config: Any) -> tuple[bool, bool, bool]:
+    """(return_dict, keep scores, keep logits), as transformers' flags combine.
+
+    Args:
+        config (`GenerationConfig`):
+            The resolved config (`return_dict_in_generate`, `output_scores`, `output_logits`).
+    """
+    return_dict = bool(config.return_dict_in_generate)
+    return return_dict, return_dict and bool(config.output_scores), return_dict and bool(config.output_logits)
+
+
 __all__ = [
     "FINISH_EOS",
     "FINISH_LENGTH",
@@ -168,4 +180,5 @@ __all__ = [
     "GenerationResult",
     "StepEvent",
     "compute_transition_scores",
+    "outputs_wanted",
 ]

@@ -15,7 +15,7 @@ import torch
 
 from specwire.errors import FieldProblem, InvalidArgument, Unimplemented
 from specwire.generation.config import GenerationConfig, field_suggestion, merge, unknown_keys
-from specwire.generation.speculative_loop import SpeculationStats
+from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models import LoadedModel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target_service.admission import PreparationPool

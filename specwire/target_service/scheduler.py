@@ -84,11 +84,13 @@ from typing import Any
 import torch
 
 from specwire.errors import ResourceExhausted, Unavailable
-from specwire.generation.decoding import RowBatch, prepare_generation
-from specwire.generation.lean_decoder import LeanDecoder
 from specwire.generation.outputs import GenerationResult, StepEvent
+from specwire.generation.planning import prepare_generation
 from specwire.generation.processors.batched import BatchedChains, RowChain
-from specwire.generation.slot_cache import (
+from specwire.generation.rows import RowBatch
+from specwire.model_thread import claim_torch_threads, is_device_error
+from specwire.runtime.lean_decoder import LeanDecoder
+from specwire.runtime.slot_cache import (
     SlotKVCache,
     SlotRows,
     SlotWork,
@@ -96,7 +98,6 @@ from specwire.generation.slot_cache import (
     install_slot_attention,
     slot_support,
 )
-from specwire.model_thread import claim_torch_threads, is_device_error
 
 log = logging.getLogger("specwire.target_service.scheduler")
 

@@ -19,9 +19,9 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from specwire.generation.config import GenerationConfig
-from specwire.generation.drafters import ModelDrafter
+from specwire.generation.loops.speculative import _accept
 from specwire.generation.processors.guidance import UnbatchedClassifierFreeGuidanceLogitsProcessor
-from specwire.generation.speculative_loop import _accept
+from specwire.generation.speculation.drafters import ModelDrafter
 from specwire.models import load_model
 
 VOCAB = 64

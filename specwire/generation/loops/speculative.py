@@ -23,113 +23,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from specwire.generation.decoding import GenerationPlan, RowBatch
-from specwire.generation.drafters import Drafter, Proposal
+from specwire.generation.loops.generate import generate_from_plan
+from specwire.generation.loops.sampling import make_generator
+from specwire.generation.loops.stop_codes import StopCodes, reason_names
 from specwire.generation.outputs import FINISH_LENGTH, GenerationResult, StepEvent
-from specwire.generation.schedules import DraftSchedule
-from specwire.generation.speculative import (
+from specwire.generation.planning import GenerationPlan, model_limits, prepare_generation
+from specwire.generation.processors import build_logits_processors
+from specwire.generation.rows import RaggedRows, SpeculativeRows
+from specwire.generation.speculation.acceptance import (
     greedy_accept,
     rejection_sample,
     sampled_accept_without_draft_probs,
 )
+from specwire.generation.speculation.drafters import Drafter, DraftFailure, Proposal
+from specwire.generation.speculation.schedules import DraftSchedule
+from specwire.generation.speculation.stats import RoundRecord, SpeculationStats
+from specwire.generation.stopping import build_stopping_criteria
 
-__all__ = ["DraftFailure", "RaggedRows", "RoundRecord", "SpeculationStats", "speculative_loop"]
-
-
-class DraftFailure(RuntimeError):
-    """The drafter cannot continue (unreachable, past its deadline, or its stream died)."""
-
-
-class RoundRecord(NamedTuple):
-    """One speculative round, for tracing: one span each (`start_ns`/`end_ns` are `time.time_ns()`)."""
-
-    rows: int
-    asked: int
-    drafted: int
-    accepted: int
-    draft_s: float
-    verify_s: float
-    start_ns: int = 0
-    end_ns: int = 0
-    drafted_rows: int = 0  # rows that got a non-empty draft: the round's number of drafts
-
-
-@dataclass
-class SpeculationStats:
-    """What speculation did for one request (summed over rows and rounds)."""
-
-    proposer: str = "none"
-    rounds: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_by_position: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    fallback_reason: str = ""
-    # One entry per round with a draft: (rows, asked, drafted, accepted, draft_s, verify_s, start_ns,
-    # end_ns, drafted_rows), for tracing.
-    round_log: list[RoundRecord] = field(default_factory=list)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-
-class RaggedRows(RowBatch):
-    """A `RowBatch` whose rows advance by different numbers of tokens per round.
-
-    `verify(candidates, valid)` appends a block per row where only `valid` slots are real tokens.
-    `discard(physical, real)` drops each row's rejected slots: the slots every row rejects are
-    cropped from the cache; the rest are masked out of attention (holes), and each row's next
-    position continues from its own real length. A single row never needs holes.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.next_position = self.position_ids[:, -1] + 1  # [rows]
-
-    def _grow(self, n: int, valid: torch.Tensor | None = None) -> None:
-        rows = self.position_ids.shape[0]
-        if valid is None:
-            valid = torch.ones((rows, n), dtype=torch.long, device=self.device)
-        valid = valid.long()
-        offsets = valid.cumsum(-1) - valid  # position of each slot = next + real slots before it
-        self.position_ids = torch.cat([self.position_ids, self.next_position[:, None] + offsets], dim=-1)
-        self.next_position = self.next_position + valid.sum(-1)
-        if self.attention_mask is None and not bool(valid.all()):
-            self.attention_mask = torch.ones(
-                (rows, self.position_ids.shape[1] - n), dtype=torch.long, device=self.device
-            )
-        if self.attention_mask is not None:
-            self.attention_mask = torch.cat([self.attention_mask, valid], dim=-1)
-
-    def verify(self, candidates: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Run a block per row (`valid` marks real slots) and return the logits `[rows, k, vocab]`."""
-        candidates = candidates.to(self.device)
-        k = candidates.shape[1]
-        self._grow(k, None if valid is None else valid.to(self.device))
-        return self._forward(candidates, k)
-
-    def discard(self, physical: torch.Tensor, real: torch.Tensor) -> None:
-        """Drop each row's last `physical[row]` slots, of which `real[row]` were real tokens."""
-        self.next_position = self.next_position - real.to(self.device)
-        common = int(physical.min())
-        if common > 0:
-            super().rollback(common)
-        rest = (physical - common).tolist()
-        if any(rest):
-            total = self.position_ids.shape[1]
-            if self.attention_mask is None:
-                self.attention_mask = torch.ones(
-                    (self.position_ids.shape[0], total), dtype=torch.long, device=self.device
-                )
-            for row, n in enumerate(rest):
-                if n:
-                    self.attention_mask[row, total - n :] = 0
+__all__ = ["iter_speculative", "speculation_blocker", "speculative_loop"]
 
 
 @dataclass
@@ -152,7 +67,7 @@ class _Row:
 
 def speculative_loop(
     plan: GenerationPlan,
-    rows: RaggedRows,
+    rows: SpeculativeRows,
     input_ids: torch.Tensor,
     row_processors: list[Any],
     row_stop_codes: list[Callable[[torch.Tensor, Any], torch.Tensor]],
@@ -442,7 +357,7 @@ def _result(plan, state, input_ids, keep_scores, keep_logits, pad) -> Generation
     )
 
 
-def speculation_blocker(plan: GenerationPlan, negative_prompt_ids: Any = None) -> str:
+def speculation_blocker(plan: GenerationPlan) -> str:
     """Why this generation cannot speculate ("" when it can); it then runs plain decoding."""
     config = plan.config
     if plan.num_beams > 1:
@@ -468,11 +383,11 @@ def iter_speculative(
     negative_prompt_attention_mask: torch.Tensor | None = None,
     max_position_embeddings: int | None = None,
     draft_length: int | None = None,
-    rows_factory: Callable[..., Any] | None = None,
+    rows_factory: Callable[..., SpeculativeRows] | None = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """`iter_generate` with speculative rounds when the request allows it, else plain decoding.
 
-    Same arguments and result as `specwire.generation.decoding.iter_generate`, plus:
+    Same arguments and result as `specwire.generation.loops.generate.iter_generate`, plus:
 
     Args:
         open_drafter (`Callable[[list[list[int]], GenerationConfig], Drafter]`): opens the drafting
@@ -481,24 +396,17 @@ def iter_speculative(
         stats (`SpeculationStats`): receives the request's speculation statistics and fallback reason.
         draft_length (`int`, *optional*): constant draft length (prompt lookup) instead of the schedule.
         rows_factory (`Callable`, *optional*): builds the model-side state instead of `RaggedRows`
-            (it must support `verify(candidates, valid)` and `discard`); passed on to plain decoding.
+            (a `SpeculativeRows`); passed on to plain decoding.
     """
-    from specwire.generation.decoding import _reason_names, _StopCodes, iter_generate, model_limits, prepare_generation
-    from specwire.generation.processors import build_logits_processors
-    from specwire.generation.sampling import make_generator
-    from specwire.generation.stopping import build_stopping_criteria
-
     plan = prepare_generation(
         model, input_ids, attention_mask, config=config, max_position_embeddings=max_position_embeddings
     )
-    blocker = speculation_blocker(plan, negative_prompt_ids)
+    blocker = speculation_blocker(plan)
     if blocker:
         stats.fallback_reason = blocker
-        return iter_generate(
+        return generate_from_plan(
             model,
-            input_ids,
-            attention_mask,
-            config=config,
+            plan,
             tokenizer=tokenizer,
             generator=generator,
             negative_prompt_ids=negative_prompt_ids,
@@ -517,10 +425,32 @@ def iter_speculative(
         use_cache=True,
         prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
     )
+    row_processors, row_stops = _per_row_steps(model, plan, rows, tokenizer, max_position_embeddings)
+    if plan.do_sample and generator is None:
+        generator = make_generator(getattr(config, "seed", None), expanded.device)
+    return speculative_loop(
+        plan,
+        rows,
+        expanded,
+        row_processors,
+        row_stops,
+        generator,
+        lambda tokens: open_drafter(tokens, config),
+        stats,
+        reason_names(),
+        draft_length,
+    )
+
+
+def _per_row_steps(
+    model: Any, plan: GenerationPlan, rows: SpeculativeRows, tokenizer: Any, max_position_embeddings: int | None
+) -> tuple[list[Any], list[StopCodes]]:
+    """Each row's processors and stopping criteria, built for a batch of one (rows advance apart)."""
+    config = plan.config
     vocab_size, max_position_embeddings = model_limits(model, max_position_embeddings)
     pad_lengths = rows.padding_lengths
     row_processors, row_stops = [], []
-    for r in range(expanded.shape[0]):
+    for r in range(plan.input_ids.shape[0] * plan.expand):
         prompt = plan.input_ids[r // plan.expand : r // plan.expand + 1]
         row_processors.append(
             build_logits_processors(
@@ -541,18 +471,5 @@ def iter_speculative(
             tokenizer=tokenizer,
             max_position_embeddings=max_position_embeddings,
         )
-        row_stops.append(_StopCodes(criteria, plan.eos_token_ids, expanded.device))
-    if plan.do_sample and generator is None:
-        generator = make_generator(getattr(config, "seed", None), expanded.device)
-    return speculative_loop(
-        plan,
-        rows,
-        expanded,
-        row_processors,
-        row_stops,
-        generator,
-        lambda tokens: open_drafter(tokens, config),
-        stats,
-        _reason_names(),
-        draft_length,
-    )
+        row_stops.append(StopCodes(criteria, plan.eos_token_ids, plan.input_ids.device))
+    return row_processors, row_stops

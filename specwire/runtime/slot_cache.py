@@ -28,10 +28,11 @@ request runs the very kernel calls of an unbatched forward). Without the packed-
 forward's kwargs the function is exactly `sdpa_attention_forward`, so every other forward of the
 model (the sequential lane, classifier-free guidance) is unchanged.
 
-`SlotRows` is the per-request, `RowBatch`/`RaggedRows`-compatible view used by the unchanged
-decoding loops: `prefill`/`decode`/`verify` hand a `SlotWork` to a `submit` callable (the scheduler)
-and return its logits; `rollback`/`discard` move cursors; `reorder` (beam parents) remaps slots and
-queues the copies that children of a shared parent need, applied before the next forward.
+`SlotRows` is the per-request view used by the unchanged decoding loops (a
+`specwire.generation.rows.SpeculativeRows`, like `RowBatch`/`RaggedRows`): `prefill`/`decode`/`verify`
+hand a `SlotWork` to a `submit` callable (the scheduler) and return its logits; `rollback`/`discard`
+move cursors; `reorder` (beam parents) remaps slots and queues the copies that children of a shared
+parent need, applied before the next forward.
 
 Supported models: decoder-only models whose attention layers call the attention interface with
 `module.layer_idx` and no sliding window, running with `sdpa` (Llama, SmolLM2, Qwen2/3, Mistral
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from specwire.generation.decoding import RowBatch
+from specwire.generation.rows import RowBatch
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -309,7 +310,7 @@ def run_packed(model: Any, cache: SlotKVCache, pieces: Sequence[tuple[int, int, 
         pieces (`list[tuple[int, int, list[int]]]`): `(slot, cursor, tokens)` per row piece, in packed order.
         keep (`list[int]`): packed indices whose next-token logits are wanted.
         decoder (`LeanDecoder`, *optional*): runs the forward instead of `model(...)`, with the same
-            logits (`specwire.generation.lean_decoder`).
+            logits (`specwire.runtime.lean_decoder`).
 
     Returns:
         `torch.FloatTensor` of shape `(len(keep), vocab_size)`: float32 logits.
@@ -340,13 +341,14 @@ _NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
 class SlotRows:
     """
-    `RowBatch`/`RaggedRows`-compatible model state of one request's rows, kept in shared slots.
+    Model state of one request's rows, kept in shared slots (`specwire.generation.rows.SpeculativeRows`).
 
     Args:
         submit (`Callable[[SlotWork], None]`):
             Runs a work item (in a shared forward) and returns when its `outputs` are filled.
         release (`Callable[[list[int]], None]`):
-            Gives slots back (rows dropped by `select`).
+            Gives slots back. No step drops rows any more (`select` was dead and is gone): the
+            scheduler frees a request's slots when it ends, so this is never called.
         slots (`list[int]`):
             One slot per row.
         attention_mask (`torch.LongTensor` of shape `(rows, prompt_length)`, *optional*):
@@ -452,16 +454,6 @@ class SlotRows:
                 self._copy_length = max(self._copy_length, old_cursors[p])
         self.slots = [int(s) for s in new_slots]
         self.cursors = [old_cursors[p] for p in parents]
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keeps only `rows` (in that order) and gives the other slots back."""
-        keep = rows.tolist()
-        kept = {self.slots[r] for r in keep}
-        self.release([s for s in self.slots if s not in kept])
-        self.slots = [self.slots[r] for r in keep]
-        self.cursors = [self.cursors[r] for r in keep]
-        if self.attention_mask is not None:
-            self.attention_mask = self.attention_mask.index_select(0, rows.to(self.device).long())
 
 
 def execute(model: Any, cache: SlotKVCache, works: Sequence[SlotWork], token_budget: int | None = None,
