@@ -332,25 +332,12 @@ def rejection_sample(
     num_accepted = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]
     last = torch.empty(rows, dtype=torch.long, device=device)  # [rows] recovered or bonus token
     for row in range(rows):
-        length, row_generator, weight = lengths[row], generators[row], weights[row]
-        if length == 0:
-            # Nothing to verify: the row is a plain sampling step from p_1.
-            distribution = target_probs[row, :1]  # [1, vocab]
-        else:
-            row_ratio = ratio[row, :length]  # [length]
-            if weight is not None:
-                # Scalar arithmetic as transformers does it (Python float w), so acceptances match.
-                row_ratio = 1.0 - weight + weight * row_ratio
-            uniforms = torch.rand(length, generator=row_generator, dtype=row_ratio.dtype, device=device)
-            accepted = (uniforms <= row_ratio).long().cumprod(dim=0).sum()  # 0-d, no host sync
+        length = lengths[row]
+        accepted, last[row] = _rejection_sample_row(
+            ratio[row, :length], target_probs[row], draft_probs[row], weights[row], generators[row], tiny
+        )
+        if accepted is not None:
             num_accepted[row] = accepted
-            p_next = target_probs[row].index_select(0, accepted.view(1))  # [1, vocab]
-            q_next = draft_probs[row].index_select(0, accepted.clamp(max=length - 1).view(1))  # [1, vocab]
-            residual = torch.clamp(p_next - q_next, min=0)
-            residual_sum = residual.sum()
-            recovered = torch.where(residual_sum > tiny, residual / residual_sum, p_next)
-            distribution = torch.where(accepted < length, recovered, p_next)
-        last[row] = torch.multinomial(distribution, num_samples=1, generator=row_generator).view(())
 
     positions = torch.arange(k + 1, device=device)[None, :]  # [1, k + 1]
     padded_drafts = torch.cat(
@@ -361,6 +348,44 @@ def rejection_sample(
     )
     emitted = torch.where(positions == num_accepted[:, None], last[:, None], emitted)
     return AcceptResult(num_accepted=num_accepted, emitted=emitted, num_emitted=num_accepted + 1)
+
+
+def _rejection_sample_row(
+    ratio: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    weight: float | None,
+    generator: torch.Generator | None,
+    tiny: float,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One row of `rejection_sample`: its accepted count (0-d, `None` for an empty draft) and last token.
+
+    Args:
+        ratio (`torch.FloatTensor` of shape `(length,)`): `p_i(x_i) / q_i(x_i)` of the row's drafts.
+        p (`torch.FloatTensor` of shape `(k + 1, vocab)`): the row's target distributions.
+        q (`torch.FloatTensor` of shape `(k, vocab)`): the row's draft distributions.
+        weight (`float`, *optional*): the row's ensemble weight.
+        generator (`torch.Generator`, *optional*): the row's randomness.
+        tiny (`float`): the smallest positive normal of the probabilities' dtype.
+    """
+    length = ratio.shape[0]
+    if length == 0:
+        # Nothing to verify: the row is a plain sampling step from p_1.
+        distribution = p[:1]  # [1, vocab]
+        accepted = None
+    else:
+        if weight is not None:
+            # Scalar arithmetic as transformers does it (Python float w), so acceptances match.
+            ratio = 1.0 - weight + weight * ratio
+        uniforms = torch.rand(length, generator=generator, dtype=ratio.dtype, device=ratio.device)
+        accepted = (uniforms <= ratio).long().cumprod(dim=0).sum()  # 0-d, no host sync
+        p_next = p.index_select(0, accepted.view(1))  # [1, vocab]
+        q_next = q.index_select(0, accepted.clamp(max=length - 1).view(1))  # [1, vocab]
+        residual = torch.clamp(p_next - q_next, min=0)
+        residual_sum = residual.sum()
+        recovered = torch.where(residual_sum > tiny, residual / residual_sum, p_next)
+        distribution = torch.where(accepted < length, recovered, p_next)
+    return accepted, torch.multinomial(distribution, num_samples=1, generator=generator).view(())
 
 
 def crop_at_stops(

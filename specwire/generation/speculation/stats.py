@@ -41,3 +41,57 @@ class SpeculationStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def observe_round(
+        self,
+        drafted: list[int],
+        accepted: list[int],
+        *,
+        asked: int,
+        draft_s: float,
+        verify_s: float,
+        start_ns: int,
+        end_ns: int,
+    ) -> None:
+        """
+        Adds one verified round. A round in which no row drafted counts for nothing (not even a round).
+
+        Args:
+            drafted (`list[int]`):
+                Per row, the draft tokens it verified.
+            accepted (`list[int]`):
+                Per row, how many of them the target accepted.
+            asked (`int`):
+                The draft length the drafter was asked for.
+            draft_s (`float`), verify_s (`float`):
+                Seconds spent drafting and verifying (already added to `draft_seconds`/`verify_seconds`).
+            start_ns (`int`), end_ns (`int`):
+                The round's `time.time_ns()` span.
+        """
+        for row_drafted, row_accepted in zip(drafted, accepted, strict=True):
+            if not row_drafted:
+                continue
+            for position in range(row_accepted):
+                if position == len(self.accepted_by_position):
+                    self.accepted_by_position.append(0)
+                self.accepted_by_position[position] += 1
+        drafted_now = sum(drafted)
+        if not drafted_now:
+            return
+        accepted_now = sum(accepted)
+        self.rounds += 1
+        self.drafted_tokens += drafted_now
+        self.accepted_tokens += accepted_now
+        self.round_log.append(
+            RoundRecord(
+                len(drafted),
+                asked,
+                drafted_now,
+                accepted_now,
+                draft_s,
+                verify_s,
+                start_ns,
+                end_ns,
+                sum(1 for n in drafted if n),
+            )
+        )
