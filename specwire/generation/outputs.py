@@ -134,9 +134,7 @@ def compute_transition_scores(
     vocab_size = scores[0].shape[-1]
     if beam_indices is None:
         # Greedy/sampling: output row i was produced by scores row i at every step.
-        beam_indices = (
-            torch.arange(scores[0].shape[0], device=sequences.device).view(-1, 1).expand(-1, num_steps)
-        )
+        beam_indices = torch.arange(scores[0].shape[0], device=sequences.device).view(-1, 1).expand(-1, num_steps)
 
     # [steps, score_rows, vocab] -> [score_rows * vocab, steps]: one flat column per step, so a single gather
     # picks (row, token) pairs for every step at once.

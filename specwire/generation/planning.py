@@ -295,8 +295,7 @@ def check_token_ids(config: Any, vocab_size: int, input_ids: torch.Tensor | None
             raise InvalidGenerationArgument.for_field(
                 "input_ids",
                 low if low < 0 else high,
-                f"token ids must be in [0, {vocab_size}) for this model's vocabulary; use ids of the "
-                "model's tokenizer",
+                f"token ids must be in [0, {vocab_size}) for this model's vocabulary; use ids of the model's tokenizer",
             )
 
 

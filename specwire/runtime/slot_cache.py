@@ -95,8 +95,9 @@ def _slot_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 
     step = kwargs.pop(_STEP_KWARG, None)
     if step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     return step.attend(module, query, key, value, scaling), None
 
 
@@ -257,23 +258,33 @@ class PackedStep:
         start = 0
         for slot, cursor, n in pieces:
             last = self.groups[-1] if self.groups else None
-            if (last is not None and last.length == n and last.cursor == cursor
-                    and last.slot + last.rows == slot and last.start + last.rows * last.length == start):
+            if (
+                last is not None
+                and last.length == n
+                and last.cursor == cursor
+                and last.slot + last.rows == slot
+                and last.start + last.rows * last.length == start
+            ):
                 last.rows += 1
             else:
                 key = (cursor, n)
                 if key not in masks:
                     # One token, or a prompt from position 0: sdpa's own causal handling (as unbatched).
-                    masks[key] = None if n == 1 or cursor == 0 else (
-                        torch.arange(n, device=device)[:, None] + cursor
-                        >= torch.arange(cursor + n, device=device)[None]
-                    )[None, None]
+                    masks[key] = (
+                        None
+                        if n == 1 or cursor == 0
+                        else (
+                            torch.arange(n, device=device)[:, None] + cursor
+                            >= torch.arange(cursor + n, device=device)[None]
+                        )[None, None]
+                    )
                 self.groups.append(_Group(start, 1, n, slot, cursor, masks[key]))
             start += n
         self.num_tokens = start
 
-    def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None) -> torch.Tensor:
+    def attend(
+        self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
         """Write this step's keys/values of layer `module.layer_idx` and attend every row to its slot.
 
         `query` `[1, heads, N, head_dim]`, `key`/`value` `[1, kv_heads, N, head_dim]`; returns
@@ -299,8 +310,13 @@ class PackedStep:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
-def run_packed(model: Any, cache: SlotKVCache, pieces: Sequence[tuple[int, int, list[int]]],
-               keep: Sequence[int], decoder: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+def run_packed(
+    model: Any,
+    cache: SlotKVCache,
+    pieces: Sequence[tuple[int, int, list[int]]],
+    keep: Sequence[int],
+    decoder: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
     """
     One packed forward.
 
@@ -364,9 +380,18 @@ class SlotRows:
             requests' rows; defaults to one call per item, here.
     """
 
-    def __init__(self, submit: Callable[[SlotWork], None], release: Callable[[list[int]], None],
-                 slots: list[int], *, attention_mask: torch.Tensor | None, prompt_length: int, rows: int,
-                 device: torch.device, process: Callable[[list], list[torch.Tensor]] | None = None):
+    def __init__(
+        self,
+        submit: Callable[[SlotWork], None],
+        release: Callable[[list[int]], None],
+        slots: list[int],
+        *,
+        attention_mask: torch.Tensor | None,
+        prompt_length: int,
+        rows: int,
+        device: torch.device,
+        process: Callable[[list], list[torch.Tensor]] | None = None,
+    ):
         if len(slots) != rows:
             raise ValueError(f"{rows} rows need {rows} slots, got {len(slots)}")
         self.submit = submit
@@ -456,8 +481,13 @@ class SlotRows:
         self.cursors = [old_cursors[p] for p in parents]
 
 
-def execute(model: Any, cache: SlotKVCache, works: Sequence[SlotWork], token_budget: int | None = None,
-            decoder: Callable[..., torch.Tensor] | None = None) -> int:
+def execute(
+    model: Any,
+    cache: SlotKVCache,
+    works: Sequence[SlotWork],
+    token_budget: int | None = None,
+    decoder: Callable[..., torch.Tensor] | None = None,
+) -> int:
     """
     Runs `works` (or, for prefills, as much as `token_budget` allows) in one packed forward.
 

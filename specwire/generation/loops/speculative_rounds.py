@@ -149,9 +149,7 @@ class SpeculativeRun:
         """The prefill and the first token of every row, as plain decoding picks it."""
         logits = self.rows.prefill(self.input_ids)  # [rows, V]
         tokens, reasons = [], []
-        first = self.rows.process(
-            [(row.processors, row.ids(), logits[r : r + 1]) for r, row in enumerate(self.state)]
-        )
+        first = self.rows.process([(row.processors, row.ids(), logits[r : r + 1]) for r, row in enumerate(self.state)])
         for r, row in enumerate(self.state):
             scores = first[r][0]
             token = _greedy_or_sample(self.plan, scores, self.generator)
@@ -432,9 +430,7 @@ def accept_blocks(
     return sampled_accept_without_draft_probs(drafts, lengths, target_probs, generator)
 
 
-def _padded(
-    pieces: list[torch.Tensor | None], width: int, like: torch.Tensor | None = None
-) -> torch.Tensor:
+def _padded(pieces: list[torch.Tensor | None], width: int, like: torch.Tensor | None = None) -> torch.Tensor:
     """Stacks per-row `[n, V]` pieces into `[rows, width, V]`, zeros after each row's `n` (never read)."""
     like = like if like is not None else pieces[0]
     out = like.new_zeros((len(pieces), width, like.shape[-1]))
