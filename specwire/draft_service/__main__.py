@@ -14,7 +14,7 @@ import argparse
 
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.draft_service.service import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_TIMEOUT_S, DraftServicer
-from specwire.generation.drafters import PROMPT_LOOKUP_RULES
+from specwire.generation.speculation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
 from specwire.serving import (

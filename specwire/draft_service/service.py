@@ -2,7 +2,7 @@
 
 The target sends `DraftStart` (rows, method, effective config), then one `DraftFeedback` per
 verification round; every message is answered with the next block of proposals. The session
-(`specwire.generation.drafters`) lives as long as the stream, so a request's KV caches stay on one
+(`specwire.generation.speculation.drafters`) lives as long as the stream, so a request's KV caches stay on one
 replica and are rolled back rather than re-encoded.
 
 Sessions are counted and bounded. At most `max_sessions` are open at once (a `DraftStart` beyond
@@ -22,7 +22,7 @@ import torch
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
-from specwire.generation.drafters import Drafter, ModelDrafter, PromptLookupDrafter, Proposal
+from specwire.generation.speculation.drafters import Drafter, ModelDrafter, PromptLookupDrafter, Proposal
 from specwire.model_thread import model_executor
 from specwire.models import LoadedModel
 from specwire.serving import handles_errors

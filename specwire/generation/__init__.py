@@ -1,1 +1,15 @@
+"""The generation core: transformers' `generate()` semantics in pure torch (no gRPC, no threads).
 
+Its parts, in the order a request meets them:
+
+- `config`: `GenerationConfig` and its validation; `argument_errors`: the errors callers get.
+- `planning`: `prepare_generation` resolves a config against the prompts into a `GenerationPlan`.
+- `rows`: the model-side state of a batch of rows (`Rows`: `RowBatch`, `RaggedRows`; the target
+  service's `specwire.runtime.slot_cache.SlotRows` implements it too).
+- `processors/`: logits processors and warpers; `stopping`: stopping criteria.
+- `loops/`: `generate` (`iter_generate`), the sample and beam loops (`sample`, `beam`, with
+  `sampling` and `beam_search`), and `speculative` (`iter_speculative`: draft, verify, accept).
+- `speculation/`: `acceptance` (greedy, rejection sampling, the cut at stops), `drafters`,
+  `prompt_lookup`, `schedules` and `stats`.
+- `outputs`: `StepEvent`, `GenerationResult`, transition scores.
+"""

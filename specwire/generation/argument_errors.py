@@ -3,7 +3,7 @@
 They subclass both the servers' `InvalidArgument` (so the mapping layer answers INVALID_ARGUMENT,
 or UNIMPLEMENTED for `UnsupportedModeError`) and `ValueError` (what transformers raises for the
 same input, so library callers catch them as they would transformers' errors). They live apart
-from `decoding.py` so that processors and stopping criteria, which `decoding.py` imports, can
+from the planning and the loops so that processors and stopping criteria, which those import, can
 raise them too.
 """
 

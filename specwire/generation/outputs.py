@@ -8,6 +8,7 @@ Field names follow transformers' `GenerateDecoderOnlyOutput` / `GenerateBeamDeco
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,8 +55,8 @@ class GenerationResult:
 
     Args:
         sequences (`torch.LongTensor` of shape `(batch_size * num_return_sequences, sequence_length)`):
-            Prompt plus generated tokens; rows that finished early are padded (see `GenerationResult` notes in
-            `specwire.generation.decoding`).
+            Prompt plus generated tokens; rows that finished early are padded (see `StepEvent` and the loops in
+            `specwire.generation.loops`).
         scores (`tuple(torch.FloatTensor)`, *optional*):
             Processed scores per step, each `(rows, vocab_size)`; rows is `batch * num_return_sequences` for
             greedy/sampling and `batch * num_beams` for beam search (processed log-probabilities, before the
@@ -125,9 +126,7 @@ def compute_transition_scores(
     vocab_size = scores[0].shape[-1]
     if beam_indices is None:
         # Greedy/sampling: output row i was produced by scores row i at every step.
-        beam_indices = (
-            torch.arange(scores[0].shape[0], device=sequences.device).view(-1, 1).expand(-1, num_steps)
-        )
+        beam_indices = torch.arange(scores[0].shape[0], device=sequences.device).view(-1, 1).expand(-1, num_steps)
 
     # [steps, score_rows, vocab] -> [score_rows * vocab, steps]: one flat column per step, so a single gather
     # picks (row, token) pairs for every step at once.
@@ -151,8 +150,20 @@ def compute_transition_scores(
     return transition
 
 
+def outputs_wanted(config: Any) -> tuple[bool, bool, bool]:
+    """(return_dict, keep scores, keep logits), as transformers' flags combine.
+
+    Args:
+        config (`GenerationConfig`):
+            The resolved config (`return_dict_in_generate`, `output_scores`, `output_logits`).
+    """
+    return_dict = bool(config.return_dict_in_generate)
+    return return_dict, return_dict and bool(config.output_scores), return_dict and bool(config.output_logits)
+
+
 __all__ = [
     "GenerationResult",
     "StepEvent",
     "compute_transition_scores",
+    "outputs_wanted",
 ]

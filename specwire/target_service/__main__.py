@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from specwire.generation.drafters import PROMPT_LOOKUP_RULES
+from specwire.generation.speculation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
 from specwire.serving import (

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from specwire.errors import ResourceExhausted, Unavailable
-from specwire.generation.decoding import iter_generate
-from specwire.generation.drafters import Drafter, Proposal
+from specwire.generation.loops.generate import iter_generate
+from specwire.generation.loops.speculative import iter_speculative
 from specwire.generation.outputs import GenerationResult, StepEvent
-from specwire.generation.speculative_loop import iter_speculative
+from specwire.generation.speculation.drafters import Drafter, Proposal
 from specwire.model_thread import is_device_error, model_executor
 from specwire.models import LoadedModel
 from specwire.target_service.drafting import DraftPolicy

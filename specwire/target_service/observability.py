@@ -24,7 +24,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from specwire import telemetry
 from specwire.generation.outputs import GenerationResult, StepEvent
-from specwire.generation.speculative_loop import SpeculationStats
+from specwire.generation.speculation.stats import SpeculationStats
 from specwire.vocabulary import (
     LABEL_CONFIG,
     LABEL_MODEL,

@@ -22,7 +22,7 @@ from specwire.generation.config import (
     raise_for_errors,
     unknown_keys,
 )
-from specwire.generation.speculative_loop import SpeculationStats
+from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models import LoadedModel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target_service.admission import PreparationPool

@@ -13,7 +13,7 @@ from specwire import telemetry
 from specwire.common.v1 import common_pb2
 from specwire.errors import ResourceExhausted
 from specwire.generation.outputs import GenerationResult, StepEvent
-from specwire.generation.speculative_loop import SpeculationStats
+from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models import LoadedModel
 from specwire.serving import handles_errors
 from specwire.target.v1 import target_service_pb2 as pb

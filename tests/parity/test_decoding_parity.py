@@ -1,6 +1,6 @@
 """Parity of specwire's decoding loop with transformers' `generate()`.
 
-The same model weights, prompts and config go through `specwire.generation.decoding.generate` (model
+The same model weights, prompts and config go through `specwire.generation.loops.generate.generate` (model
 loaded with `specwire.models.load_model`) and through `AutoModelForCausalLM.generate` (the same folder
 loaded by transformers); token ids must be equal and scores/logits equal to float tolerance.
 
@@ -15,8 +15,9 @@ from collections import Counter
 import pytest
 import torch
 
+from specwire.generation.argument_errors import UnsupportedModeError
 from specwire.generation.config import GenerationConfig, merge
-from specwire.generation.decoding import UnsupportedModeError, generate, iter_generate
+from specwire.generation.loops.generate import generate, iter_generate
 from specwire.generation.outputs import StepEvent, compute_transition_scores
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -216,7 +217,7 @@ def test_cache_options(tiny, ref, batch, frequent, kwargs):
 
 def test_verify_step_matches_decode_steps(tiny, batch):
     """`RowBatch.verify` over k tokens gives the logits of k `decode` steps; `rollback` forgets them."""
-    from specwire.generation.decoding import RowBatch
+    from specwire.generation.rows import RowBatch
 
     candidates = torch.tensor([[11, 12, 13], [21, 22, 23], [31, 32, 33]])
 

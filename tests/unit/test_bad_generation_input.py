@@ -7,14 +7,10 @@ import torch
 import transformers
 
 from specwire.errors import InvalidArgument
+from specwire.generation.argument_errors import InvalidGenerationArgument, UnsupportedModeError
 from specwire.generation.config import GenerationConfig, is_synthid_watermark
-from specwire.generation.decoding import (
-    InvalidGenerationArgument,
-    UnsupportedModeError,
-    check_token_ids,
-    generate,
-    prepare_generation,
-)
+from specwire.generation.loops.generate import generate
+from specwire.generation.planning import check_token_ids, prepare_generation
 from specwire.wire.generation_config import WireFormatError, config_from_proto, config_to_proto
 from specwire.wire.json_documents import MAX_JSON_DEPTH, json_depth, parse_json_document
 

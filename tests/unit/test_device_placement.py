@@ -19,9 +19,9 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from specwire.generation.config import GenerationConfig
-from specwire.generation.drafters import ModelDrafter
+from specwire.generation.loops.speculative_rounds import accept_blocks
 from specwire.generation.processors.guidance import UnbatchedClassifierFreeGuidanceLogitsProcessor
-from specwire.generation.speculative_loop import _accept
+from specwire.generation.speculation.drafters import ModelDrafter
 from specwire.models import load_model
 
 VOCAB = 64
@@ -47,8 +47,8 @@ def test_speculative_acceptance_builds_its_drafts_on_the_scores_device(do_sample
     with fake_mode():
         scores = torch.randn(len(block) + 1, VOCAB, device=ACCELERATOR)  # the target's scores for the block
         draft_probs = torch.rand(len(block), VOCAB) if with_draft_probs else None  # from the wire: CPU
-        with pytest.raises(DataDependentOutputException):  # reached `int(num_emitted)`, the first read
-            _accept(SimpleNamespace(do_sample=do_sample), block, draft_probs, scores, None)
+        with pytest.raises(DataDependentOutputException):  # reached the first read of the result
+            accept_blocks(do_sample, [block], [draft_probs], [scores], None).tokens()
 
 
 def test_draft_model_confidence_stop_gathers_on_the_scores_device(tiny_model_dir):

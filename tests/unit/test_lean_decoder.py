@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specwire.generation.lean_decoder import LeanDecoder, _activation, _Head, _rotate, _signed_sin
-from specwire.generation.slot_cache import SlotKVCache, install_slot_attention, run_packed
 from specwire.models import load_model
+from specwire.runtime.lean_decoder import LeanDecoder, _activation, _Head, _rotate, _signed_sin
+from specwire.runtime.slot_cache import SlotKVCache, install_slot_attention, run_packed
 
 # Packed steps as (pieces, keep): (slot, cursor, tokens) per row piece.
 STEPS = [

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specwire.generation.prompt_lookup import banned_fn_from_processors, prompt_lookup_candidates
+from specwire.generation.speculation.prompt_lookup import banned_fn_from_processors, prompt_lookup_candidates
 
 VOCAB = 7
 
@@ -234,7 +234,7 @@ def brute_force_longest(ids: list[int], k: int, min_match: int, max_match: int) 
 
 
 def test_suffix_matcher_equals_the_rule_written_out_while_the_row_grows():
-    from specwire.generation.prompt_lookup import SuffixMatcher
+    from specwire.generation.speculation.prompt_lookup import SuffixMatcher
 
     generator = torch.Generator().manual_seed(0)
     for trial in range(200):
@@ -250,7 +250,7 @@ def test_suffix_matcher_equals_the_rule_written_out_while_the_row_grows():
 
 def test_drafter_rules_and_cuts():
     from specwire.generation.config import GenerationConfig
-    from specwire.generation.drafters import PromptLookupDrafter
+    from specwire.generation.speculation.drafters import PromptLookupDrafter
 
     ids = [11, 12, 13, 19, 12, 13, 14, 19, 12, 13]
     greedy = GenerationConfig(do_sample=False, eos_token_id=14)

@@ -10,7 +10,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.generation.stopping_criteria import ConfidenceCriteria
 
-from specwire.generation.schedules import ConfidenceStop, DraftSchedule
+from specwire.generation.speculation.schedules import ConfidenceStop, DraftSchedule
 
 # (num_accepted, num_drafted) rounds with full accepts, partial accepts, total misses and an empty draft.
 ROUNDS = [(5, 5), (7, 7), (3, 9), (0, 8), (0, 7), (0, 1), (0, 1), (1, 1), (3, 3), (0, 0), (2, 4), (4, 4)]

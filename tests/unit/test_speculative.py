@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.generation.utils import _speculative_sampling
 
-from specwire.generation.speculative import (
+from specwire.generation.speculation.acceptance import (
     AcceptResult,
     crop_at_stops,
     greedy_accept,

@@ -2,7 +2,7 @@
 
 Design. Each request keeps its own decoding loop, unchanged, running in its own thread; only the
 model forward (and batchable logits processing) is shared. The loop's model-side state is a
-`SlotRows` (`specwire.generation.slot_cache`) whose `prefill`/`decode`/`verify` post a `SlotWork` to
+`SlotRows` (`specwire.runtime.slot_cache`) whose `prefill`/`decode`/`verify` post a `SlotWork` to
 the scheduler and block until its logits are back. The scheduler thread gathers the pending work of
 every running request, runs ONE packed forward over all of it and hands each request its logits.
 Sampling stays in the request's thread with its own `torch.Generator`, so a seeded request gives the

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from specwire.errors import Unavailable
-from specwire.generation.decoding import prepare_generation
-from specwire.generation.lean_decoder import LeanDecoder
 from specwire.generation.outputs import GenerationResult, StepEvent
+from specwire.generation.planning import prepare_generation
 from specwire.generation.processors.batched import BatchedChains
-from specwire.generation.slot_cache import SlotKVCache, slot_support
+from specwire.runtime.lean_decoder import LeanDecoder
+from specwire.runtime.slot_cache import SlotKVCache, slot_support
 from specwire.target_service.scheduler.forward_loop import ForwardLoop, LaneCall
 from specwire.target_service.scheduler.options import SchedulerOptions
 from specwire.target_service.scheduler.request import Request, RequestState

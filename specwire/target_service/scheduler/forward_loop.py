@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specwire.errors import Unavailable
-from specwire.generation.slot_cache import SlotWork, execute
 from specwire.model_thread import claim_torch_threads, is_device_error
+from specwire.runtime.slot_cache import SlotWork, execute
 from specwire.target_service.scheduler import gather_policy
 from specwire.target_service.scheduler.request import ProcessWork, Request, RequestState
 from specwire.target_service.scheduler.startup_probe import build_slot_cache

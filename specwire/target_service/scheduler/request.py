@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from specwire.generation.processors.batched import RowChain
-from specwire.generation.slot_cache import SlotWork
+from specwire.runtime.slot_cache import SlotWork
 
 
 class RequestCancelled(Exception):

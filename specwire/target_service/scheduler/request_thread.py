@@ -22,7 +22,7 @@ import torch
 
 from specwire.errors import Unavailable
 from specwire.generation.processors.batched import RowChain
-from specwire.generation.slot_cache import SlotRows, SlotWork
+from specwire.runtime.slot_cache import SlotRows, SlotWork
 from specwire.target_service.scheduler.request import ProcessWork, Request, RequestCancelled, RequestState
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specwire.generation.slot_cache import SlotKVCache
+from specwire.runtime.slot_cache import SlotKVCache
 
 
 def planned_rows(plan: Any) -> int:

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 
 from specwire.errors import ResourceExhausted
-from specwire.generation.slot_cache import SlotKVCache
+from specwire.runtime.slot_cache import SlotKVCache
 from specwire.target_service.scheduler.request import Request, RequestState
 from specwire.target_service.scheduler.stats import SchedulerStats
 

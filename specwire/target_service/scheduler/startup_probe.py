@@ -5,7 +5,7 @@ that thread: `specwire.model_thread`). Two checks decide how requests are served
 
 - Packed forwards must give what `RowBatch` (the per-request path) gives on this model, up to the
   rounding of its dtype (`close_logits`); else every request is served sequentially.
-- `LeanDecoder` (`specwire.generation.lean_decoder`: the model's own ops without transformers' module
+- `LeanDecoder` (`specwire.runtime.lean_decoder`: the model's own ops without transformers' module
   machinery, ~13% less time per SmolLM2 decode step on 2 CPU cores) runs the packed forwards only when
   the model has the Llama layout and its logits are bitwise those of `model(...)`.
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from specwire.generation.decoding import RowBatch
-from specwire.generation.lean_decoder import LeanDecoder
-from specwire.generation.slot_cache import SlotKVCache, SlotRows, execute, install_slot_attention
+from specwire.generation.rows import RowBatch
+from specwire.runtime.lean_decoder import LeanDecoder
+from specwire.runtime.slot_cache import SlotKVCache, SlotRows, execute, install_slot_attention
 from specwire.target_service.scheduler.options import SchedulerOptions
 
 log = logging.getLogger("specwire.target_service.scheduler")

@@ -81,9 +81,7 @@ class AcceptResult:
 
     def tokens(self) -> list[list[int]]:
         """The emitted tokens of every row as Python lists (padding dropped)."""
-        return [
-            row[:count] for row, count in zip(self.emitted.tolist(), self.num_emitted.tolist(), strict=True)
-        ]
+        return [row[:count] for row, count in zip(self.emitted.tolist(), self.num_emitted.tolist(), strict=True)]
 
 
 def _check_drafts(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor) -> list[int]:
@@ -92,9 +90,7 @@ def _check_drafts(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor) -> li
         raise ValueError(f"`draft_tokens` must have shape [rows, k], got {tuple(draft_tokens.shape)}.")
     rows, k = draft_tokens.shape
     if draft_lengths.shape != (rows,):
-        raise ValueError(
-            f"`draft_lengths` must have shape [rows] = [{rows}], got {tuple(draft_lengths.shape)}."
-        )
+        raise ValueError(f"`draft_lengths` must have shape [rows] = [{rows}], got {tuple(draft_lengths.shape)}.")
     # One host sync per round: the per-row loops below need the lengths as Python ints anyway.
     lengths = [int(v) for v in draft_lengths.tolist()]
     if any(length < 0 or length > k for length in lengths):
@@ -105,8 +101,7 @@ def _check_drafts(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor) -> li
 def _check_target(target: torch.Tensor, rows: int, k: int, name: str) -> None:
     if target.dim() != 3 or target.shape[0] != rows or target.shape[1] != k + 1:
         raise ValueError(
-            f"`{name}` must have shape [rows, k + 1, vocab] = [{rows}, {k + 1}, vocab], "
-            f"got {tuple(target.shape)}."
+            f"`{name}` must have shape [rows, k + 1, vocab] = [{rows}, {k + 1}, vocab], got {tuple(target.shape)}."
         )
 
 
@@ -115,9 +110,7 @@ def _row_generators(generator: Generators, rows: int) -> list[torch.Generator | 
         return [generator] * rows
     generators = list(generator)
     if len(generators) != rows:
-        raise ValueError(
-            f"Got {len(generators)} generators for {rows} rows; pass one per row or a single one."
-        )
+        raise ValueError(f"Got {len(generators)} generators for {rows} rows; pass one per row or a single one.")
     return generators
 
 
@@ -127,9 +120,7 @@ def _row_weights(ensemble_weight: EnsembleWeights, rows: int) -> list[float | No
     else:
         weights = list(ensemble_weight)
         if len(weights) != rows:
-            raise ValueError(
-                f"Got {len(weights)} ensemble weights for {rows} rows; pass one per row or a single one."
-            )
+            raise ValueError(f"Got {len(weights)} ensemble weights for {rows} rows; pass one per row or a single one.")
     for weight in weights:
         if weight is not None and not 0.0 < weight < 1.0:
             raise ValueError(
@@ -253,9 +244,7 @@ def sampled_accept_without_draft_probs(
     rows, k = draft_tokens.shape
     _check_target(target_probs, rows, k, "target_probs")
     generators = _row_generators(generator, rows)
-    selected = torch.full(
-        (rows, k + 1), pad_id, dtype=torch.long, device=draft_tokens.device
-    )  # [rows, k + 1]
+    selected = torch.full((rows, k + 1), pad_id, dtype=torch.long, device=draft_tokens.device)  # [rows, k + 1]
     for row, (length, row_generator) in enumerate(zip(lengths, generators, strict=True)):
         # Only the row's own positions are sampled so its draws do not depend on the batch's k.
         picks = torch.multinomial(target_probs[row, : length + 1], num_samples=1, generator=row_generator)
@@ -332,35 +321,56 @@ def rejection_sample(
     num_accepted = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]
     last = torch.empty(rows, dtype=torch.long, device=device)  # [rows] recovered or bonus token
     for row in range(rows):
-        length, row_generator, weight = lengths[row], generators[row], weights[row]
-        if length == 0:
-            # Nothing to verify: the row is a plain sampling step from p_1.
-            distribution = target_probs[row, :1]  # [1, vocab]
-        else:
-            row_ratio = ratio[row, :length]  # [length]
-            if weight is not None:
-                # Scalar arithmetic as transformers does it (Python float w), so acceptances match.
-                row_ratio = 1.0 - weight + weight * row_ratio
-            uniforms = torch.rand(length, generator=row_generator, dtype=row_ratio.dtype, device=device)
-            accepted = (uniforms <= row_ratio).long().cumprod(dim=0).sum()  # 0-d, no host sync
+        length = lengths[row]
+        accepted, last[row] = _rejection_sample_row(
+            ratio[row, :length], target_probs[row], draft_probs[row], weights[row], generators[row], tiny
+        )
+        if accepted is not None:
             num_accepted[row] = accepted
-            p_next = target_probs[row].index_select(0, accepted.view(1))  # [1, vocab]
-            q_next = draft_probs[row].index_select(0, accepted.clamp(max=length - 1).view(1))  # [1, vocab]
-            residual = torch.clamp(p_next - q_next, min=0)
-            residual_sum = residual.sum()
-            recovered = torch.where(residual_sum > tiny, residual / residual_sum, p_next)
-            distribution = torch.where(accepted < length, recovered, p_next)
-        last[row] = torch.multinomial(distribution, num_samples=1, generator=row_generator).view(())
 
     positions = torch.arange(k + 1, device=device)[None, :]  # [1, k + 1]
-    padded_drafts = torch.cat(
-        [draft_tokens, draft_tokens.new_full((rows, 1), pad_id)], dim=1
-    )  # [rows, k + 1]
-    emitted = torch.where(
-        positions < num_accepted[:, None], padded_drafts, torch.full_like(padded_drafts, pad_id)
-    )
+    padded_drafts = torch.cat([draft_tokens, draft_tokens.new_full((rows, 1), pad_id)], dim=1)  # [rows, k + 1]
+    emitted = torch.where(positions < num_accepted[:, None], padded_drafts, torch.full_like(padded_drafts, pad_id))
     emitted = torch.where(positions == num_accepted[:, None], last[:, None], emitted)
     return AcceptResult(num_accepted=num_accepted, emitted=emitted, num_emitted=num_accepted + 1)
+
+
+def _rejection_sample_row(
+    ratio: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    weight: float | None,
+    generator: torch.Generator | None,
+    tiny: float,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One row of `rejection_sample`: its accepted count (0-d, `None` for an empty draft) and last token.
+
+    Args:
+        ratio (`torch.FloatTensor` of shape `(length,)`): `p_i(x_i) / q_i(x_i)` of the row's drafts.
+        p (`torch.FloatTensor` of shape `(k + 1, vocab)`): the row's target distributions.
+        q (`torch.FloatTensor` of shape `(k, vocab)`): the row's draft distributions.
+        weight (`float`, *optional*): the row's ensemble weight.
+        generator (`torch.Generator`, *optional*): the row's randomness.
+        tiny (`float`): the smallest positive normal of the probabilities' dtype.
+    """
+    length = ratio.shape[0]
+    if length == 0:
+        # Nothing to verify: the row is a plain sampling step from p_1.
+        distribution = p[:1]  # [1, vocab]
+        accepted = None
+    else:
+        if weight is not None:
+            # Scalar arithmetic as transformers does it (Python float w), so acceptances match.
+            ratio = 1.0 - weight + weight * ratio
+        uniforms = torch.rand(length, generator=generator, dtype=ratio.dtype, device=ratio.device)
+        accepted = (uniforms <= ratio).long().cumprod(dim=0).sum()  # 0-d, no host sync
+        p_next = p.index_select(0, accepted.view(1))  # [1, vocab]
+        q_next = q.index_select(0, accepted.clamp(max=length - 1).view(1))  # [1, vocab]
+        residual = torch.clamp(p_next - q_next, min=0)
+        residual_sum = residual.sum()
+        recovered = torch.where(residual_sum > tiny, residual / residual_sum, p_next)
+        distribution = torch.where(accepted < length, recovered, p_next)
+    return accepted, torch.multinomial(distribution, num_samples=1, generator=generator).view(())
 
 
 def crop_at_stops(
@@ -412,11 +422,7 @@ def crop_at_stops(
         finish = torch.where(fires, codes.long(), finish)
         num_emitted = torch.where(fires, torch.full_like(num_emitted, j), num_emitted)
         stopped |= fires
-    num_accepted = torch.where(
-        stopped, torch.minimum(result.num_accepted, num_emitted - 1), result.num_accepted
-    )
+    num_accepted = torch.where(stopped, torch.minimum(result.num_accepted, num_emitted - 1), result.num_accepted)
     positions = torch.arange(result.emitted.shape[1], device=device)[None, :]
-    emitted = torch.where(
-        positions < num_emitted[:, None], result.emitted, torch.full_like(result.emitted, pad_id)
-    )
+    emitted = torch.where(positions < num_emitted[:, None], result.emitted, torch.full_like(result.emitted, pad_id))
     return AcceptResult(num_accepted=num_accepted, emitted=emitted, num_emitted=num_emitted), finish

@@ -28,10 +28,11 @@ request runs the very kernel calls of an unbatched forward). Without the packed-
 forward's kwargs the function is exactly `sdpa_attention_forward`, so every other forward of the
 model (the sequential lane, classifier-free guidance) is unchanged.
 
-`SlotRows` is the per-request, `RowBatch`/`RaggedRows`-compatible view used by the unchanged
-decoding loops: `prefill`/`decode`/`verify` hand a `SlotWork` to a `submit` callable (the scheduler)
-and return its logits; `rollback`/`discard` move cursors; `reorder` (beam parents) remaps slots and
-queues the copies that children of a shared parent need, applied before the next forward.
+`SlotRows` is the per-request view used by the unchanged decoding loops (a
+`specwire.generation.rows.SpeculativeRows`, like `RowBatch`/`RaggedRows`): `prefill`/`decode`/`verify`
+hand a `SlotWork` to a `submit` callable (the scheduler) and return its logits; `rollback`/`discard`
+move cursors; `reorder` (beam parents) remaps slots and queues the copies that children of a shared
+parent need, applied before the next forward.
 
 Supported models: decoder-only models whose attention layers call the attention interface with
 `module.layer_idx` and no sliding window, running with `sdpa` (Llama, SmolLM2, Qwen2/3, Mistral
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from specwire.generation.decoding import RowBatch
+from specwire.generation.rows import RowBatch
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -94,8 +95,9 @@ def _slot_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 
     step = kwargs.pop(_STEP_KWARG, None)
     if step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     return step.attend(module, query, key, value, scaling), None
 
 
@@ -256,23 +258,33 @@ class PackedStep:
         start = 0
         for slot, cursor, n in pieces:
             last = self.groups[-1] if self.groups else None
-            if (last is not None and last.length == n and last.cursor == cursor
-                    and last.slot + last.rows == slot and last.start + last.rows * last.length == start):
+            if (
+                last is not None
+                and last.length == n
+                and last.cursor == cursor
+                and last.slot + last.rows == slot
+                and last.start + last.rows * last.length == start
+            ):
                 last.rows += 1
             else:
                 key = (cursor, n)
                 if key not in masks:
                     # One token, or a prompt from position 0: sdpa's own causal handling (as unbatched).
-                    masks[key] = None if n == 1 or cursor == 0 else (
-                        torch.arange(n, device=device)[:, None] + cursor
-                        >= torch.arange(cursor + n, device=device)[None]
-                    )[None, None]
+                    masks[key] = (
+                        None
+                        if n == 1 or cursor == 0
+                        else (
+                            torch.arange(n, device=device)[:, None] + cursor
+                            >= torch.arange(cursor + n, device=device)[None]
+                        )[None, None]
+                    )
                 self.groups.append(_Group(start, 1, n, slot, cursor, masks[key]))
             start += n
         self.num_tokens = start
 
-    def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None) -> torch.Tensor:
+    def attend(
+        self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
         """Write this step's keys/values of layer `module.layer_idx` and attend every row to its slot.
 
         `query` `[1, heads, N, head_dim]`, `key`/`value` `[1, kv_heads, N, head_dim]`; returns
@@ -298,8 +310,13 @@ class PackedStep:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
-def run_packed(model: Any, cache: SlotKVCache, pieces: Sequence[tuple[int, int, list[int]]],
-               keep: Sequence[int], decoder: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+def run_packed(
+    model: Any,
+    cache: SlotKVCache,
+    pieces: Sequence[tuple[int, int, list[int]]],
+    keep: Sequence[int],
+    decoder: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
     """
     One packed forward.
 
@@ -309,7 +326,7 @@ def run_packed(model: Any, cache: SlotKVCache, pieces: Sequence[tuple[int, int, 
         pieces (`list[tuple[int, int, list[int]]]`): `(slot, cursor, tokens)` per row piece, in packed order.
         keep (`list[int]`): packed indices whose next-token logits are wanted.
         decoder (`LeanDecoder`, *optional*): runs the forward instead of `model(...)`, with the same
-            logits (`specwire.generation.lean_decoder`).
+            logits (`specwire.runtime.lean_decoder`).
 
     Returns:
         `torch.FloatTensor` of shape `(len(keep), vocab_size)`: float32 logits.
@@ -340,13 +357,14 @@ _NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
 class SlotRows:
     """
-    `RowBatch`/`RaggedRows`-compatible model state of one request's rows, kept in shared slots.
+    Model state of one request's rows, kept in shared slots (`specwire.generation.rows.SpeculativeRows`).
 
     Args:
         submit (`Callable[[SlotWork], None]`):
             Runs a work item (in a shared forward) and returns when its `outputs` are filled.
         release (`Callable[[list[int]], None]`):
-            Gives slots back (rows dropped by `select`).
+            Gives slots back. No step drops rows any more (`select` was dead and is gone): the
+            scheduler frees a request's slots when it ends, so this is never called.
         slots (`list[int]`):
             One slot per row.
         attention_mask (`torch.LongTensor` of shape `(rows, prompt_length)`, *optional*):
@@ -362,9 +380,18 @@ class SlotRows:
             requests' rows; defaults to one call per item, here.
     """
 
-    def __init__(self, submit: Callable[[SlotWork], None], release: Callable[[list[int]], None],
-                 slots: list[int], *, attention_mask: torch.Tensor | None, prompt_length: int, rows: int,
-                 device: torch.device, process: Callable[[list], list[torch.Tensor]] | None = None):
+    def __init__(
+        self,
+        submit: Callable[[SlotWork], None],
+        release: Callable[[list[int]], None],
+        slots: list[int],
+        *,
+        attention_mask: torch.Tensor | None,
+        prompt_length: int,
+        rows: int,
+        device: torch.device,
+        process: Callable[[list], list[torch.Tensor]] | None = None,
+    ):
         if len(slots) != rows:
             raise ValueError(f"{rows} rows need {rows} slots, got {len(slots)}")
         self.submit = submit
@@ -453,19 +480,14 @@ class SlotRows:
         self.slots = [int(s) for s in new_slots]
         self.cursors = [old_cursors[p] for p in parents]
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keeps only `rows` (in that order) and gives the other slots back."""
-        keep = rows.tolist()
-        kept = {self.slots[r] for r in keep}
-        self.release([s for s in self.slots if s not in kept])
-        self.slots = [self.slots[r] for r in keep]
-        self.cursors = [self.cursors[r] for r in keep]
-        if self.attention_mask is not None:
-            self.attention_mask = self.attention_mask.index_select(0, rows.to(self.device).long())
 
-
-def execute(model: Any, cache: SlotKVCache, works: Sequence[SlotWork], token_budget: int | None = None,
-            decoder: Callable[..., torch.Tensor] | None = None) -> int:
+def execute(
+    model: Any,
+    cache: SlotKVCache,
+    works: Sequence[SlotWork],
+    token_budget: int | None = None,
+    decoder: Callable[..., torch.Tensor] | None = None,
+) -> int:
     """
     Runs `works` (or, for prefills, as much as `token_budget` allows) in one packed forward.
 

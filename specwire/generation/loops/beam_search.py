@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specwire.generation.sampling import sample_without_replacement
+from specwire.generation.loops.sampling import sample_without_replacement
 
 # Score given to impossible choices (unused beams at step 0, ended candidates, blocked slots).
 IMPOSSIBLE = -1.0e9
@@ -111,9 +111,7 @@ class BeamSearch:
     ):
         rows, prompt_length = prompt_ids.shape
         if num_beams < 2 or rows % num_beams:
-            raise ValueError(
-                f"beam search needs num_beams >= 2 and rows divisible by it, got {num_beams} / {rows}"
-            )
+            raise ValueError(f"beam search needs num_beams >= 2 and rows divisible by it, got {num_beams} / {rows}")
         device = prompt_ids.device
         self.batch_size = rows // num_beams
         self.num_beams = num_beams
@@ -143,9 +141,7 @@ class BeamSearch:
         self.finished_reasons = torch.zeros((batch, num_beams), dtype=torch.long, device=device)
         self.improvable = torch.ones((batch, 1), dtype=torch.bool, device=device)
         generated_room = max_length - prompt_length
-        self.running_beam_indices = torch.full(
-            (batch, num_beams, generated_room), -1, dtype=torch.int32, device=device
-        )
+        self.running_beam_indices = torch.full((batch, num_beams, generated_room), -1, dtype=torch.int32, device=device)
         self.finished_beam_indices = self.running_beam_indices.clone()
 
     def running_sequences(self) -> torch.LongTensor:

@@ -63,9 +63,7 @@ def sample_tokens(scores: torch.Tensor, generator: torch.Generator | None) -> to
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
 
 
-def select_tokens(
-    scores: torch.Tensor, *, do_sample: bool, generator: torch.Generator | None
-) -> torch.LongTensor:
+def select_tokens(scores: torch.Tensor, *, do_sample: bool, generator: torch.Generator | None) -> torch.LongTensor:
     """
     Greedy or sampled next tokens, one per row.
 

@@ -56,9 +56,7 @@ class DraftSchedule:
             a fully accepted round, else `max(1, value - 1)`; both per request, see the module doc).
     """
 
-    def __init__(
-        self, num_assistant_tokens: int = DEFAULT_NUM_ASSISTANT_TOKENS, schedule: str = DEFAULT_SCHEDULE
-    ):
+    def __init__(self, num_assistant_tokens: int = DEFAULT_NUM_ASSISTANT_TOKENS, schedule: str = DEFAULT_SCHEDULE):
         if isinstance(num_assistant_tokens, bool) or not isinstance(num_assistant_tokens, int):
             raise ValueError(
                 f"`num_assistant_tokens` has to be an integer, got {num_assistant_tokens!r}; "
@@ -123,9 +121,7 @@ class DraftSchedule:
                 fully accepted (0 == 0), exactly as in transformers.
         """
         if num_accepted < 0 or num_accepted > num_drafted:
-            raise ValueError(
-                f"`num_accepted` must lie in [0, num_drafted={num_drafted}], got {num_accepted}."
-            )
+            raise ValueError(f"`num_accepted` must lie in [0, num_drafted={num_drafted}], got {num_accepted}.")
         if self.schedule == "constant":
             return
         if num_accepted == num_drafted:

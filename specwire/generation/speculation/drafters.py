@@ -22,10 +22,18 @@ from typing import Any, Protocol
 
 import torch
 
-from specwire.generation.prompt_lookup import SuffixMatcher, banned_fn_from_processors, prompt_lookup_candidates
-from specwire.generation.schedules import ConfidenceStop
+from specwire.generation.speculation.prompt_lookup import (
+    SuffixMatcher,
+    banned_fn_from_processors,
+    prompt_lookup_candidates,
+)
+from specwire.generation.speculation.schedules import ConfidenceStop
 
-__all__ = ["PROMPT_LOOKUP_RULES", "Drafter", "ModelDrafter", "PromptLookupDrafter", "Proposal"]
+__all__ = ["PROMPT_LOOKUP_RULES", "DraftFailure", "Drafter", "ModelDrafter", "PromptLookupDrafter", "Proposal"]
+
+
+class DraftFailure(RuntimeError):
+    """The drafter cannot continue (unreachable, past its deadline, or its stream died)."""
 
 
 @dataclass

@@ -57,9 +57,7 @@ Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PerRow = int | Sequence[int] | torch.Tensor
 
 
-def banned_fn_from_processors(
-    processors: Processor | Sequence[Processor | None], vocab_size: int
-) -> BannedFn:
+def banned_fn_from_processors(processors: Processor | Sequence[Processor | None], vocab_size: int) -> BannedFn:
     """A `banned_fn` that runs transformers' constant-logits check with each request's processors.
 
     For candidate `i` the processors see the row's tokens plus candidates `0..i-1` and scores of all
@@ -86,9 +84,7 @@ def banned_fn_from_processors(
         mask = torch.zeros(candidate_ids.shape[0], dtype=torch.bool)  # [c]
         if processor is None:
             return mask
-        constant_scores = torch.ones(
-            (1, vocab_size), dtype=torch.float32, device=prefix_ids.device
-        )  # [1, vocab]
+        constant_scores = torch.ones((1, vocab_size), dtype=torch.float32, device=prefix_ids.device)  # [1, vocab]
         sequence = prefix_ids[None, :]  # [1, cur_len + i]
         for i, token in enumerate(candidate_ids.tolist()):
             score = processor(sequence, constant_scores)[0, token]
@@ -106,9 +102,7 @@ def _per_row(value: PerRow | None, rows: int, name: str) -> list[int | None]:
         return [value] * rows
     values = value.tolist() if isinstance(value, torch.Tensor) else list(value)
     if len(values) != rows:
-        raise ValueError(
-            f"`{name}` has {len(values)} entries for {rows} rows; pass one per row or a single int."
-        )
+        raise ValueError(f"`{name}` has {len(values)} entries for {rows} rows; pass one per row or a single int.")
     return [None if v is None else int(v) for v in values]
 
 
@@ -170,9 +164,7 @@ def _lookup_row(
                 if chosen.shape[0] == 0:
                     continue
             if eos:
-                is_eos = torch.isin(
-                    chosen, torch.tensor(eos, dtype=chosen.dtype, device=chosen.device)
-                ).nonzero()
+                is_eos = torch.isin(chosen, torch.tensor(eos, dtype=chosen.dtype, device=chosen.device)).nonzero()
                 if is_eos.numel() > 0:
                     # Otherwise the target could accept the EOS and the tokens after it in one round.
                     chosen = chosen[: int(is_eos[0, 0])]
@@ -225,8 +217,7 @@ def prompt_lookup_candidates(
     rows = input_ids.shape[0]
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"`attention_mask` must match `input_ids` {tuple(input_ids.shape)}, "
-            f"got {tuple(attention_mask.shape)}."
+            f"`attention_mask` must match `input_ids` {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}."
         )
     num_outputs = _per_row(num_output_tokens, rows, "num_output_tokens")
     ngram_sizes = [
@@ -235,9 +226,7 @@ def prompt_lookup_candidates(
     ]
     max_lengths = _per_row(max_length, rows, "max_length")
     if any(length is None for length in max_lengths):
-        raise ValueError(
-            "`max_length` is required for every row: pass the request's generation `max_length`."
-        )
+        raise ValueError("`max_length` is required for every row: pass the request's generation `max_length`.")
     eos = _per_row_eos(eos_token_ids, rows)
     for num, size in zip(num_outputs, ngram_sizes, strict=True):
         if num is None or num <= 0 or size <= 0:
@@ -252,9 +241,7 @@ def prompt_lookup_candidates(
         proposals.append(
             _lookup_row(row, ids, num_outputs[row], ngram_sizes[row], max_lengths[row], eos[row], banned_fn)
         )
-    lengths = torch.tensor(
-        [p.shape[0] for p in proposals], dtype=torch.long, device=input_ids.device
-    )  # [rows]
+    lengths = torch.tensor([p.shape[0] for p in proposals], dtype=torch.long, device=input_ids.device)  # [rows]
     k = int(lengths.max()) if rows else 0
     candidates = torch.full((rows, k), pad_id, dtype=input_ids.dtype, device=input_ids.device)  # [rows, k]
     for row, proposal in enumerate(proposals):

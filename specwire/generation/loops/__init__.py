@@ -1,0 +1,1 @@
+"""The decoding loops: `generate` (entry points), `sample`, `beam` and `speculative`."""

@@ -1,0 +1,212 @@
+"""Speculative decoding: rounds of draft, verify in one target forward, accept for all rows at once.
+
+Each round has four steps (`SpeculativeRun.round`, in `loops.speculative_rounds`):
+
+1. **draft**: every row asks the drafter for up to `k` tokens (`DraftSchedule` per row, bounded by
+   `max_length`); rows that already finished get the pad filler instead.
+2. **verify**: the target runs `[last token, block...]` for all rows in one forward
+   (`RaggedRows.verify`), and the request's processors are applied at each candidate position with
+   that position's own prefix (all rows and positions in one `process` call).
+3. **accept**: one call of the vectorized acceptance functions (`speculation.acceptance`) for all
+   rows: the longest agreeing prefix (greedy), rejection sampling with the draft's probabilities
+   (Leviathan et al., arXiv 2211.17192), or the target's own samples when the drafter gives none
+   (prompt lookup while sampling). A row gains its accepted drafts plus one target token (the
+   recovered token, or the bonus token when all were accepted), and `crop_at_stops` cuts the block
+   at the first stopping criterion inside it (EOS, max length, stop strings, max time).
+4. **commit**: rows keep what they emitted, `RaggedRows.discard` crops the KV positions every row
+   rejected and masks the rest (rows advance by different amounts, the batch stays one forward per
+   round), then the schedules, the statistics and the drafter learn the outcome.
+
+Output equals plain decoding: greedy tokens are identical (the target's argmax decides every
+token), and `scores`/`logits` hold one entry per generated position, computed from the same
+prefix as in plain decoding. Rows that finished early are fed the pad token like plain decoding
+feeds them, so their scores match too. Random draws are made row by row in row order (the
+acceptance functions' contract), so a seeded request draws what it drew with one call per row.
+When the drafter fails (unreachable, too slow, died), the loop finishes with empty drafts, which is
+plain decoding, and records why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from specwire.generation.loops.generate import generate_from_plan
+from specwire.generation.loops.sampling import make_generator
+from specwire.generation.loops.speculative_rounds import SpeculativeRun
+from specwire.generation.loops.stop_codes import StopCodes, reason_names
+from specwire.generation.outputs import GenerationResult, StepEvent
+from specwire.generation.planning import GenerationPlan, model_limits, prepare_generation
+from specwire.generation.processors import build_logits_processors
+from specwire.generation.rows import RaggedRows, SpeculativeRows
+from specwire.generation.speculation.drafters import Drafter
+from specwire.generation.speculation.stats import SpeculationStats
+from specwire.generation.stopping import build_stopping_criteria
+
+__all__ = ["iter_speculative", "speculation_blocker", "speculative_loop"]
+
+
+def speculative_loop(
+    plan: GenerationPlan,
+    rows: SpeculativeRows,
+    input_ids: torch.Tensor,
+    row_processors: list[Any],
+    row_stop_codes: list[Callable[[torch.Tensor, Any], torch.Tensor]],
+    generator: torch.Generator | None,
+    open_drafter: Callable[[list[list[int]]], Drafter],
+    stats: SpeculationStats,
+    reason_names: dict[int, str],
+    draft_length: int | None = None,
+) -> Generator[StepEvent, None, GenerationResult]:
+    """Greedy or sampling with speculative rounds (see the module docstring).
+
+    Args:
+        plan (`GenerationPlan`): the resolved generation (lengths, special tokens, sampling).
+        rows (`SpeculativeRows`): the model-side state of the expanded rows (`RaggedRows`, `SlotRows`).
+        input_ids (`torch.LongTensor` of shape `(rows, input_len)`): expanded, left-padded prompts.
+        row_processors (`list`): each row's logits processors (built for a batch of one).
+        row_stop_codes (`list`): each row's stopping check, `(ids [1, len], scores) -> codes [1]`.
+        generator (`torch.Generator`, *optional*): the request's randomness (sampling).
+        open_drafter (`Callable`): opens the drafting session for the rows' tokens so far
+            (prompt without padding, plus the first generated token); may raise `DraftFailure`.
+        stats (`SpeculationStats`): filled in as the rounds go.
+        reason_names (`dict`): finish-reason code -> name.
+        draft_length (`int`, *optional*): a constant draft length (prompt lookup) instead of the
+            config's `num_assistant_tokens` schedule.
+    """
+    run = SpeculativeRun(
+        plan, rows, input_ids, row_processors, row_stop_codes, generator, stats, reason_names, draft_length
+    )
+    # Step 0: the first token comes from the prefill's logits, as in plain decoding.
+    yield run.first_step()
+    # The drafter holds a session (a draft-service stream, KV caches) until closed: it is closed on
+    # every way out of this generator (finish, error, the caller closing it on cancel or deadline).
+    try:
+        run.open_drafter(open_drafter)
+        step = 1
+        while not run.done():
+            yield run.round(step)
+            step += 1
+        return run.result()
+    finally:
+        run.close_drafter()
+
+
+def speculation_blocker(plan: GenerationPlan) -> str:
+    """Why this generation cannot speculate ("" when it can); it then runs plain decoding."""
+    config = plan.config
+    if plan.num_beams > 1:
+        return "beam search runs without speculation (plain beam search)"
+    if not config.use_cache:
+        return "speculation needs use_cache=True"
+    if config.guidance_scale is not None and config.guidance_scale != 1:
+        return "classifier-free guidance (guidance_scale) needs one target step at a time"
+    return ""
+
+
+def iter_speculative(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    config: Any,
+    open_drafter: Callable[[list[list[int]], Any], Drafter],
+    stats: SpeculationStats,
+    tokenizer: Any = None,
+    generator: torch.Generator | None = None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+    max_position_embeddings: int | None = None,
+    draft_length: int | None = None,
+    rows_factory: Callable[..., SpeculativeRows] | None = None,
+) -> Generator[StepEvent, None, GenerationResult]:
+    """`iter_generate` with speculative rounds when the request allows it, else plain decoding.
+
+    Same arguments and result as `specwire.generation.loops.generate.iter_generate`, plus:
+
+    Args:
+        open_drafter (`Callable[[list[list[int]], GenerationConfig], Drafter]`): opens the drafting
+            session for the rows (prompt tokens without padding) and the resolved config; may raise
+            `DraftFailure`, which falls back to plain decoding.
+        stats (`SpeculationStats`): receives the request's speculation statistics and fallback reason.
+        draft_length (`int`, *optional*): constant draft length (prompt lookup) instead of the schedule.
+        rows_factory (`Callable`, *optional*): builds the model-side state instead of `RaggedRows`
+            (a `SpeculativeRows`); passed on to plain decoding.
+    """
+    plan = prepare_generation(
+        model, input_ids, attention_mask, config=config, max_position_embeddings=max_position_embeddings
+    )
+    blocker = speculation_blocker(plan)
+    if blocker:
+        stats.fallback_reason = blocker
+        return generate_from_plan(
+            model,
+            plan,
+            tokenizer=tokenizer,
+            generator=generator,
+            negative_prompt_ids=negative_prompt_ids,
+            negative_prompt_attention_mask=negative_prompt_attention_mask,
+            max_position_embeddings=max_position_embeddings,
+            rows_factory=rows_factory,
+        )
+    config = plan.config
+    plan.require_tokenizer(tokenizer)
+    expanded, mask = plan.expanded()
+    rows = (rows_factory or RaggedRows)(
+        model,
+        attention_mask=mask,
+        prompt_length=plan.input_len,
+        rows=expanded.shape[0],
+        use_cache=True,
+        prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
+    )
+    row_processors, row_stops = _per_row_steps(model, plan, rows, tokenizer, max_position_embeddings)
+    if plan.do_sample and generator is None:
+        generator = make_generator(getattr(config, "seed", None), expanded.device)
+    return speculative_loop(
+        plan,
+        rows,
+        expanded,
+        row_processors,
+        row_stops,
+        generator,
+        lambda tokens: open_drafter(tokens, config),
+        stats,
+        reason_names(),
+        draft_length,
+    )
+
+
+def _per_row_steps(
+    model: Any, plan: GenerationPlan, rows: SpeculativeRows, tokenizer: Any, max_position_embeddings: int | None
+) -> tuple[list[Any], list[StopCodes]]:
+    """Each row's processors and stopping criteria, built for a batch of one (rows advance apart)."""
+    config = plan.config
+    vocab_size, max_position_embeddings = model_limits(model, max_position_embeddings)
+    pad_lengths = rows.padding_lengths
+    row_processors, row_stops = [], []
+    for r in range(plan.input_ids.shape[0] * plan.expand):
+        prompt = plan.input_ids[r // plan.expand : r // plan.expand + 1]
+        row_processors.append(
+            build_logits_processors(
+                config,
+                input_len=plan.input_len,
+                vocab_size=vocab_size,
+                eos_token_ids=plan.eos_token_ids,
+                num_beams=1,
+                prompt_ids=prompt,
+                prompt_pad_lengths=None if pad_lengths is None else pad_lengths[r : r + 1],
+                model=model,
+            )
+        )
+        criteria = build_stopping_criteria(
+            config,
+            max_length=plan.max_length,
+            eos_token_ids=plan.eos_token_ids,
+            tokenizer=tokenizer,
+            max_position_embeddings=max_position_embeddings,
+        )
+        row_stops.append(StopCodes(criteria, plan.eos_token_ids, plan.input_ids.device))
+    return row_processors, row_stops

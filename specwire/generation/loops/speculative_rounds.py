@@ -1,0 +1,460 @@
+"""The steps of a speculative round, for one request: draft, verify, accept, commit.
+
+`SpeculativeRun` holds one request's rows (their tokens, processors, stopping criteria and draft
+schedules), its drafter session and its statistics; `loops.speculative.speculative_loop` drives it:
+`first_step`, `open_drafter`, then `round` until `done`. See `loops.speculative` for the algorithm.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specwire.generation.outputs import GenerationResult, StepEvent
+from specwire.generation.planning import GenerationPlan
+from specwire.generation.rows import SpeculativeRows
+from specwire.generation.speculation.acceptance import (
+    AcceptResult,
+    crop_at_stops,
+    greedy_accept,
+    rejection_sample,
+    sampled_accept_without_draft_probs,
+)
+from specwire.generation.speculation.drafters import Drafter, DraftFailure, Proposal
+from specwire.generation.speculation.schedules import DraftSchedule
+from specwire.generation.speculation.stats import SpeculationStats
+from specwire.vocabulary import FINISH_LENGTH
+
+__all__ = ["SpeculativeRun", "accept_blocks"]
+
+
+@dataclass
+class _Row:
+    prompt: torch.Tensor  # [input_len] (left padded as in the batch)
+    generated: list[int]
+    processors: Any
+    criteria: Any
+    schedule: DraftSchedule
+    finished: bool = False
+    reason: str | None = None
+    finish_length: int | None = None
+    scores: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    def ids(self, extra: list[int] | None = None) -> torch.Tensor:
+        tail = self.generated + (extra or [])
+        return torch.cat([self.prompt, self.prompt.new_tensor(tail)])[None]  # [1, len]
+
+
+@dataclass
+class _Block:
+    """One round's candidates: what each row drafted and what the target verifies after its last token.
+
+    Args:
+        asked (`int`): the draft length the drafter was asked for (the longest a row wants).
+        drafts (`list[list[int]]`): per row, its draft tokens (cut to what the row wants).
+        probs (`list[torch.FloatTensor | None]`): per row, the draft's probabilities of them.
+        blocks (`list[list[int]]`): per row, the drafts, or the pad filler of a finished row.
+        draft_s (`float`): seconds spent drafting.
+    """
+
+    asked: int
+    drafts: list[list[int]]
+    probs: list[torch.Tensor | None]
+    blocks: list[list[int]]
+    draft_s: float
+
+    @property
+    def k(self) -> int:
+        return max(len(block) for block in self.blocks)
+
+
+@dataclass
+class _Outcome:
+    """What one round gave every row: `emitted` tokens, of which `accepted` were drafts, and a finish code."""
+
+    emitted: list[list[int]]
+    accepted: list[int]
+    codes: list[int]
+
+
+class SpeculativeRun:
+    """
+    One request's speculative rounds: its rows, the drafter session and the statistics.
+
+    Args:
+        plan (`GenerationPlan`): the resolved generation.
+        rows (`SpeculativeRows`): the model-side state of the expanded rows.
+        input_ids (`torch.LongTensor` of shape `(rows, input_len)`): expanded, left-padded prompts.
+        row_processors (`list`): each row's logits processors (built for a batch of one).
+        row_stop_codes (`list`): each row's stopping check, `(ids [1, len], scores) -> codes [1]`.
+        generator (`torch.Generator`, *optional*): the request's randomness (sampling).
+        stats (`SpeculationStats`): filled in as the rounds go.
+        reason_names (`dict`): finish-reason code -> name.
+        draft_length (`int`, *optional*): a constant draft length instead of the config's schedule.
+    """
+
+    def __init__(
+        self,
+        plan: GenerationPlan,
+        rows: SpeculativeRows,
+        input_ids: torch.Tensor,
+        row_processors: list[Any],
+        row_stop_codes: list[Callable[[torch.Tensor, Any], torch.Tensor]],
+        generator: torch.Generator | None,
+        stats: SpeculationStats,
+        reason_names: dict[int, str],
+        draft_length: int | None,
+    ):
+        config = plan.config
+        self.plan = plan
+        self.rows = rows
+        self.input_ids = input_ids
+        self.generator = generator
+        self.stats = stats
+        self.reason_names = reason_names
+        self.keep_scores = bool(config.return_dict_in_generate and config.output_scores)
+        self.keep_logits = bool(config.return_dict_in_generate and config.output_logits)
+        self.input_len = input_ids.shape[1]
+        pad_finished = plan.eos_token_ids is not None and plan.pad_token_id is not None
+        self.pad = plan.pad_token_id if pad_finished else None
+        self.drafter: Drafter | None = None
+
+        # Every row has its own draft schedule (schedule state never leaks between requests or rows).
+        def schedule() -> DraftSchedule:
+            if draft_length is not None:
+                return DraftSchedule(draft_length, "constant")
+            return DraftSchedule.from_config(config)
+
+        self.state = [
+            _Row(input_ids[r], [], row_processors[r], row_stop_codes[r], schedule()) for r in range(input_ids.shape[0])
+        ]
+
+    def _finish(self, row: _Row, code: int) -> str:
+        row.finished, row.reason = True, self.reason_names.get(code, FINISH_LENGTH)
+        row.finish_length = len(row.generated)
+        return row.reason
+
+    def done(self) -> bool:
+        """Plain decoding stops when every row finished; later-finishing rows define the length."""
+        if not all(row.finished for row in self.state):
+            return False
+        length = max(row.finish_length for row in self.state)
+        return all(len(row.generated) >= length for row in self.state)
+
+    def first_step(self) -> StepEvent:
+        """The prefill and the first token of every row, as plain decoding picks it."""
+        logits = self.rows.prefill(self.input_ids)  # [rows, V]
+        tokens, reasons = [], []
+        first = self.rows.process([(row.processors, row.ids(), logits[r : r + 1]) for r, row in enumerate(self.state)])
+        for r, row in enumerate(self.state):
+            scores = first[r][0]
+            token = _greedy_or_sample(self.plan, scores, self.generator)
+            row.generated.append(token)
+            if self.keep_scores:
+                row.scores.append(scores)
+            if self.keep_logits:
+                row.logits.append(logits[r].clone())  # not a view: it would keep every row's logits alive
+            code = int(row.criteria(row.ids(), scores[None])[0])
+            tokens.append([token])
+            reasons.append(self._finish(row, code) if code else None)
+        return StepEvent(step=0, tokens=tokens, finish_reasons=reasons, final=all(r.finished for r in self.state))
+
+    def open_drafter(self, open_drafter: Callable[[list[list[int]]], Drafter]) -> None:
+        """Opens the drafting session; without one the rounds run with empty drafts (plain decoding)."""
+        _, mask = self.plan.expanded()
+        try:
+            started = time.perf_counter()
+            self.drafter = open_drafter([_unpadded(row, mask[r]) for r, row in enumerate(self.state)])
+            self.stats.draft_seconds += time.perf_counter() - started
+        except DraftFailure as exc:
+            self.stats.fallback_reason = f"draft unavailable: {exc}"
+
+    def _drafter_failed(self, exc: DraftFailure) -> None:
+        self.stats.fallback_reason = f"draft failed mid-request: {exc}"
+        self.drafter = _close(self.drafter)
+
+    def close_drafter(self) -> None:
+        if self.drafter is not None:
+            self.drafter = _close(self.drafter)
+
+    def round(self, step: int) -> StepEvent:
+        """One speculative round: draft, verify, accept, commit."""
+        start_ns = time.time_ns()
+        block = self._draft()
+        candidates, valid = self._candidates(block)
+        started = time.perf_counter()
+        logits = self.rows.verify(candidates, valid)  # [rows, k + 1, V]
+        scores = self._process(block, logits)
+        outcome = self._accept(block, scores)
+        events = self._commit(outcome, scores, logits)
+        verify_s = time.perf_counter() - started
+        self.stats.verify_seconds += verify_s
+        self._discard(block, outcome)
+        for r, row in enumerate(self.state):
+            if block.drafts[r]:
+                row.schedule.update(outcome.accepted[r], len(block.drafts[r]))
+        self.stats.observe_round(
+            [len(d) for d in block.drafts],
+            outcome.accepted,
+            asked=block.asked,
+            draft_s=block.draft_s,
+            verify_s=verify_s,
+            start_ns=start_ns,
+            end_ns=time.time_ns(),
+        )
+        self._feedback(outcome)
+        return StepEvent(
+            step=step, tokens=[e[0] for e in events], finish_reasons=[e[1] for e in events], final=self.done()
+        )
+
+    def _draft(self) -> _Block:
+        """Draft lengths per row, bounded so the block (drafts + 1) fits under max_length, and the drafts."""
+        state, pad = self.state, self.pad
+        room = [self.plan.max_length - self.input_len - len(row.generated) for row in state]
+        want = [
+            0 if row.finished else max(min(row.schedule.num_assistant_tokens, room[r] - 1), 0)
+            for r, row in enumerate(state)
+        ]
+        asked = max(want)
+        proposal = Proposal([[] for _ in state], [None] * len(state))
+        draft_s = 0.0
+        if self.drafter is not None and asked > 0:
+            started = time.perf_counter()
+            try:
+                proposal = self.drafter.propose(asked)
+            except DraftFailure as exc:
+                self._drafter_failed(exc)
+            draft_s = time.perf_counter() - started
+            self.stats.draft_seconds += draft_s
+        drafts = [list(proposal.tokens[r][: want[r]]) for r in range(len(state))]
+        # Finished rows are fed the pad token, as plain decoding feeds them (their scores stay exact).
+        catch_up = max(row.finish_length for row in state) if all(row.finished for row in state) else 0
+        forced = [
+            [pad] * max(min(max(asked, catch_up - len(row.generated) - 1), room[r] - 1), 0)
+            if row.finished and pad is not None
+            else []
+            for r, row in enumerate(state)
+        ]
+        blocks = [drafts[r] or forced[r] for r in range(len(state))]
+        return _Block(asked, drafts, list(proposal.probs), blocks, draft_s)
+
+    def _candidates(self, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[last token, block...]` per row `[rows, k + 1]`, and which of those slots are real tokens."""
+        k, pad = block.k, self.pad
+        candidates = torch.full((len(self.state), k + 1), pad if pad is not None else 0, dtype=torch.long)
+        valid = torch.zeros((len(self.state), k + 1), dtype=torch.long)
+        for r, row in enumerate(self.state):
+            tokens = [row.generated[-1], *block.blocks[r]]
+            candidates[r, : len(tokens)] = torch.tensor(tokens)
+            valid[r, : len(tokens)] = 1
+        return candidates, valid
+
+    def _process(self, block: _Block, logits: torch.Tensor) -> list[torch.Tensor]:
+        """Per row, its processed scores `[len(block) + 1, V]`, each position with its own prefix."""
+        blocks = block.blocks
+        processed = self.rows.process(
+            [
+                (row.processors, row.ids(blocks[r][:j]), logits[r : r + 1, j])
+                for r, row in enumerate(self.state)
+                for j in range(len(blocks[r]) + 1)
+            ]
+        )
+        scores, offset = [], 0
+        for r in range(len(self.state)):
+            scores.append(torch.cat(processed[offset : offset + len(blocks[r]) + 1]))
+            offset += len(blocks[r]) + 1
+        return scores
+
+    def _accept(self, block: _Block, scores: list[torch.Tensor]) -> _Outcome:
+        """Acceptance for every row in one call, then the cut at the first stopping criterion.
+
+        Rows that finished before this round are fed their pad filler and the pad token, with no
+        draw; without a pad id they take the target's token like an empty draft (plain decoding
+        runs them on too).
+        """
+        num_rows = len(self.state)
+        emitted: list[list[int]] = [[*block.blocks[r], self.pad] for r in range(num_rows)]
+        accepted, codes = [0] * num_rows, [0] * num_rows
+        deciding = [r for r, row in enumerate(self.state) if not row.finished or self.pad is None]
+        if not deciding:
+            return _Outcome(emitted, accepted, codes)
+        result = accept_blocks(
+            self.plan.do_sample,
+            [block.blocks[r] for r in deciding],
+            [block.probs[r] for r in deciding],
+            [scores[r] for r in deciding],
+            self.generator,
+        )
+        tokens = result.tokens()
+        running = torch.tensor([not self.state[r].finished for r in deciding], device=result.emitted.device)
+        to_cut = AcceptResult(result.num_accepted, result.emitted, torch.where(running, result.num_emitted, 0))
+        cut, finish = crop_at_stops(to_cut, self._stop_fn(deciding, tokens, scores))
+        for i, (r, kept, n_accepted, code) in enumerate(
+            zip(deciding, cut.num_emitted.tolist(), cut.num_accepted.tolist(), finish.tolist(), strict=True)
+        ):
+            finished = self.state[r].finished
+            emitted[r] = tokens[i] if finished else tokens[i][:kept]
+            accepted[r] = min(n_accepted, len(block.drafts[r]))
+            codes[r] = code
+        return _Outcome(emitted, accepted, codes)
+
+    def _stop_fn(
+        self, deciding: list[int], tokens: list[list[int]], scores: list[torch.Tensor]
+    ) -> Callable[[int], torch.Tensor]:
+        """`crop_at_stops`' check: each running row's criteria after its first `j` emitted tokens."""
+        fired: set[int] = set()
+
+        def stop_fn(j: int) -> torch.Tensor:
+            codes = []
+            for i, r in enumerate(deciding):
+                row, code = self.state[r], 0
+                # A row's criteria run only where `crop_at_stops` reads them, as far as its first stop.
+                if not row.finished and i not in fired and j <= len(tokens[i]):
+                    code = int(row.criteria(row.ids(tokens[i][:j]), scores[r][j - 1 : j])[0])
+                    if code:
+                        fired.add(i)
+                codes.append(code)
+            return torch.tensor(codes, dtype=torch.long)
+
+        return stop_fn
+
+    def _commit(
+        self, outcome: _Outcome, scores: list[torch.Tensor], logits: torch.Tensor
+    ) -> list[tuple[list[int], str | None]]:
+        """Rows keep what they emitted; returns what the caller sees: real tokens, and a reason once."""
+        events = []
+        for r, row in enumerate(self.state):
+            emitted, was_finished = outcome.emitted[r], row.finished
+            row.generated += emitted
+            if outcome.codes[r]:
+                self._finish(row, outcome.codes[r])
+            # Kept only when asked for, and copied: a view would keep the round's whole block alive
+            # (a request otherwise holds ~2 x (k + 1) x vocab floats per round until it ends).
+            if self.keep_scores:
+                row.scores += list(scores[r][: len(emitted)].clone())
+            if self.keep_logits:
+                row.logits += list(logits[r, : len(emitted)].clone())
+            if was_finished:
+                events.append(([], None))
+            else:
+                events.append((emitted, row.reason if row.finished else None))
+        return events
+
+    def _discard(self, block: _Block, outcome: _Outcome) -> None:
+        """Forget what was not kept: slots after the accepted drafts (the last emitted token is the next
+        round's input, not yet in the cache)."""
+        kept = [len(e) for e in outcome.emitted]
+        self.rows.discard(
+            torch.tensor([block.k + 1 - n for n in kept]),
+            torch.tensor([len(block.blocks[r]) + 1 - kept[r] for r in range(len(self.state))]),
+        )
+
+    def _feedback(self, outcome: _Outcome) -> None:
+        """Tells the drafter, per row, how many drafts were accepted and which tokens came after them."""
+        if self.drafter is None:
+            return
+        appended = [outcome.emitted[r][outcome.accepted[r] :] for r in range(len(self.state))]
+        try:
+            self.drafter.feedback(outcome.accepted, appended, [row.finished for row in self.state])
+        except DraftFailure as exc:
+            self._drafter_failed(exc)
+
+    def result(self) -> GenerationResult:
+        state = self.state
+        length = max(row.finish_length for row in state)
+        sequences = torch.stack(
+            [torch.cat([row.prompt, row.prompt.new_tensor(row.generated[:length])]) for row in state]
+        )
+        scores = logits = None
+        if self.keep_scores:
+            scores = tuple(torch.stack([row.scores[t] for row in state]) for t in range(length))
+        if self.keep_logits:
+            logits = tuple(torch.stack([row.logits[t] for row in state]) for t in range(length))
+        if not self.plan.config.return_dict_in_generate:
+            scores = logits = None
+        return GenerationResult(
+            sequences=sequences,
+            scores=scores,
+            logits=logits,
+            finish_reasons=[row.reason or FINISH_LENGTH for row in state],
+            prompt_length=self.input_len,
+        )
+
+
+def accept_blocks(
+    do_sample: bool,
+    blocks: list[list[int]],
+    draft_probs: list[torch.Tensor | None],
+    scores: list[torch.Tensor],
+    generator: torch.Generator | None,
+) -> AcceptResult:
+    """
+    Verifies every row's block in one call of the acceptance functions (`speculation.acceptance`).
+
+    Greedy decoding accepts the drafts equal to the target's argmax; sampling uses rejection sampling
+    when every row that drafted brought the draft's probabilities, else the target's own samples
+    (transformers' "case 2", exact whatever the draft). Rows draw in row order, each only what its own
+    block needs, so the draws are those of one call per row.
+
+    Args:
+        do_sample (`bool`):
+            Sampling (else greedy).
+        blocks (`list[list[int]]`):
+            Per row, its draft tokens (possibly none).
+        draft_probs (`list[torch.FloatTensor | None]`):
+            Per row, the draft's probabilities, of shape `(>= len(block), vocab)`, or `None`.
+        scores (`list[torch.FloatTensor]`):
+            Per row, the target's processed scores of shape `(len(block) + 1, vocab)`.
+        generator (`torch.Generator`, *optional*):
+            The request's randomness.
+
+    Returns:
+        `AcceptResult` over the rows.
+    """
+    device = scores[0].device
+    k = max(len(block) for block in blocks)
+    drafts = torch.tensor([block + [0] * (k - len(block)) for block in blocks], dtype=torch.long, device=device)
+    lengths = torch.tensor([len(block) for block in blocks])  # only read on the host: it stays on the CPU
+    if not do_sample:
+        return greedy_accept(drafts, lengths, _padded(scores, k + 1))
+    # Each row's softmax is computed on its own scores, as a per-row call computes it.
+    target_probs = _padded([row_scores.softmax(-1) for row_scores in scores], k + 1)  # [rows, k + 1, V]
+    drafted = [r for r, block in enumerate(blocks) if block]
+    if drafted and all(draft_probs[r] is not None for r in drafted):
+        q = [draft_probs[r][: len(blocks[r])].to(device) if blocks[r] else None for r in range(len(blocks))]
+        return rejection_sample(drafts, lengths, _padded(q, k, like=q[drafted[0]]), target_probs, generator)
+    return sampled_accept_without_draft_probs(drafts, lengths, target_probs, generator)
+
+
+def _padded(pieces: list[torch.Tensor | None], width: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """Stacks per-row `[n, V]` pieces into `[rows, width, V]`, zeros after each row's `n` (never read)."""
+    like = like if like is not None else pieces[0]
+    out = like.new_zeros((len(pieces), width, like.shape[-1]))
+    for r, piece in enumerate(pieces):
+        if piece is not None:
+            out[r, : piece.shape[0]] = piece
+    return out
+
+
+def _greedy_or_sample(plan: GenerationPlan, scores: torch.Tensor, generator: torch.Generator | None) -> int:
+    if plan.do_sample:
+        return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+    return int(scores.argmax(-1))
+
+
+def _unpadded(row: _Row, mask: torch.Tensor | None) -> list[int]:
+    prompt = row.prompt if mask is None else row.prompt[mask.bool()]
+    return prompt.tolist() + row.generated
+
+
+def _close(drafter: Drafter) -> None:
+    try:
+        drafter.close()
+    except Exception:  # noqa: BLE001 - a broken drafter must not break the request
+        pass
+    return None

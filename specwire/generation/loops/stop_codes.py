@@ -1,0 +1,45 @@
+"""Per-row finish reasons: the stopping criteria's codes as the loops record and report them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specwire.vocabulary import FINISH_REASON_NAMES, FinishReason
+
+__all__ = ["StopCodes", "reason_names"]
+
+
+def reason_names() -> dict[int, str]:
+    """`FinishReason` code -> the finish-reason string results and events carry."""
+    return dict(FINISH_REASON_NAMES)
+
+
+class StopCodes:
+    """Per-row finish reason codes from the stopping criteria, with EOS reported over length.
+
+    `StoppingCriteriaList.finish_reasons` names the first criterion in list order, and the max-length
+    criterion comes first; a row whose last token is an EOS id at the length limit is reported as "eos"
+    (the model chose to stop), as TGI and vLLM report it. Which rows stop is unchanged.
+
+    Args:
+        criteria (`StoppingCriteriaList`):
+            The request's stopping criteria.
+        eos_token_ids (`list[int]`, *optional*):
+            The EOS ids, or `None`.
+        device (`torch.device`):
+            The device of the sequences the codes are computed for.
+    """
+
+    def __init__(self, criteria: Any, eos_token_ids: list[int] | None, device: torch.device):
+        self.criteria = criteria
+        self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device) if eos_token_ids else None
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any) -> torch.Tensor:
+        """`FinishReason` code per row `[rows]` (0 = still running) for `input_ids` `[rows, len]`."""
+        codes = self.criteria.finish_reasons(input_ids, scores).to(input_ids.device)  # [rows]
+        if self.eos is not None:
+            ended_on_eos = torch.isin(input_ids[:, -1], self.eos)
+            codes = torch.where((codes == FinishReason.LENGTH) & ended_on_eos, int(FinishReason.EOS), codes)
+        return codes

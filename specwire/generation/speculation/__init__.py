@@ -1,0 +1,1 @@
+"""Speculative decoding's parts: acceptance rules, drafters, prompt lookup, draft schedules and statistics."""
