@@ -55,9 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="smoke mode: 32 new tokens, 1 repeat, a subset")
-    parser.add_argument(
-        "--model", default="default", help="target model (default: the embedded SmolLM2-135M)"
-    )
+    parser.add_argument("--model", default="default", help="target model (default: the embedded SmolLM2-135M)")
     parser.add_argument(
         "--draft-model",
         default=None,
@@ -92,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-new-tokens", type=int, default=None, help="new tokens per request (default 128, quick 32)"
     )
     parser.add_argument("--concurrency", type=_ints, default=None, help="client counts (default 1,2,4,8)")
-    parser.add_argument(
-        "--draft-lengths", type=_ints, default=None, help="draft lengths (default 1,2,4,8,12,16)"
-    )
+    parser.add_argument("--draft-lengths", type=_ints, default=None, help="draft lengths (default 1,2,4,8,12,16)")
     parser.add_argument(
         "--render", metavar="DIR", help="only redraw DIR/results.md and the plots from DIR/results.json"
     )

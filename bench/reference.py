@@ -23,15 +23,9 @@ def load_draft(name: str, target_loaded: Any = None, device: str = "cpu", dtype:
     """
     from specwire.models import load_model, quantize_int8
 
-    reusable = (
-        target_loaded is not None
-        and target_loaded.device.type == "cpu"
-        and target_loaded.dtype == torch.float32
-    )
+    reusable = target_loaded is not None and target_loaded.device.type == "cpu" and target_loaded.dtype == torch.float32
     if name == "default-int8" and reusable:
-        return quantize_int8(
-            target_loaded, progress=False
-        ).model, "default-int8 (specwire.models.quantize_int8)"
+        return quantize_int8(target_loaded, progress=False).model, "default-int8 (specwire.models.quantize_int8)"
     loaded = load_model(name, device=device, dtype=dtype, progress=False)
     return loaded.model, f"{name} via specwire.models.load_model on {loaded.device}"
 
@@ -105,10 +99,7 @@ class Reference:
         if self._draft is None:
             started = time.perf_counter()
             self._draft, self.draft_note = load_draft(name, self.loaded, self.draft_device, self.draft_dtype)
-            log(
-                f"transformers reference draft ready ({self.draft_note}) "
-                f"in {time.perf_counter() - started:.1f}s"
-            )
+            log(f"transformers reference draft ready ({self.draft_note}) in {time.perf_counter() - started:.1f}s")
         return self._draft
 
     def float32_bytes(self) -> int:
@@ -149,14 +140,10 @@ class Reference:
         if seed is not None:
             torch.manual_seed(seed)
         started = time.perf_counter()
-        output = self.model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **kwargs
-        )
+        output = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **kwargs)
         if output.is_cuda:
             torch.cuda.synchronize(output.device)
         seconds = time.perf_counter() - started
         sequence = output[0].tolist()
-        first = (
-            None if streamer is None or streamer.first_token_at is None else streamer.first_token_at - started
-        )
+        first = None if streamer is None or streamer.first_token_at is None else streamer.first_token_at - started
         return Run(seconds, len(sequence) - len(prompt), sequence, first)

@@ -177,9 +177,7 @@ def _main_table(w: dict) -> list[str]:
 
     def row(name, metric, ours, theirs, scale=1.0, digits=1, higher_better=True):
         r = _ratio_cell(ours, theirs) if higher_better else _ratio_cell(theirs, ours)
-        lines.append(
-            f"| {name} | {metric} | {_fmt(ours, scale, digits)} | {_fmt(theirs, scale, digits)} | {r} |"
-        )
+        lines.append(f"| {name} | {metric} | {_fmt(ours, scale, digits)} | {_fmt(theirs, scale, digits)} | {r} |")
 
     if "greedy" in w and w["greedy"].get("series"):
         s = w["greedy"]["series"]
@@ -244,8 +242,7 @@ def _main_table(w: dict) -> list[str]:
             lines.append(f"| {name} | acceptance rate | {_fmt(acceptance, 1, 2)} | n/a | |")
         if w[key].get("unavailable"):
             lines.append(
-                f"| {name} | specwire | speculation not available: "
-                f"{next(iter(w[key]['unavailable'].values()))} | | |"
+                f"| {name} | specwire | speculation not available: {next(iter(w[key]['unavailable'].values()))} | | |"
             )
     return lines
 
@@ -264,8 +261,7 @@ def _concurrency_table(c: dict) -> list[str]:
         )
     seq = c["transformers_sequential"]
     lines.append(
-        f"| transformers, sequential | {_fmt(seq['tokens_per_second'])} | | "
-        f"{_num(_get(seq, 'seconds', 'median'))} | |"
+        f"| transformers, sequential | {_fmt(seq['tokens_per_second'])} | | {_num(_get(seq, 'seconds', 'median'))} | |"
     )
     return lines
 
@@ -291,14 +287,10 @@ def _sweep_table(d: dict) -> list[str]:
     lines = [header.replace("|  |", "|"), "|---" * (n_cols + 1) + "|"]
     for p in d["points"]:
         cells = [_fmt(_get(p, key, "tokens_per_second")) for key, _ in present]
-        cells += [
-            _fmt(_get(p, key, "acceptance_rate"), 1, 2) for key, _ in present if key.startswith("specwire")
-        ]
+        cells += [_fmt(_get(p, key, "acceptance_rate"), 1, 2) for key, _ in present if key.startswith("specwire")]
         lines.append(f"| {p['draft_length']} | " + " | ".join(cells) + " |")
     for key, series in d.get("baselines", {}).items():
-        lines.append(
-            f"| greedy baseline: {key} | {_fmt(series['tokens_per_second'])} |" + " |" * (n_cols - 1)
-        )
+        lines.append(f"| greedy baseline: {key} | {_fmt(series['tokens_per_second'])} |" + " |" * (n_cols - 1))
     return lines
 
 
@@ -339,10 +331,7 @@ def markdown(results: dict, plots: list[str]) -> str:
     out += ["", "## Targets", "", "| target | goal | measured | result | how |", "|---|---|---|---|---|"]
     for t in results["targets"]:
         unit = " ms" if "ms" in t["goal"] else (" MB" if "MB" in t["goal"] else "x")
-        out.append(
-            f"| {t['name']} | {t['goal']} | {_num(t['measured'], 2, unit)} | {_met(t['met'])} "
-            f"| {t['detail']} |"
-        )
+        out.append(f"| {t['name']} | {t['goal']} | {_num(t['measured'], 2, unit)} | {_met(t['met'])} | {t['detail']} |")
     out += ["", "## Results", "", *_main_table(w)]
     if "concurrency" in w and w["concurrency"].get("levels"):
         out += [
@@ -597,9 +586,7 @@ def plot(results: dict, folder: Path) -> list[str]:
         axes[1].set_title("Speed")
         for ax in axes:
             ax.set_xticks(ks)
-        fig.suptitle(
-            subtitle + "; prompt lookup on the code prompt, draft model on the chat prompt", fontsize=9
-        )
+        fig.suptitle(subtitle + "; prompt lookup on the code prompt, draft model on the chat prompt", fontsize=9)
         fig.tight_layout()
         fig.savefig(folder / "draft_length.png", dpi=100)
         plt.close(fig)

@@ -136,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 stack.wait()
             clients = {name: TargetClient(stack.address("target")) for name, stack in stacks.items()}
             pids = {
-                name: [service.process.pid for service in stack.services.values()]
-                for name, stack in stacks.items()
+                name: [service.process.pid for service in stack.services.values()] for name, stack in stacks.items()
             }
             results = run(clients, workloads(max_new_tokens), repeats, log, pids)
             for client in clients.values():
@@ -187,9 +186,7 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def run(
-    clients: dict, loads: list[Workload], repeats: int, log, pids: dict[str, list[int]] | None = None
-) -> dict:
+def run(clients: dict, loads: list[Workload], repeats: int, log, pids: dict[str, list[int]] | None = None) -> dict:
     """Warm both sides up, then alternate timed requests ABBA; tokens/s per workload and side.
 
     Besides wall-clock tokens/s, each side's services' CPU seconds over the whole timed phase (their

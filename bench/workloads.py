@@ -182,9 +182,7 @@ class _SpeculativeRuns:
 
     def check(self) -> dict:
         if not self.matches:
-            return _check(
-                f"{self.label} equals specwire plain greedy", None, "not run (speculation not available)"
-            )
+            return _check(f"{self.label} equals specwire plain greedy", None, "not run (speculation not available)")
         return _check(
             f"{self.label} equals specwire plain greedy",
             all(self.matches),
@@ -207,9 +205,7 @@ class _ReferenceSpeculativeRuns:
         self.detail = ""
 
     def __call__(self) -> Run:
-        run = self.ctx.reference.generate(
-            self.ctx.prompt(self.prompt_key), assistant=self.assistant, **self.kwargs
-        )
+        run = self.ctx.reference.generate(self.ctx.prompt(self.prompt_key), assistant=self.assistant, **self.kwargs)
         same, self.detail = _same(run.sequence, self.ctx.greedy_sequence("transformers", self.prompt_key))
         self.matches.append(same)
         return run
@@ -237,10 +233,7 @@ def _result(
     return {
         "title": title,
         "status": status,
-        "reason": "; ".join(
-            f"{label}: speculation not available: {why}" for label, why in unavailable.items()
-        )
-        or None,
+        "reason": "; ".join(f"{label}: speculation not available: {why}" for label, why in unavailable.items()) or None,
         "config": config,
         "prompt_tokens": prompt_tokens,
         "series": {label: _series(r) for label, r in runs.items() if r},
@@ -367,9 +360,7 @@ def draft_model(ctx: Context) -> dict:
     ctx.greedy_sequence("specwire", "chat")
     ctx.greedy_sequence("transformers", "chat")
     ours = _SpeculativeRuns(ctx, "chat", "specwire draft model", proposer="draft_model", **args)
-    theirs = _ReferenceSpeculativeRuns(
-        ctx, "chat", "transformers assisted generation", assistant=assistant, **args
-    )
+    theirs = _ReferenceSpeculativeRuns(ctx, "chat", "transformers assisted generation", assistant=assistant, **args)
     runs, unavailable = _alternate(
         ctx,
         {
@@ -458,10 +449,7 @@ def concurrency(ctx: Context) -> dict:
             )
         run = ctx.reference.generate(prompt, **args)
         sequential.append(run)
-        log(
-            f"  concurrency [{repeat + 1}/{ctx.repeats}] transformers sequential: "
-            f"{run.tokens_per_second:.1f} tok/s"
-        )
+        log(f"  concurrency [{repeat + 1}/{ctx.repeats}] transformers sequential: {run.tokens_per_second:.1f} tok/s")
     levels = {}
     for n, values in per_level.items():
         levels[str(n)] = {
@@ -493,9 +481,7 @@ def concurrency(ctx: Context) -> dict:
 # 7: draft round trip
 
 
-async def _round_trips(
-    address: str, prompt: list[int], num_tokens: int, rounds: int, warmup: int
-) -> list[float]:
+async def _round_trips(address: str, prompt: list[int], num_tokens: int, rounds: int, warmup: int) -> list[float]:
     """Seconds per feedback -> proposal round on one Draft stream (prompt lookup: no model compute)."""
     import grpc
 
@@ -598,8 +584,7 @@ def roundtrip(ctx: Context) -> dict:
             "direct: a benchmark client plays the target on one Draft stream (grpc.aio), timing each "
             "DraftFeedback -> DraftResponse on loopback; prompt lookup costs microseconds, so this is "
             "the transport and servicer overhead of a round. empty_round asks for 0 tokens.",
-            "via_target: draft_seconds / rounds from each speculative request's stats (includes draft "
-            "model compute).",
+            "via_target: draft_seconds / rounds from each speculative request's stats (includes draft model compute).",
         ],
     }
 
@@ -701,9 +686,7 @@ def memory(ctx: Context) -> dict:
             "rss_mb": values.get("VmRSS", 0) * 1024 / 1e6 if values else None,
             "args": " ".join(ctx.stack.services[name].args),
         }
-    notes = [
-        "peak = VmHWM from /proc/PID/status at the end of the run (model loading included); MB = 10^6 bytes."
-    ]
+    notes = ["peak = VmHWM from /proc/PID/status at the end of the run (model loading included); MB = 10^6 bytes."]
     device = ctx.reference.device
     device_peak = None
     if device.type == "cuda":

@@ -44,7 +44,7 @@ def clip(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     head = limit * 2 // 3
-    return f"{text[:head]} ... ({len(text) - limit} characters cut) ... {text[len(text) - (limit - head):]}"
+    return f"{text[:head]} ... ({len(text) - limit} characters cut) ... {text[len(text) - (limit - head) :]}"
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,7 @@ class SpecwireError(Exception):
 
     code = "INTERNAL"
 
-    def __init__(
-        self, message: str, violations: list[Any] | tuple[Any, ...] = (), retry_after_s: float | None = None
-    ):
+    def __init__(self, message: str, violations: list[Any] | tuple[Any, ...] = (), retry_after_s: float | None = None):
         violations = list(violations)
         if len(violations) > MAX_VIOLATIONS:
             message = f"{message} ({len(violations) - MAX_VIOLATIONS} more problems not listed)"

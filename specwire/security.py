@@ -155,9 +155,7 @@ def secure_channel(
     traced = telemetry.aio_client_interceptors() if aio else []
     if tls is not None:
         if metadata:
-            tls = grpc.composite_channel_credentials(
-                tls, grpc.metadata_call_credentials(_TokenPlugin(metadata))
-            )
+            tls = grpc.composite_channel_credentials(tls, grpc.metadata_call_credentials(_TokenPlugin(metadata)))
         if aio:
             return grpc.aio.secure_channel(address, tls, options=options, interceptors=traced or None)
         return telemetry.instrument_channel(grpc.secure_channel(address, tls, options=options))
@@ -227,12 +225,8 @@ def _unauthenticated(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             deny_stream, handler.request_deserializer, handler.response_serializer
         )
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(
-            deny, handler.request_deserializer, handler.response_serializer
-        )
-    return grpc.unary_unary_rpc_method_handler(
-        deny, handler.request_deserializer, handler.response_serializer
-    )
+        return grpc.stream_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
 
 
 def server_interceptors(env: Mapping[str, str] = os.environ) -> list[grpc.aio.ServerInterceptor]:

@@ -66,9 +66,7 @@ def error_status(error: SpecwireError) -> tuple[grpc.StatusCode, str, tuple[tupl
     if error.violations:
         bad_request = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(
-                    field=v.field, description=f"{v.message} (got {v.value!r})"
-                )
+                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=f"{v.message} (got {v.value!r})")
                 for v in error.violations
             ]
         )

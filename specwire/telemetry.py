@@ -42,9 +42,7 @@ log = logging.getLogger("specwire.telemetry")
 PROMETHEUS_PORT_ENV = "SPECWIRE_PROMETHEUS_PORT"
 PROMETHEUS_HOST_ENV = "SPECWIRE_PROMETHEUS_HOST"
 DEFAULT_PROMETHEUS_HOST = "127.0.0.1"
-DEFAULT_PROMETHEUS_PORT = (
-    "9464"  # the OTel Prometheus exporter's usual port (OTEL_METRICS_EXPORTER=prometheus)
-)
+DEFAULT_PROMETHEUS_PORT = "9464"  # the OTel Prometheus exporter's usual port (OTEL_METRICS_EXPORTER=prometheus)
 INSTRUMENTATION_SCOPE = "specwire"
 
 
@@ -167,11 +165,7 @@ def _endpoint(env: Mapping[str, str], signal: str, protocol: str) -> str | None:
 
 def _protocol(env: Mapping[str, str], signal: str) -> str:
     protocol = (
-        (
-            env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
-            or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-            or "grpc"
-        )
+        (env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
         .strip()
         .lower()
     )
@@ -272,9 +266,7 @@ def _start_prometheus(env: Mapping[str, str]):
     try:
         port = int(env[PROMETHEUS_PORT_ENV])
     except ValueError as exc:
-        raise ValueError(
-            f"{PROMETHEUS_PORT_ENV}={env[PROMETHEUS_PORT_ENV]!r}: expected a port number"
-        ) from exc
+        raise ValueError(f"{PROMETHEUS_PORT_ENV}={env[PROMETHEUS_PORT_ENV]!r}: expected a port number") from exc
     host = (env.get(PROMETHEUS_HOST_ENV) or DEFAULT_PROMETHEUS_HOST).strip()
     registry = CollectorRegistry(auto_describe=True)
     reader = PrometheusMetricReader(registry=registry)
@@ -310,14 +302,10 @@ def setup_telemetry(
         span_exporters, metric_readers = list(span_exporters), list(metric_readers)
         disabled = _truthy(env.get("OTEL_SDK_DISABLED"))
         trace_names = (
-            []
-            if disabled
-            else _exporter_names(env, "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            [] if disabled else _exporter_names(env, "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         )
         metric_names = (
-            []
-            if disabled
-            else _exporter_names(env, "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+            [] if disabled else _exporter_names(env, "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
         )
         trace_names = [n for n in trace_names if n != "none"]
         if "prometheus" in metric_names and not env.get(PROMETHEUS_PORT_ENV, "").strip():

@@ -37,9 +37,7 @@ def build_tokenizer(vocab_size: int = 400):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def build_tiny_llama(
-    folder: str | Path, *, seed: int = 0, num_hidden_layers: int = 2, hidden_size: int = 32
-) -> Path:
+def build_tiny_llama(folder: str | Path, *, seed: int = 0, num_hidden_layers: int = 2, hidden_size: int = 32) -> Path:
     """Save a tiny random Llama and its tokenizer to `folder` and return the folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -40,9 +40,7 @@ class SpecwireRpcError(Exception):
         retry_after_s (`float`, *optional*): the server's retry hint for RESOURCE_EXHAUSTED.
     """
 
-    def __init__(
-        self, code: grpc.StatusCode, message: str, violations=(), retry_after_s: float | None = None
-    ):
+    def __init__(self, code: grpc.StatusCode, message: str, violations=(), retry_after_s: float | None = None):
         super().__init__(f"{code.name}: {message}")
         self._code = code
         self.message = message
@@ -71,9 +69,7 @@ class SpecwireRpcError(Exception):
                     for detail in status.details:
                         bad = error_details_pb2.BadRequest()
                         if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR) and detail.Unpack(bad):
-                            violations += [
-                                Violation(v.field, "", v.description, "error") for v in bad.field_violations
-                            ]
+                            violations += [Violation(v.field, "", v.description, "error") for v in bad.field_violations]
             elif key == RETRY_AFTER_KEY:
                 retry_after = float(value)
         return cls(error.code(), error.details() or "", violations, retry_after)

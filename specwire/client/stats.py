@@ -103,9 +103,7 @@ def acceptance(texts: list[str], model: str | None = None) -> list[Acceptance]:
                 group = groups.setdefault(key, Acceptance(*key))
                 if sample.name == METRIC_ACCEPTED_PER_POSITION:
                     position = int(labels.get(LABEL_POSITION, "0"))
-                    group.accepted_by_position[position] = (
-                        group.accepted_by_position.get(position, 0.0) + sample.value
-                    )
+                    group.accepted_by_position[position] = group.accepted_by_position.get(position, 0.0) + sample.value
                 else:
                     setattr(group, fields[sample.name], getattr(group, fields[sample.name]) + sample.value)
     return [groups[key] for key in sorted(groups)]
@@ -138,9 +136,7 @@ def table(groups: list[Acceptance]) -> str:
         for g in groups
     ]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]
-    ]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
     for g in groups:
         rates = g.position_rates()
         if rates:
@@ -180,9 +176,7 @@ def plot(groups: list[Acceptance], path: str | Path) -> Path:
     if axes.lines:
         axes.legend(fontsize=8)
     else:
-        axes.text(
-            0.5, 0.5, "no speculative drafts recorded", ha="center", va="center", transform=axes.transAxes
-        )
+        axes.text(0.5, 0.5, "no speculative drafts recorded", ha="center", va="center", transform=axes.transAxes)
     path = Path(path)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -192,9 +186,7 @@ def plot(groups: list[Acceptance], path: str | Path) -> Path:
 
 def add_parser(sub) -> None:
     """Register `specwire stats` on the CLI's subparsers."""
-    p = sub.add_parser(
-        "stats", help="speculative acceptance per proposer and config from Prometheus endpoints"
-    )
+    p = sub.add_parser("stats", help="speculative acceptance per proposer and config from Prometheus endpoints")
     p.add_argument(
         "--prometheus",
         action="append",

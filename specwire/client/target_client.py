@@ -144,9 +144,7 @@ def build_request(
         raise ValueError("pass exactly one of input_ids and text")
     if proposer not in PROPOSERS:
         raise ValueError(f"proposer must be one of {sorted(k for k in PROPOSERS if k)}, not {proposer!r}")
-    request = request_type(
-        apply_chat_template=apply_chat_template, proposer=PROPOSERS[proposer], request_id=request_id
-    )
+    request = request_type(apply_chat_template=apply_chat_template, proposer=PROPOSERS[proposer], request_id=request_id)
     if text is not None:
         for item in [text] if isinstance(text, str) else text:
             request.prompts.add(text=item)

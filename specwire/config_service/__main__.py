@@ -55,9 +55,7 @@ def build_server(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="config-service", description="specwire GenerationConfig registry")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument(
-        "--port", type=int, default=50051, help="port to bind, 0 for any free one (default 50051)"
-    )
+    parser.add_argument("--port", type=int, default=50051, help="port to bind, 0 for any free one (default 50051)")
     parser.add_argument(
         "--db",
         default=str(default_registry()),

@@ -126,9 +126,7 @@ class ConfidenceCriteria:
     def __init__(self, assistant_confidence_threshold: float):
         value = assistant_confidence_threshold
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
-            raise ValueError(
-                f"`assistant_confidence_threshold` has to be a probability in [0, 1], but is {value!r}."
-            )
+            raise ValueError(f"`assistant_confidence_threshold` has to be a probability in [0, 1], but is {value!r}.")
         self.assistant_confidence_threshold = float(value)
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any = None, **kwargs: Any) -> torch.BoolTensor:
@@ -147,9 +145,7 @@ class ConfidenceCriteria:
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, used by ByteLevel tokenizers to spell raw bytes."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     table = {b: chr(b) for b in printable}
     extra = 0
@@ -204,12 +200,7 @@ def _raw_token_bytes(token: str, mode: str | None) -> bytes | None:
             return bytes(_BYTE_LEVEL_DECODER[ch] for ch in token)
         return None
     if mode == "byte_fallback":
-        if (
-            len(token) == 6
-            and token.startswith("<0x")
-            and token.endswith(">")
-            and all(c in _HEX for c in token[3:5])
-        ):
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">") and all(c in _HEX for c in token[3:5]):
             return bytes([int(token[3:5], 16)])
     return None
 
@@ -470,9 +461,7 @@ class StoppingCriteriaList(list):
             done = done | criterion(input_ids, scores, **kwargs)
         return done
 
-    def finish_reasons(
-        self, input_ids: torch.LongTensor, scores: Any = None, **kwargs: Any
-    ) -> torch.LongTensor:
+    def finish_reasons(self, input_ids: torch.LongTensor, scores: Any = None, **kwargs: Any) -> torch.LongTensor:
         """Why each row is done: the `FinishReason` of the first criterion (in list order) that fires.
 
         Criteria without a reason (`FinishReason.NONE`, e.g. `ConfidenceCriteria`, or custom ones without a

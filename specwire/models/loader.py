@@ -182,9 +182,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as error:
-        raise ValueError(
-            f"device {device!r} is not a valid torch device; use 'cpu', 'cuda' or 'cuda:N'"
-        ) from error
+        raise ValueError(f"device {device!r} is not a valid torch device; use 'cpu', 'cuda' or 'cuda:N'") from error
     if parsed.type == "cpu":
         return parsed
     if parsed.type != "cuda":
@@ -195,9 +193,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
             f"({torch.__version__}); use device='cpu' or install the CUDA build of torch"
         )
     if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-        raise ValueError(
-            f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) visible"
-        )
+        raise ValueError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
     return parsed
 
 
@@ -323,9 +319,7 @@ def _snapshot(repo_id: str, revision: str | None, tried: list[str], progress: _P
         RevisionNotFoundError,
     )
 
-    offline = (
-        constants.is_offline_mode() if hasattr(constants, "is_offline_mode") else constants.HF_HUB_OFFLINE
-    )
+    offline = constants.is_offline_mode() if hasattr(constants, "is_offline_mode") else constants.HF_HUB_OFFLINE
     where = f"Hub repo {repo_id}" + (f"@{revision}" if revision else "")
     where += f" ({'offline, cache ' if offline else 'cache '}{constants.HF_HUB_CACHE})"
     tried.append(where)
@@ -346,9 +340,7 @@ def _snapshot(repo_id: str, revision: str | None, tried: list[str], progress: _P
             if offline
             else "check the network connection or the HF_HUB_CACHE location"
         )
-        raise ModelLoadError(
-            repo_id, f"not found in the local Hub cache ({error})", tried=tried, hint=hint
-        ) from error
+        raise ModelLoadError(repo_id, f"not found in the local Hub cache ({error})", tried=tried, hint=hint) from error
     except RevisionNotFoundError as error:
         raise ModelLoadError(
             repo_id,
@@ -474,11 +466,17 @@ def _load_int8_default(device: str | torch.device, dtype: str | torch.dtype, pro
     except ValueError as error:
         raise ModelLoadError(DEFAULT_INT8_NAME, str(error)) from error
     if torch_device.type != "cpu":
-        raise ModelLoadError(DEFAULT_INT8_NAME, "dynamic int8 quantization runs on the CPU only",
-                             hint="use 'default' with --dtype bfloat16 on a GPU")
+        raise ModelLoadError(
+            DEFAULT_INT8_NAME,
+            "dynamic int8 quantization runs on the CPU only",
+            hint="use 'default' with --dtype bfloat16 on a GPU",
+        )
     if torch_dtype != torch.float32:
-        raise ModelLoadError(DEFAULT_INT8_NAME, f"its int8 layers compute in float32, not {torch_dtype}",
-                             hint="leave --dtype at float32 for this model, or use 'default' in bfloat16")
+        raise ModelLoadError(
+            DEFAULT_INT8_NAME,
+            f"its int8 layers compute in float32, not {torch_dtype}",
+            hint="leave --dtype at float32 for this model, or use 'default' in bfloat16",
+        )
     return quantize_int8(load_model("default", device="cpu", dtype="float32", progress=progress), progress=progress)
 
 
@@ -531,24 +529,17 @@ def _load_from_source(
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.folder), **extra)
     except Exception as error:  # noqa: BLE001 -- any library failure becomes one clear, chained load error
-        raise ModelLoadError(
-            name, f"tokenizer could not be loaded: {error}", tried=tried, hint=hint
-        ) from error
+        raise ModelLoadError(name, f"tokenizer could not be loaded: {error}", tried=tried, hint=hint) from error
     # Decoder-only batches must be left padded so that every row's last position is a real token.
     tokenizer.padding_side = "left"
-    report(
-        f"tokenizer {tokenizer.__class__.__name__} ({len(tokenizer)} tokens) "
-        f"in {time.perf_counter() - step:.1f}s"
-    )
+    report(f"tokenizer {tokenizer.__class__.__name__} ({len(tokenizer)} tokens) in {time.perf_counter() - step:.1f}s")
 
     step = time.perf_counter()
     try:
         with _TRANSFORMERS_LOAD_LOCK:
             model = AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=dtype, **extra)
     except Exception as error:  # noqa: BLE001 -- e.g. SafetensorError, which is no OSError
-        raise ModelLoadError(
-            name, f"model weights could not be loaded: {error}", tried=tried, hint=hint
-        ) from error
+        raise ModelLoadError(name, f"model weights could not be loaded: {error}", tried=tried, hint=hint) from error
     if model.dtype != dtype:
         model = model.to(dtype)
     model = model.to(device)

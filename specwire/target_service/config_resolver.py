@@ -122,8 +122,7 @@ class ConfigResolver:
                     f"({timeout:.2f}s were left)"
                 ) from exc
             raise Unavailable(
-                f"config registry at {self.address} failed resolving {ref!r}: "
-                f"{exc.code().name}: {exc.details()}"
+                f"config registry at {self.address} failed resolving {ref!r}: {exc.code().name}: {exc.details()}"
             ) from exc
         record = response.record
         resolved = ResolvedConfig(record.name, record.version, config_from_proto(record.config))

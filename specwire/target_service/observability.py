@@ -159,9 +159,7 @@ class RequestObserver:
                 "specwire.rpc": self.rpc,
             },
         )
-        self._use = trace.use_span(
-            self.span, end_on_exit=False, record_exception=False, set_status_on_exception=False
-        )
+        self._use = trace.use_span(self.span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
         self._use.__enter__()
         return self
 
@@ -200,9 +198,7 @@ class RequestObserver:
         labels = self._labels(stats)
         # Closing the request's generator after its result (GeneratorExit) is the normal end.
         stopped = exc is None or isinstance(exc, _STOPPED)
-        error = (
-            None if self.result is not None and stopped else ("cancelled" if stopped else type(exc).__name__)
-        )
+        error = None if self.result is not None and stopped else ("cancelled" if stopped else type(exc).__name__)
         duration = ended - self.started
         ttft = None if self.first_token is None else self.first_token - self.started
         longest = max(self.tokens_per_row, default=0)

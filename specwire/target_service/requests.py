@@ -104,9 +104,7 @@ def effective_config(
     # need the target's hidden states every round, which a separate draft service cannot have.
     for name in UNSERVED_FIELDS:
         if getattr(merged, name) not in (None, False):
-            raise Unimplemented(
-                f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it"
-            )
+            raise Unimplemented(f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it")
     if resolved is None:  # an inline config's unknown keys; the registry warned about its own when stored
         violations += unknown_keys(given)
     warnings = [FieldProblem(f"config.{v.field}", v.value, v.message, "warning") for v in violations]
@@ -252,9 +250,7 @@ def prepare_job(
         )
     negative_ids = negative_mask = None
     if request.HasField("negative_prompt"):
-        negative_ids, negative_mask = prompt_tensors(
-            [request.negative_prompt], loaded, False, pad, "negative_prompt"
-        )
+        negative_ids, negative_mask = prompt_tensors([request.negative_prompt], loaded, False, pad, "negative_prompt")
     return GenerationJob(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -80,19 +80,13 @@ def speculation_to_proto(stats: SpeculationStats) -> pb.SpeculationStats:
     )
 
 
-def response_from_result(
-    result: GenerationResult, job: GenerationJob, loaded: LoadedModel
-) -> pb.GenerateResponse:
+def response_from_result(result: GenerationResult, job: GenerationJob, loaded: LoadedModel) -> pb.GenerateResponse:
     """The wire form of a finished generation."""
     prompt_length = job.input_ids.shape[1]
     sequences = []
     for row, ids in enumerate(result.sequences.tolist()):
         generated = ids[prompt_length:]
-        text = (
-            loaded.tokenizer.decode(generated, skip_special_tokens=True)
-            if loaded.tokenizer is not None
-            else ""
-        )
+        text = loaded.tokenizer.decode(generated, skip_special_tokens=True) if loaded.tokenizer is not None else ""
         sequences.append(
             pb.GeneratedSequence(
                 token_ids=ids,

@@ -89,9 +89,7 @@ def _message_to_value(field: FieldDescriptor, msg: Any) -> Any:
 
 
 def _int_list(field: str, value: Any) -> list[int]:
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise WireFormatError(field, value, "expected a list of integer token ids")
     return list(value)
 
@@ -213,9 +211,7 @@ def dict_to_proto(values: dict[str, Any]) -> pb.GenerationConfig:
             try:
                 setattr(message, name, value)
             except (TypeError, ValueError, OverflowError) as exc:
-                raise WireFormatError(
-                    name, value, f"expected a {_SCALAR_NAMES.get(field.type, 'scalar')}"
-                ) from exc
+                raise WireFormatError(name, value, f"expected a {_SCALAR_NAMES.get(field.type, 'scalar')}") from exc
     if extra:
         message.extra.update(extra)
     return message

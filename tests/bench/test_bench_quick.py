@@ -93,9 +93,7 @@ def test_quick_mode_writes_json_markdown_and_plots(tiny_model_dir, tiny_draft_di
     checks = [c for w in workloads.values() for c in w["checks"]]
     assert any(c["name"] == "specwire greedy equals transformers greedy" for c in checks)
     assert not [
-        c
-        for c in checks
-        if c["name"].startswith("specwire") and "prompt lookup" in c["name"] and c["passed"] is False
+        c for c in checks if c["name"].startswith("specwire") and "prompt lookup" in c["name"] and c["passed"] is False
     ]
     assert not [c for c in checks if c["name"].startswith("specwire draft model") and c["passed"] is False]
 

@@ -123,9 +123,7 @@ def assert_parity(ours, theirs, *, atol=1e-5):
         assert torch.equal(ours.sequences, theirs), f"\nours   {ours.sequences}\ntheirs {theirs}"
         assert ours.scores is None and ours.logits is None
         return
-    assert torch.equal(ours.sequences, theirs.sequences), (
-        f"\nours   {ours.sequences}\ntheirs {theirs.sequences}"
-    )
+    assert torch.equal(ours.sequences, theirs.sequences), f"\nours   {ours.sequences}\ntheirs {theirs.sequences}"
     for name in ("scores", "logits"):
         mine, other = getattr(ours, name), getattr(theirs, name)
         if other is None:
@@ -133,9 +131,7 @@ def assert_parity(ours, theirs, *, atol=1e-5):
             continue
         assert len(mine) == len(other), f"{name}: {len(mine)} steps vs {len(other)}"
         for step, (a, b) in enumerate(zip(mine, other, strict=True)):
-            assert a.shape == b.shape and a.dtype == b.dtype, (
-                f"{name}[{step}] {a.shape}/{a.dtype} {b.shape}/{b.dtype}"
-            )
+            assert a.shape == b.shape and a.dtype == b.dtype, f"{name}[{step}] {a.shape}/{a.dtype} {b.shape}/{b.dtype}"
             assert torch.allclose(a, b, atol=atol, rtol=1e-5), f"{name}[{step}] differs"
     their_beam_indices = getattr(theirs, "beam_indices", None)
     if their_beam_indices is not None:
@@ -222,9 +218,7 @@ def test_verify_step_matches_decode_steps(tiny, batch):
     candidates = torch.tensor([[11, 12, 13], [21, 22, 23], [31, 32, 33]])
 
     def fresh():
-        rows = RowBatch(
-            tiny.model, attention_mask=batch.attention_mask, prompt_length=batch.input_ids.shape[1], rows=3
-        )
+        rows = RowBatch(tiny.model, attention_mask=batch.attention_mask, prompt_length=batch.input_ids.shape[1], rows=3)
         return rows, rows.prefill(batch.input_ids)
 
     stepwise, _ = fresh()
@@ -351,9 +345,7 @@ def test_sampling_seeded_batch_and_return_sequences(tiny, ref, batch, frequent):
 
 
 def test_sampling_uses_the_request_generator_not_the_global_rng(tiny, single):
-    config = merge(
-        GenerationConfig(do_sample=True, max_new_tokens=12, top_k=0, seed=5), tiny.generation_config
-    )
+    config = merge(GenerationConfig(do_sample=True, max_new_tokens=12, top_k=0, seed=5), tiny.generation_config)
     torch.manual_seed(123)
     first = generate(tiny.model, single.input_ids, config=config).sequences
     torch.manual_seed(456)
@@ -369,9 +361,7 @@ def test_compute_transition_scores_greedy_and_sampling(tiny, ref, batch, normali
         ours, theirs = run_pair(tiny, ref, batch, seed=2, **kwargs)
         assert_parity(ours, theirs)
         mine = compute_transition_scores(ours.sequences, ours.scores, normalize_logits=normalize_logits)
-        other = ref.compute_transition_scores(
-            theirs.sequences, theirs.scores, normalize_logits=normalize_logits
-        )
+        other = ref.compute_transition_scores(theirs.sequences, theirs.scores, normalize_logits=normalize_logits)
         assert torch.allclose(mine, other)
 
 
@@ -404,9 +394,7 @@ def test_step_events_stream_the_generated_tokens(tiny, batch, frequent):
 
 
 def test_beam_events_end_with_the_returned_hypotheses(tiny, batch):
-    config = merge(
-        GenerationConfig(max_new_tokens=6, num_beams=3, num_return_sequences=2), tiny.generation_config
-    )
+    config = merge(GenerationConfig(max_new_tokens=6, num_beams=3, num_return_sequences=2), tiny.generation_config)
     events = []
     steps = iter_generate(tiny.model, batch.input_ids, batch.attention_mask, config=config)
     while True:
@@ -547,9 +535,7 @@ def test_processor_and_criterion_table(tiny, ref, batch, frequent, greedy_first,
 def test_forced_bos_token_after_a_one_token_prompt(tiny, ref):
     # ForcedBOS acts when the sequence holds exactly one token; begin_suppress_tokens then starts one later.
     bos_only = torch.tensor([[1], [1]])
-    ours, theirs = run_pair(
-        tiny, ref, bos_only, forced_bos_token_id=5, begin_suppress_tokens=[7], max_new_tokens=6
-    )
+    ours, theirs = run_pair(tiny, ref, bos_only, forced_bos_token_id=5, begin_suppress_tokens=[7], max_new_tokens=6)
     assert_parity(ours, theirs)
     assert ours.sequences[:, 1].tolist() == [5, 5]
 

@@ -64,8 +64,9 @@ def test_prompt_lookup_on_code_editing_equals_plain_greedy(smollm):
     # The answer copies the snippet, so most drafted tokens are accepted.
     assert spec.speculation.acceptance_rate > 0.3
     # transformers' own prompt lookup gives the same tokens too.
-    rendered = smollm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                                    add_generation_prompt=True, tokenize=False)
+    rendered = smollm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
     ids = smollm.tokenizer(rendered, add_special_tokens=False, return_tensors="pt").input_ids
     want = smollm.model.generate(ids, max_new_tokens=96, do_sample=False, prompt_lookup_num_tokens=10)
     assert torch.equal(spec.sequences, want)
@@ -77,8 +78,11 @@ def test_int8_draft_model_equals_plain_greedy(smollm, smollm_int8):
         policy = DraftPolicy(draft.address, round_timeout_s=60.0)
         with threaded_server(lambda: build_target_server(smollm, drafting=policy)) as server:
             with TargetClient(server.address) as client:
-                kwargs = dict(text=["What is the capital of France?", "Name three primary colors."],
-                              apply_chat_template=True, max_new_tokens=32)
+                kwargs = dict(
+                    text=["What is the capital of France?", "Name three primary colors."],
+                    apply_chat_template=True,
+                    max_new_tokens=32,
+                )
                 plain = client.generate(**kwargs)
                 spec = client.generate(proposer="draft_model", num_assistant_tokens=5, **kwargs)
     assert torch.equal(spec.sequences, plain.sequences)

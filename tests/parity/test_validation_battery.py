@@ -532,8 +532,7 @@ def test_validate_agrees_with_transformers(tiny, case):
     found = merge(ours, model_config).validate()
     our_errors = errors(found)
     assert bool(our_errors) == refused, (
-        f"transformers {'refuses' if refused else 'accepts'} {case!r} ({why}); specwire errors: "
-        f"{our_errors!r}"
+        f"transformers {'refuses' if refused else 'accepts'} {case!r} ({why}); specwire errors: {our_errors!r}"
     )
     if refused:
         return

@@ -75,9 +75,7 @@ def test_config_subcommands(services, capsys, tmp_path):
     assert json.loads(out)["temperature"] == 0.7
     source = tmp_path / "generation_config.json"
     source.write_text(json.dumps({"num_beams": 2, "max_new_tokens": 5}))
-    code, out, _ = run(
-        capsys, "config", "--address", config, "import", "--file", str(source), "--name", "beams"
-    )
+    code, out, _ = run(capsys, "config", "--address", config, "import", "--file", str(source), "--name", "beams")
     assert code == 0 and out.startswith("beams@1")
     code, out, err = run(capsys, "config", "--address", config, "validate", "--json", str(source))
     assert code == 0 and "is now --file FILE" in err  # the old spelling still works, with a warning

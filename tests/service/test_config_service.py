@@ -48,9 +48,7 @@ def test_create_get_round_trip_keeps_unset_fields_unset(registry):
 
 
 def test_create_accepts_transformers_and_our_configs(registry):
-    registry.create(
-        "from-hf", transformers.GenerationConfig(num_beams=4, length_penalty=0.5, eos_token_id=[2, 3])
-    )
+    registry.create("from-hf", transformers.GenerationConfig(num_beams=4, length_penalty=0.5, eos_token_id=[2, 3]))
     registry.create("ours", GenerationConfig(top_p=0.9, do_sample=True, stop_strings=["\n\n"]))
     assert registry.get("from-hf").config.eos_token_id == [2, 3]
     assert registry.get("from-hf").config.num_beams == 4
@@ -62,9 +60,7 @@ def test_create_errors(registry):
     expect_code(grpc.StatusCode.ALREADY_EXISTS, registry.create, "dup", {})
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.create, "bad name!", {})
     assert err.violations[0].field == "name" and "bad name!" in err.message
-    err = expect_code(
-        grpc.StatusCode.INVALID_ARGUMENT, registry.create, "hot", {"do_sample": True, "temperature": 0.0}
-    )
+    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.create, "hot", {"do_sample": True, "temperature": 0.0})
     assert [v.field for v in err.violations] == ["config.temperature"]
     assert "0.0" in err.violations[0].value and err.violations[0].severity == "error"
     err = expect_code(
@@ -118,9 +114,7 @@ def test_get_and_tag_errors(registry):
 def test_update_errors(registry):
     registry.create("chat", {})
     registry.update("chat", {"max_new_tokens": 3})
-    err = expect_code(
-        grpc.StatusCode.ABORTED, registry.update, "chat", {"max_new_tokens": 4}, expected_version=1
-    )
+    err = expect_code(grpc.StatusCode.ABORTED, registry.update, "chat", {"max_new_tokens": 4}, expected_version=1)
     assert "version 2" in err.message
     expect_code(grpc.StatusCode.NOT_FOUND, registry.update, "ghost", {})
     expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.update, "chat", {"top_k": -1, "do_sample": True})
@@ -262,9 +256,7 @@ def test_concurrent_updates_never_lose_or_duplicate_versions(registry):
     final = registry.get("race")
     assert final.version == 1 + results.count("ok")
     # Every version in between exists exactly once.
-    assert [registry.get(f"race@{v}").version for v in range(1, final.version + 1)] == list(
-        range(1, final.version + 1)
-    )
+    assert [registry.get(f"race@{v}").version for v in range(1, final.version + 1)] == list(range(1, final.version + 1))
 
 
 def test_async_client(tmp_path):
@@ -327,9 +319,7 @@ def test_grpcurl_lists_describes_and_calls_through_reflection(tmp_path, grpcurl)
             )
         )
         assert created["record"]["version"] == 1
-        got = json.loads(
-            run("-d", '{"ref": "curl"}', server.address, "specwire.config.v1.ConfigService/GetConfig")
-        )
+        got = json.loads(run("-d", '{"ref": "curl"}', server.address, "specwire.config.v1.ConfigService/GetConfig"))
         assert got["record"]["config"]["temperature"] == 0.5
         health = run(
             "-d",

@@ -69,9 +69,7 @@ def test_tls_and_bearer_token(tmp_path, tls_files, monkeypatch):
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Health checks need no token (kubelet probes carry none).
         with secure_channel(address) as channel:
-            status = (
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-            )
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
             assert status == health_pb2.HealthCheckResponse.SERVING
         # Plaintext against the TLS port fails.
         with grpc.insecure_channel(address) as channel:

@@ -198,9 +198,7 @@ def test_bad_requests_get_invalid_argument_naming_the_field(target, stack, loade
     assert err.violations[0].field == "prompts[0].token_ids"
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, max_length=4)
     assert "max_length" in err.message
-    err = expect_code(
-        grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, do_sample=True, temperature=0.0
-    )
+    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, do_sample=True, temperature=0.0)
     assert err.violations[0].field == "config.temperature"
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, temprature=0.5)
     assert err.violations[0].field == "overrides.temprature"
@@ -309,6 +307,4 @@ def test_threads_share_one_server_safely(stack):
         t.join()
     with TargetClient(stack[1].address) as client:
         for i in range(4):
-            assert torch.equal(
-                results[i], client.generate(PROMPTS, max_new_tokens=5, do_sample=True, seed=i).sequences
-            )
+            assert torch.equal(results[i], client.generate(PROMPTS, max_new_tokens=5, do_sample=True, seed=i).sequences)

@@ -36,9 +36,7 @@ def test_traces_and_metrics_arrive_over_otlp_grpc(sink, loaded):
                 threaded_server(lambda: build_target_server(loaded, drafting=policy)) as target,
                 TargetClient(target.address) as client,
             ):
-                output = client.generate(
-                    PROMPT, max_new_tokens=12, proposer="draft_model", num_assistant_tokens=3
-                )
+                output = client.generate(PROMPT, max_new_tokens=12, proposer="draft_model", num_assistant_tokens=3)
         telemetry.current().force_flush()
         assert sink.wait(lambda: any(s["name"] == REQUEST_SPAN for _, s in sink.spans()))
         assert sink.wait(lambda: "specwire_spec_decode_draft_tokens_total" in sink.metric_names())

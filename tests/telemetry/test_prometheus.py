@@ -33,9 +33,7 @@ def scraped(loaded):
             TargetClient(target.address) as client,
         ):
             outputs = {
-                "default": [
-                    client.generate(PROMPT, max_new_tokens=12, num_assistant_tokens=n, **spec) for n in (2, 4)
-                ],
+                "default": [client.generate(PROMPT, max_new_tokens=12, num_assistant_tokens=n, **spec) for n in (2, 4)],
                 "inline": [
                     client.generate(
                         BATCH,
@@ -84,13 +82,8 @@ def test_names_labels_and_values_after_known_requests(scraped):
             assert value("specwire_spec_decode_drafts_total") == sum(s.rounds for s in stats)
         width = max(len(s.accepted_by_position) for s in stats)
         for position in range(width):
-            want = sum(
-                s.accepted_by_position[position] for s in stats if position < len(s.accepted_by_position)
-            )
-            assert (
-                value("specwire_spec_decode_accepted_tokens_per_position_total", {"position": str(position)})
-                == want
-            )
+            want = sum(s.accepted_by_position[position] for s in stats if position < len(s.accepted_by_position))
+            assert value("specwire_spec_decode_accepted_tokens_per_position_total", {"position": str(position)}) == want
         for histogram in (
             "gen_ai_server_request_duration_seconds",
             "gen_ai_server_time_to_first_token_seconds",
@@ -99,12 +92,10 @@ def test_names_labels_and_values_after_known_requests(scraped):
             assert value(f"{histogram}_count") == len(stats)
     # Plain decoding: latency histograms under proposer="none", no speculation counters.
     none = {"model": model, "proposer": "none", "config": "default"}
-    assert [
-        v for lab, v in samples["gen_ai_server_request_duration_seconds_count"] if lab.items() >= none.items()
-    ] == [1.0]
-    assert not [
-        lab for lab, _ in samples["specwire_spec_decode_draft_tokens_total"] if lab["proposer"] == "none"
+    assert [v for lab, v in samples["gen_ai_server_request_duration_seconds_count"] if lab.items() >= none.items()] == [
+        1.0
     ]
+    assert not [lab for lab, _ in samples["specwire_spec_decode_draft_tokens_total"] if lab["proposer"] == "none"]
 
 
 def test_stats_command_prints_the_formulas_and_draws_a_png(scraped, tmp_path, capsys):
@@ -121,18 +112,12 @@ def test_stats_command_prints_the_formulas_and_draws_a_png(scraped, tmp_path, ca
     )
     assert g["acceptance_rate"] == pytest.approx(accepted / drafted)
     assert g["mean_acceptance_length"] == pytest.approx(1 + accepted / rounds)
-    assert g["acceptance_by_position"][0] == pytest.approx(
-        sum(s.accepted_by_position[0] for s in stats) / rounds
-    )
+    assert g["acceptance_by_position"][0] == pytest.approx(sum(s.accepted_by_position[0] for s in stats) / rounds)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
 
     assert cli_main(["stats", "--prometheus", url]) == 0
     table = capsys.readouterr().out
-    assert (
-        "draft_model" in table
-        and f"{accepted / drafted:.3f}" in table
-        and f"{1 + accepted / rounds:.3f}" in table
-    )
+    assert "draft_model" in table and f"{accepted / drafted:.3f}" in table and f"{1 + accepted / rounds:.3f}" in table
 
 
 EXPOSITION = """\

@@ -99,10 +99,7 @@ def test_http_protobuf_endpoints_get_the_signal_paths():
         telemetry._endpoint({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"}, "traces", "http/protobuf")
         == "http://c:4318/v1/traces"
     )
-    assert (
-        telemetry._endpoint({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, "metrics", "grpc")
-        == "http://c:4317"
-    )
+    assert telemetry._endpoint({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, "metrics", "grpc") == "http://c:4317"
 
 
 def test_prometheus_binds_loopback_by_default_even_with_the_sdk_disabled():

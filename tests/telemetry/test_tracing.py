@@ -264,8 +264,6 @@ def test_errors_keep_their_codes_and_field_violations_when_traced(stack, spans):
     assert any("temperature" in v.field for v in raised.value.violations)
     finished = _finished(spans, 2)
     server = _one(finished, TARGET, SpanKind.SERVER)
-    assert (
-        server.attributes["rpc.grpc.status_code"] == 3
-    )  # INVALID_ARGUMENT (a caller's error: status stays UNSET)
+    assert server.attributes["rpc.grpc.status_code"] == 3  # INVALID_ARGUMENT (a caller's error: status stays UNSET)
     request = _one(finished, REQUEST_SPAN)
     assert request.status.status_code.name == "ERROR" and request.events[0].name == "exception"

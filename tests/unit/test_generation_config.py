@@ -309,9 +309,7 @@ def test_merge_first_layer_wins_and_layers_are_untouched():
 def test_merge_then_defaults_equals_transformers_prepare_generation_config(tiny_model_dir, request_data):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     prepared, _ = model._prepare_generation_config(transformers.GenerationConfig(**request_data))
-    ours = merge(
-        _ours(request_data), GenerationConfig.from_transformers(model.generation_config)
-    ).with_defaults()
+    ours = merge(_ours(request_data), GenerationConfig.from_transformers(model.generation_config)).with_defaults()
     assert ours == GenerationConfig.from_transformers(prepared)
 
 
@@ -360,9 +358,7 @@ MODE_TABLE = [
 ]
 
 
-@pytest.mark.parametrize(
-    "data", MODE_TABLE, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "empty"
-)
+@pytest.mark.parametrize("data", MODE_TABLE, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "empty")
 def test_generation_mode_matches_transformers(data):
     ours = _ours(data).get_generation_mode()
     theirs = transformers.GenerationConfig(**data).get_generation_mode()
@@ -434,9 +430,7 @@ def test_removed_modes_are_warnings_naming_the_field(data, fieldname):
 
 def test_low_memory_is_an_error_only_with_beam_search():
     assert errors(GenerationConfig(low_memory=True).validate()) == []
-    assert [v.field for v in errors(GenerationConfig(low_memory=True, num_beams=2).validate())] == [
-        "low_memory"
-    ]
+    assert [v.field for v in errors(GenerationConfig(low_memory=True, num_beams=2).validate())] == ["low_memory"]
 
 
 def test_validate_assumes_model_eos_unless_set():

@@ -107,8 +107,10 @@ def test_the_rolled_rotation_is_bitwise_transformers_rotation(dtype):
     want = (x * cos) + (rotate_half(x) * sin)
     got = _rotate(x, cos, _signed_sin(sin))
     assert torch.equal(got, want)
-    assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       want.view(torch.int16 if dtype != torch.float32 else torch.int32))  # zero signs too
+    assert torch.equal(
+        got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        want.view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )  # zero signs too
 
 
 def test_silu_modules_are_called_as_f_silu():
@@ -173,8 +175,12 @@ def test_other_layouts_are_refused_with_a_reason(config_class, model_class, reas
         config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4)
     else:
         config = getattr(transformers, config_class)(
-            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
         )
     model = getattr(transformers, model_class)(config)
     assert reason in LeanDecoder.unsupported(model)

@@ -40,9 +40,7 @@ def reference(tiny_model_dir):
 def _permute_for_gguf(weight, heads: int):
     # llama.cpp interleaves the rotary halves of each head; transformers' GGUF loader undoes it.
     return (
-        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
     )
 
 

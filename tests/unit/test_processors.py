@@ -44,9 +44,7 @@ def test_repetition_penalty_known_values():
     ids2 = torch.tensor([[0, 3], [0, 3]])
     out = sw.RepetitionPenaltyLogitsProcessor(2.0, prompt_ignore_length=torch.tensor([1, 0]))(ids2, two)
     assert out.tolist() == [[2.0, -2.0, 1.0, 2.0], [1.0, -2.0, 1.0, 2.0]]
-    assert (
-        sw.RepetitionPenaltyLogitsProcessor(2.0, prompt_ignore_length=2)(ids2, two).tolist() == two.tolist()
-    )
+    assert sw.RepetitionPenaltyLogitsProcessor(2.0, prompt_ignore_length=2)(ids2, two).tolist() == two.tolist()
 
 
 def test_encoder_repetition_penalty_boosts_source_tokens():
@@ -237,12 +235,8 @@ PARITY = [
     ),
     (
         "sequence_bias",
-        lambda: sw.SequenceBiasLogitsProcessor(
-            {(1,): 2.5, (2, 3): -1.5, (4, 3): 0.75, (5, 1, 3): 1.25, (3,): -0.5}
-        ),
-        lambda: hf.SequenceBiasLogitsProcessor(
-            {(1,): 2.5, (2, 3): -1.5, (4, 3): 0.75, (5, 1, 3): 1.25, (3,): -0.5}
-        ),
+        lambda: sw.SequenceBiasLogitsProcessor({(1,): 2.5, (2, 3): -1.5, (4, 3): 0.75, (5, 1, 3): 1.25, (3,): -0.5}),
+        lambda: hf.SequenceBiasLogitsProcessor({(1,): 2.5, (2, 3): -1.5, (4, 3): 0.75, (5, 1, 3): 1.25, (3,): -0.5}),
     ),
     (
         "bad_words",
@@ -455,12 +449,8 @@ def test_cfg_matches_transformers_over_consecutive_steps(tiny_model, negative, u
     ids = torch.randint(3, vocab, (2, 5), generator=g)
     neg_ids = torch.randint(3, vocab, (2, 3), generator=g) if negative else None
     neg_mask = torch.tensor([[0, 1, 1], [1, 1, 1]]) if negative else None
-    ours = sw.UnbatchedClassifierFreeGuidanceLogitsProcessor(
-        1.5, tiny_model, neg_ids, neg_mask, use_cache=use_cache
-    )
-    theirs = hf.UnbatchedClassifierFreeGuidanceLogitsProcessor(
-        1.5, tiny_model, neg_ids, neg_mask, use_cache=use_cache
-    )
+    ours = sw.UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, tiny_model, neg_ids, neg_mask, use_cache=use_cache)
+    theirs = hf.UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, tiny_model, neg_ids, neg_mask, use_cache=use_cache)
     with torch.no_grad():
         for _ in range(4):
             scores = torch.randn(2, vocab, generator=g)

@@ -164,9 +164,7 @@ def test_batch_with_padding_and_per_row_settings():
         else:  # right padding
             input_ids[row, : len(ids)] = torch.tensor(ids)
             attention_mask[row, : len(ids)] = 1
-    processors = [
-        make_processors(row, len(ids)) if row % 4 == 0 else None for row, ids in enumerate(sequences)
-    ]
+    processors = [make_processors(row, len(ids)) if row % 4 == 0 else None for row, ids in enumerate(sequences)]
     candidates, lengths = prompt_lookup_candidates(
         input_ids,
         [s["num"] for s in settings],

@@ -68,13 +68,9 @@ def test_state_is_per_request_and_never_leaks():
 
 
 def test_from_config_applies_transformers_defaults():
-    schedule = DraftSchedule.from_config(
-        SimpleNamespace(num_assistant_tokens=None, num_assistant_tokens_schedule=None)
-    )
+    schedule = DraftSchedule.from_config(SimpleNamespace(num_assistant_tokens=None, num_assistant_tokens_schedule=None))
     assert (schedule.num_assistant_tokens, schedule.schedule) == (20, "constant")
-    hf_config = HFGenerationConfig(
-        num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic_transient"
-    )
+    hf_config = HFGenerationConfig(num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic_transient")
     schedule = DraftSchedule.from_config(hf_config)
     assert (schedule.num_assistant_tokens, schedule.schedule) == (3, "heuristic_transient")
 
@@ -94,9 +90,7 @@ def test_from_config_applies_transformers_defaults():
 )
 def test_draft_bounds_match_transformers(num_tokens, cur_len, max_length, min_length):
     theirs = hf_generator(num_tokens, "constant", max_length, min_length)
-    expected = AssistedCandidateGenerator._calculate_new_tokens(
-        theirs, torch.zeros(1, cur_len, dtype=torch.long)
-    )
+    expected = AssistedCandidateGenerator._calculate_new_tokens(theirs, torch.zeros(1, cur_len, dtype=torch.long))
     ours = DraftSchedule(num_tokens)
     assert ours.draft_bounds(cur_len, max_length, min_length) == expected
     assert ours.num_draft_tokens(cur_len, max_length) == expected[1]
@@ -140,9 +134,7 @@ def test_confidence_stop_matches_transformers_criteria(threshold):
     tokens = torch.multinomial(scores.softmax(-1), 1, generator=generator).view(rows)
     ours = ConfidenceStop(threshold)(tokens, scores)
     criteria = ConfidenceCriteria(threshold)
-    expected = [
-        bool(criteria(torch.tensor([[7, int(tokens[row])]]), (scores[row : row + 1],))) for row in range(rows)
-    ]
+    expected = [bool(criteria(torch.tensor([[7, int(tokens[row])]]), (scores[row : row + 1],))) for row in range(rows)]
     assert ours.tolist() == expected
     assert 0 < sum(expected) < rows
 

@@ -193,9 +193,7 @@ def test_sampled_without_draft_probs_follows_target_and_respects_lengths():
         ]
     )
     drafts = torch.tensor([[1, 2], [1, 4], [1, 2]])
-    result = sampled_accept_without_draft_probs(
-        drafts, torch.tensor([2, 1, 2]), p, torch.Generator().manual_seed(0)
-    )
+    result = sampled_accept_without_draft_probs(drafts, torch.tensor([2, 1, 2]), p, torch.Generator().manual_seed(0))
     assert result.tokens() == [[1, 2, 3], [1, 4], [0]]
     assert result.num_accepted.tolist() == [2, 1, 0]
 
@@ -221,9 +219,7 @@ def test_rejection_sample_deterministic_cases_per_row():
     # Row 3: one draft, accepted (p == q), bonus from p_1 (one-hot on 0) even though k = 3.
     target_probs[3, 1] = one_hot(0, vocab)
     for seed in range(5):
-        result = rejection_sample(
-            drafts, lengths, draft_probs, target_probs, torch.Generator().manual_seed(seed)
-        )
+        result = rejection_sample(drafts, lengths, draft_probs, target_probs, torch.Generator().manual_seed(seed))
         assert result.tokens() == [[1, 2, 3, 6], [1, 7], [5], [5, 0]]
         assert result.num_accepted.tolist() == [3, 1, 0, 1]
         assert result.emitted.shape == (4, k + 1)
@@ -268,9 +264,7 @@ def run_speculative_batch(p: torch.Tensor, q: torch.Tensor, rows: int, seed: int
     """`rows` independent rounds with fixed per-position draft `q [k, V]` and target `p [k + 1, V]`."""
     generator = torch.Generator().manual_seed(seed)
     k = q.shape[0]
-    drafts = torch.stack(
-        [torch.multinomial(q[i], rows, replacement=True, generator=generator) for i in range(k)], 1
-    )
+    drafts = torch.stack([torch.multinomial(q[i], rows, replacement=True, generator=generator) for i in range(k)], 1)
     return rejection_sample(
         drafts,
         torch.full((rows,), k, dtype=torch.long),
@@ -366,9 +360,7 @@ def test_batched_rows_with_own_generators_match_transformers_per_row():
         draft_probs[row, :k] = candidate_logits[0].softmax(-1)
         target_probs[row, : k + 1] = new_logits[0].softmax(-1)
         torch.manual_seed(100 + row)
-        expected, _ = _speculative_sampling(
-            row_drafts, candidate_logits, k, new_logits, assistant_ensemble_weight=None
-        )
+        expected, _ = _speculative_sampling(row_drafts, candidate_logits, k, new_logits, assistant_ensemble_weight=None)
         expected_tokens.append(expected[0].tolist())
     generators = [torch.Generator().manual_seed(100 + row) for row in range(len(rounds))]
     lengths = torch.tensor([r[0].shape[1] for r in rounds])

@@ -167,15 +167,12 @@ def test_build_stopping_criteria_order_and_conditions(tokenizer):
         "EosTokenCriteria",
     ]
     assert crits.max_length == 30
-    draft = build_stopping_criteria(
-        config, max_length=30, eos_token_ids=2, tokenizer=tokenizer, is_assistant=True
-    )
+    draft = build_stopping_criteria(config, max_length=30, eos_token_ids=2, tokenizer=tokenizer, is_assistant=True)
     assert type(draft[-1]).__name__ == "ConfidenceCriteria"
     bare = build_stopping_criteria(types.SimpleNamespace(), max_length=None, eos_token_ids=None)
     assert len(bare) == 0
     assert [
-        type(c).__name__
-        for c in build_stopping_criteria(types.SimpleNamespace(), max_length=8, eos_token_ids=[])
+        type(c).__name__ for c in build_stopping_criteria(types.SimpleNamespace(), max_length=8, eos_token_ids=[])
     ] == ["MaxLengthCriteria"]
     with pytest.raises(ValueError, match="pass the model's tokenizer"):
         build_stopping_criteria(types.SimpleNamespace(stop_strings="x"), max_length=8, eos_token_ids=2)
@@ -193,9 +190,7 @@ def test_build_stopping_criteria_matches_transformers_order(tiny_model_dir, toke
     ):
         gc = GenerationConfig(max_length=30, eos_token_id=2, **fields)
         model._prepare_special_tokens(gc, device="cpu")
-        theirs = model._get_stopping_criteria(
-            gc, stopping_criteria=hf.StoppingCriteriaList(), tokenizer=tokenizer
-        )
+        theirs = model._get_stopping_criteria(gc, stopping_criteria=hf.StoppingCriteriaList(), tokenizer=tokenizer)
         ours = build_stopping_criteria(
             types.SimpleNamespace(**fields),
             max_length=30,
@@ -236,12 +231,8 @@ def test_stop_string_transformers_examples(tokenizer):
     tokenizer.padding_side = "left"
     crit = StopStringCriteria(tokenizer, STOP_STRINGS)
     ref = hf.StopStringCriteria(tokenizer, STOP_STRINGS)
-    true_ids = tokenizer(TRUE_STRINGS, return_tensors="pt", padding="longest", add_special_tokens=False)[
-        "input_ids"
-    ]
-    false_ids = tokenizer(FALSE_STRINGS, return_tensors="pt", padding="longest", add_special_tokens=False)[
-        "input_ids"
-    ]
+    true_ids = tokenizer(TRUE_STRINGS, return_tensors="pt", padding="longest", add_special_tokens=False)["input_ids"]
+    false_ids = tokenizer(FALSE_STRINGS, return_tensors="pt", padding="longest", add_special_tokens=False)["input_ids"]
     assert crit(true_ids).tolist() == [True] * len(TRUE_STRINGS)
     assert crit(false_ids).tolist() == [False] * len(FALSE_STRINGS)
     assert torch.equal(crit(true_ids), ref(true_ids, None))

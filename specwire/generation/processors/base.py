@@ -92,8 +92,7 @@ def token_id_list(value: int | Sequence[int] | torch.Tensor, name: str) -> list[
     for item in items:
         if isinstance(item, bool) or not isinstance(item, numbers.Integral) or item < 0:
             raise ValueError(
-                f"`{name}` has to contain non-negative integer token ids, but contains {item!r} "
-                f"(in {value!r})."
+                f"`{name}` has to contain non-negative integer token ids, but contains {item!r} (in {value!r})."
             )
         ids.append(int(item))
     return ids

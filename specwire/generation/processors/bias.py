@@ -36,9 +36,7 @@ def _normalise_sequence_bias(sequence_bias: Any) -> dict[tuple[int, ...], float]
             )
         ids, bias = pair
         if isinstance(sequence_bias, dict) and not isinstance(ids, tuple):
-            raise ValueError(
-                f"`sequence_bias` dict keys have to be tuples of token ids ({example}), got {ids!r}."
-            )
+            raise ValueError(f"`sequence_bias` dict keys have to be tuples of token ids ({example}), got {ids!r}.")
         if not _is_id_sequence(ids):
             raise ValueError(
                 "Each token sequence in `sequence_bias` has to be a non-empty sequence of non-negative ints "
@@ -135,9 +133,7 @@ class NoBadWordsLogitsProcessor(SequenceBiasLogitsProcessor):
 
     field = "bad_words_ids"
 
-    def __init__(
-        self, bad_words_ids: list[list[int]], eos_token_id: int | list[int] | torch.Tensor | None = None
-    ):
+    def __init__(self, bad_words_ids: list[list[int]], eos_token_id: int | list[int] | torch.Tensor | None = None):
         if not isinstance(bad_words_ids, list) or len(bad_words_ids) == 0:
             raise ValueError(
                 "`bad_words_ids` has to be a non-empty list of token-id lists, e.g. [[42], [10, 11]], but is "

@@ -202,9 +202,7 @@ def build_logits_processors(
     if forced_eos is not None:
         max_length = _field(config, "max_length")
         if max_length is None:
-            raise ValueError(
-                "`forced_eos_token_id` needs `max_length`; apply the global defaults to the config first."
-            )
+            raise ValueError("`forced_eos_token_id` needs `max_length`; apply the global defaults to the config first.")
         processors.append(ForcedEOSTokenLogitsProcessor(max_length, forced_eos))
     if _field(config, "remove_invalid_values") is True:
         processors.append(InfNanRemoveLogitsProcessor())

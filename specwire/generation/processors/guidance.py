@@ -32,8 +32,7 @@ def broadcast_rows(tensor: torch.Tensor, rows: int, field: str) -> torch.Tensor:
     raise InvalidGenerationArgument.for_field(
         field,
         tuple(tensor.shape),
-        f"give one negative prompt for the whole batch, or one per prompt; got {n} rows for {rows} "
-        "generated rows",
+        f"give one negative prompt for the whole batch, or one per prompt; got {n} rows for {rows} generated rows",
     )
 
 
@@ -70,9 +69,7 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
         use_cache: bool = True,
     ):
         if model is None:
-            raise ValueError(
-                "`guidance_scale` != 1 needs the model to run the unconditional branch; pass `model=`."
-            )
+            raise ValueError("`guidance_scale` != 1 needs the model to run the unconditional branch; pass `model=`.")
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)):
             raise ValueError(f"`guidance_scale` has to be a number (e.g. 1.5), but is {guidance_scale!r}.")
         if (
@@ -125,9 +122,7 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
             self._ids = feed
         self._last_len = cur_len
         with torch.no_grad():
-            out = self.model(
-                feed, attention_mask=self._mask, use_cache=self.use_cache, past_key_values=self._past
-            )
+            out = self.model(feed, attention_mask=self._mask, use_cache=self.use_cache, past_key_values=self._past)
         self._past = getattr(out, "past_key_values", None)
         return out.logits
 

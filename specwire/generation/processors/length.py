@@ -48,9 +48,7 @@ class MinNewTokensLengthLogitsProcessor:
             The end-of-sequence id(s).
     """
 
-    def __init__(
-        self, prompt_length_to_skip: int, min_new_tokens: int, eos_token_id: int | list[int] | torch.Tensor
-    ):
+    def __init__(self, prompt_length_to_skip: int, min_new_tokens: int, eos_token_id: int | list[int] | torch.Tensor):
         _check_count(prompt_length_to_skip, "prompt_length_to_skip")
         _check_count(min_new_tokens, "min_new_tokens")
         self.prompt_length_to_skip = int(prompt_length_to_skip)

@@ -98,8 +98,7 @@ class EncoderRepetitionPenaltyLogitsProcessor:
         _check_penalty(penalty, "encoder_repetition_penalty")
         if encoder_input_ids.dim() != 2:
             raise ValueError(
-                "`encoder_input_ids` must be 2-D `[batch, src_len]`, but has shape "
-                f"{tuple(encoder_input_ids.shape)}."
+                f"`encoder_input_ids` must be 2-D `[batch, src_len]`, but has shape {tuple(encoder_input_ids.shape)}."
             )
         # transformers stores the inverse and applies it as a repetition penalty; same float ops here.
         self.penalty = 1 / penalty

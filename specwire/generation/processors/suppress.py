@@ -16,9 +16,7 @@ class SuppressTokensLogitsProcessor:
     """
 
     def __init__(self, suppress_tokens: list[int]):
-        self.suppress_tokens = torch.tensor(
-            token_id_list(list(suppress_tokens), "suppress_tokens"), dtype=torch.long
-        )
+        self.suppress_tokens = torch.tensor(token_id_list(list(suppress_tokens), "suppress_tokens"), dtype=torch.long)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         mask = vocab_mask(self.suppress_tokens, scores.shape[-1], scores.device)  # [vocab]

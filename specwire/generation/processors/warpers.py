@@ -124,9 +124,7 @@ class MinPLogitsWarper:
 
     def __init__(self, min_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0 <= min_p <= 1.0:
-            raise ValueError(
-                f"`min_p` has to be a float in the [0, 1] interval (e.g. 0.05), but is {min_p!r}."
-            )
+            raise ValueError(f"`min_p` has to be a float in the [0, 1] interval (e.g. 0.05), but is {min_p!r}.")
         self.min_p = min_p
         self.filter_value = filter_value
         self.min_tokens_to_keep = _check_min_tokens_to_keep(min_tokens_to_keep)

@@ -67,18 +67,12 @@ class WatermarkLogitsProcessor:
         context_width: int = 1,
     ):
         if seeding_scheme not in ("selfhash", "lefthash"):
-            raise ValueError(
-                f"`seeding_scheme` has to be 'lefthash' or 'selfhash', but is {seeding_scheme!r}."
-            )
+            raise ValueError(f"`seeding_scheme` has to be 'lefthash' or 'selfhash', but is {seeding_scheme!r}.")
         if not isinstance(greenlist_ratio, numbers.Real) or not 0.0 < greenlist_ratio < 1.0:
             raise ValueError(
                 f"`greenlist_ratio` has to be in (0, 1) exclusively (e.g. 0.25), but is {greenlist_ratio!r}."
             )
-        if (
-            isinstance(context_width, bool)
-            or not isinstance(context_width, numbers.Integral)
-            or context_width < 1
-        ):
+        if isinstance(context_width, bool) or not isinstance(context_width, numbers.Integral) or context_width < 1:
             raise ValueError(f"`context_width` has to be a positive integer, but is {context_width!r}.")
         if isinstance(hashing_key, bool) or not isinstance(hashing_key, numbers.Integral):
             raise ValueError(f"`hashing_key` has to be an integer, but is {hashing_key!r}.")
