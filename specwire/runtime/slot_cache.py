@@ -362,9 +362,6 @@ class SlotRows:
     Args:
         submit (`Callable[[SlotWork], None]`):
             Runs a work item (in a shared forward) and returns when its `outputs` are filled.
-        release (`Callable[[list[int]], None]`):
-            Gives slots back. No step drops rows any more (`select` was dead and is gone): the
-            scheduler frees a request's slots when it ends, so this is never called.
         slots (`list[int]`):
             One slot per row.
         attention_mask (`torch.LongTensor` of shape `(rows, prompt_length)`, *optional*):
@@ -383,7 +380,6 @@ class SlotRows:
     def __init__(
         self,
         submit: Callable[[SlotWork], None],
-        release: Callable[[list[int]], None],
         slots: list[int],
         *,
         attention_mask: torch.Tensor | None,
@@ -395,7 +391,6 @@ class SlotRows:
         if len(slots) != rows:
             raise ValueError(f"{rows} rows need {rows} slots, got {len(slots)}")
         self.submit = submit
-        self.release = release
         self.slots = list(slots)
         self.cursors = [0] * rows
         self.device = device

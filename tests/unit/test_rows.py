@@ -23,7 +23,6 @@ def _members(protocol: type) -> set[str]:
 def _slot_rows() -> SlotRows:
     return SlotRows(
         lambda work: None,
-        lambda slots: None,
         [0, 1],
         attention_mask=None,
         prompt_length=3,

@@ -90,7 +90,6 @@ class RequestThread:
             raise RuntimeError(f"request planned for {len(request.slots)} rows asked for {rows}")
         return SlotRows(
             self._submit,
-            self._release,
             request.slots,
             attention_mask=attention_mask,
             prompt_length=prompt_length,
@@ -132,10 +131,6 @@ class RequestThread:
         finally:
             with self.cond:
                 self.request.stop_drafting(before)
-
-    def _release(self, slots: list[int]) -> None:
-        with self.cond:
-            self.scheduler.admission.release(self.request, slots)
 
     def _submit(self, work: SlotWork | ProcessWork) -> None:
         """Post `work` and block until the scheduler thread ran it (or the request ended)."""

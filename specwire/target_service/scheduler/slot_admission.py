@@ -106,15 +106,6 @@ class SlotAdmission:
             self.counters.record_cancellation(request.cancelled_at_forward, request.freed_at_forward)
         self.cond.notify_all()
 
-    def release(self, request: Request, slots: list[int]) -> None:
-        """`request` gives back some of its slots (beams it no longer needs), unless it is FINISHED."""
-        if request.state is RequestState.FINISHED:
-            return
-        for slot in slots:
-            request.slots.remove(slot)
-        self.cache.release(slots)
-        self.cond.notify_all()
-
     def full(self, step_seconds: float) -> float | None:
         """A retry hint in seconds when the wait queue is full (a new request would be refused), else None."""
         if len(self.waiting) < self.max_queued:

@@ -130,7 +130,6 @@ def _packed_outputs(model: Any, decoder: LeanDecoder | None) -> list[torch.Tenso
     cache = SlotKVCache(model, 3, 16)
     rows = SlotRows(
         lambda work: execute(model, cache, [work], decoder=decoder),
-        cache.release,
         [1, 2],
         attention_mask=None,
         prompt_length=4,
