@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from specwire.errors import ResourceExhausted, Unavailable
-from specwire.generation.loops.generate import iter_generate
-from specwire.generation.loops.speculative import iter_speculative
+from specwire.generation.loops.generate import generate_from_plan
+from specwire.generation.loops.speculative import speculate_from_plan
 from specwire.generation.outputs import GenerationResult, StepEvent
+from specwire.generation.planning import GenerationPlan, prepare_generation
 from specwire.generation.speculation.drafters import Drafter, Proposal
 from specwire.model_thread import is_device_error, model_executor
 from specwire.models import LoadedModel
@@ -147,16 +148,17 @@ class Engine:
         rows_factory=None,
         drafting: Callable[[], contextlib.AbstractContextManager] | None = None,
         model: Any = None,
+        plan: GenerationPlan | None = None,
     ):
         """The request's step generator. `drafting()` wraps every wait for its drafter; `model` replaces
-        the served model (the lane's, whose calls run on the scheduler thread)."""
+        the served model (the lane's, whose calls run on the scheduler thread); `plan` is the request's
+        `GenerationPlan` when routing already made it (a request is planned once)."""
         model = model if model is not None else self.loaded.model
         generator = None
         if job.config.seed is not None:
             generator = torch.Generator(device=self.loaded.model.device).manual_seed(job.config.seed)
         device = self.loaded.model.device
         common = dict(
-            config=job.config,
             tokenizer=self.loaded.tokenizer,
             generator=generator,
             negative_prompt_ids=job.negative_prompt_ids,
@@ -164,19 +166,25 @@ class Engine:
             max_position_embeddings=self.loaded.max_position_embeddings,
             rows_factory=rows_factory,
         )
-        input_ids = job.input_ids.to(device)
-        mask = None if job.attention_mask is None else job.attention_mask.to(device)
+        if plan is None:
+            mask = None if job.attention_mask is None else job.attention_mask.to(device)
+            plan = prepare_generation(
+                model,
+                job.input_ids.to(device),
+                mask,
+                config=job.config,
+                max_position_embeddings=self.loaded.max_position_embeddings,
+            )
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer
         if proposer == PROPOSER_NONE:
-            return iter_generate(model, input_ids, mask, **common)
+            return generate_from_plan(model, plan, **common)
         with self._lock:
             opened = self._drafters.get(id(job))
         open_drafter = _opener(self.drafting.opener(proposer, self.loaded.vocab_size), drafting, opened)
-        return iter_speculative(
+        return speculate_from_plan(
             model,
-            input_ids,
-            mask,
+            plan,
             open_drafter=open_drafter,
             stats=job.speculation,
             draft_length=self.drafting.draft_length(proposer, job.config),
@@ -254,7 +262,7 @@ class Engine:
                 max_workers=1, thread_name_prefix="specwire-lane", initializer=torch.set_num_threads, initargs=(1,)
             )
             try:
-                async for item in self._run_one_per_step(job, own, model=self._lane_model, watched=False):
+                async for item in self._run_one_per_step(job, own, model=self._lane_model, watched=False, plan=plan):
                     yield item
             finally:
                 own.shutdown(wait=False)  # the thread ends once the generator's close (queued) ran
@@ -265,7 +273,12 @@ class Engine:
             yield item
 
     async def _run_one_per_step(
-        self, job: GenerationJob, executor: Executor, model: Any = None, watched: bool = True
+        self,
+        job: GenerationJob,
+        executor: Executor,
+        model: Any = None,
+        watched: bool = True,
+        plan: GenerationPlan | None = None,
     ) -> AsyncIterator[StepEvent | GenerationResult]:
         """The one-request-per-step path: every step of `job` a call on `executor`.
 
@@ -278,7 +291,7 @@ class Engine:
         # Validation, length resolution and processor construction run here (errors raise here),
         # off the event loop: building stop-string tables for a large vocabulary takes a moment.
         steps = await loop.run_in_executor(
-            executor, context.run, _in_inference_mode, lambda: self._start(job, model=model)
+            executor, context.run, _in_inference_mode, lambda: self._start(job, model=model, plan=plan)
         )
         with self._lock:
             self.active += 1

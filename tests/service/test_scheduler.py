@@ -347,3 +347,37 @@ def test_logits_tolerance_follows_the_dtype():
     assert not close_logits(want, wrong, torch.bfloat16)
     assert not close_logits(want, one_bf16_ulp, torch.float32)  # float32 keeps its 1e-3
     assert close_logits(want, want + 5e-4, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "batched"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(max_new_tokens=6),
+        dict(max_new_tokens=6, prompt_lookup_num_tokens=3),
+        dict(max_new_tokens=6, num_beams=2),
+        dict(max_new_tokens=6, use_cache=False),  # the batched scheduler's sequential lane
+    ],
+    ids=["greedy", "prompt_lookup", "beams", "lane"],
+)
+def test_each_request_is_planned_once(kind, overrides, request, monkeypatch):
+    # Routing plans a request (lengths, rows) and its loop runs from that plan: prepare_generation
+    # (validation included) runs once per request, whichever path it takes.
+    import specwire.generation.loops.generate as generate_module
+    import specwire.generation.loops.speculative as speculative_module
+    import specwire.target_service.engine as engine_module
+    import specwire.target_service.scheduler.batch_scheduler as batch_module
+    from specwire.generation import planning
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return planning.prepare_generation(*args, **kwargs)
+
+    for module in (engine_module, batch_module, generate_module, speculative_module):
+        monkeypatch.setattr(module, "prepare_generation", counted)
+    server = request.getfixturevalue(kind)
+    with TargetClient(server.address) as client:
+        client.generate([REPETITIVE], **overrides)
+    assert len(calls) == 1

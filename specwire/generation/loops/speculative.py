@@ -45,7 +45,7 @@ from specwire.generation.speculation.drafters import Drafter
 from specwire.generation.speculation.stats import SpeculationStats
 from specwire.generation.stopping import build_stopping_criteria
 
-__all__ = ["iter_speculative", "speculation_blocker", "speculative_loop"]
+__all__ = ["iter_speculative", "speculate_from_plan", "speculation_blocker", "speculative_loop"]
 
 
 def speculative_loop(
@@ -138,6 +138,44 @@ def iter_speculative(
     plan = prepare_generation(
         model, input_ids, attention_mask, config=config, max_position_embeddings=max_position_embeddings
     )
+    return speculate_from_plan(
+        model,
+        plan,
+        open_drafter=open_drafter,
+        stats=stats,
+        tokenizer=tokenizer,
+        generator=generator,
+        negative_prompt_ids=negative_prompt_ids,
+        negative_prompt_attention_mask=negative_prompt_attention_mask,
+        max_position_embeddings=max_position_embeddings,
+        draft_length=draft_length,
+        rows_factory=rows_factory,
+    )
+
+
+def speculate_from_plan(
+    model: Any,
+    plan: GenerationPlan,
+    *,
+    open_drafter: Callable[[list[list[int]], Any], Drafter],
+    stats: SpeculationStats,
+    tokenizer: Any = None,
+    generator: torch.Generator | None = None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+    max_position_embeddings: int | None = None,
+    draft_length: int | None = None,
+    rows_factory: Callable[..., SpeculativeRows] | None = None,
+) -> Generator[StepEvent, None, GenerationResult]:
+    """`iter_speculative` from a `GenerationPlan` that `prepare_generation` already made for this model
+    (the target service plans once per request, to route it, and runs from that plan).
+
+    Args:
+        model (`PreTrainedModel`): the model the plan was prepared for.
+        plan (`GenerationPlan`): what `prepare_generation` resolved.
+        open_drafter, stats, tokenizer, generator, negative_prompt_ids, negative_prompt_attention_mask,
+        max_position_embeddings, draft_length, rows_factory: as for `iter_speculative`.
+    """
     blocker = speculation_blocker(plan)
     if blocker:
         stats.fallback_reason = blocker

@@ -51,8 +51,8 @@ class BatchScheduler:
 
     Args:
         model (`PreTrainedModel`): the served model.
-        start (`Callable`): `start(job, rows_factory, drafting=...) -> step generator` (the engine's
-            loop factory).
+        start (`Callable`): `start(job, rows_factory, drafting=..., plan=...) -> step generator` (the
+            engine's loop factory; `plan` is the one `lane_reason` made).
         options (`SchedulerOptions`, *optional*): limits.
         max_position_embeddings (`int`, *optional*): the model's context length.
     """
@@ -132,7 +132,8 @@ class BatchScheduler:
             if self.failure_reason:
                 raise Unavailable(f"the target service cannot generate: {self.failure_reason}")
             self._seq += 1
-            request = Request(job, planned_rows(plan), plan.max_length - plan.input_len, loop, self._seq)
+            rows, budget = planned_rows(plan), plan.max_length - plan.input_len
+            request = Request(job, plan, rows, budget, loop, self._seq)
             # The request's thread runs in the RPC's context (tracing spans, telemetry).
             request.context = contextvars.copy_context()
             self.admission.admit(request, self.loop.forward_ema)

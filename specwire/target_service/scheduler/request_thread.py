@@ -61,7 +61,7 @@ class RequestThread:
         steps = None
         try:
             with torch.inference_mode():
-                steps = self.scheduler.start(request.job, self._rows, drafting=self._drafting)
+                steps = self.scheduler.start(request.job, self._rows, drafting=self._drafting, plan=request.plan)
                 while True:
                     try:
                         item = next(steps)
