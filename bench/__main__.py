@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.reference import Reference
     from bench.services import ServiceStack
     from bench.target import Specwire
-    from bench.workloads import QUICK_WORKLOADS, WORKLOADS, Context, run_workload
+    from bench.workload_context import Context
+    from bench.workloads import QUICK_WORKLOADS, WORKLOADS, run_workload
 
     args = build_parser().parse_args(argv)
     if args.render:

@@ -1,10 +1,12 @@
-"""Summaries of repeated measurements: median with min and max, and latency percentiles."""
+"""Summaries of repeated measurements: median with min and max, latency percentiles, ratios of medians,
+and `lookup` to read a figure back out of the nested results."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 
 def summarize(values: Sequence[float | None]) -> dict | None:
@@ -39,3 +41,13 @@ def ratio(numerator: dict | None, denominator: dict | None) -> float | None:
     if not numerator or not denominator or not denominator["median"]:
         return None
     return numerator["median"] / denominator["median"]
+
+
+def lookup(data: Any, *path: str, default: Any = None) -> Any:
+    """`data[path[0]][path[1]]...`, or `default` where a level is not a dict or a key is missing or None
+    (a workload skipped, failed or not available)."""
+    for key in path:
+        if not isinstance(data, dict) or key not in data or data[key] is None:
+            return default
+        data = data[key]
+    return data

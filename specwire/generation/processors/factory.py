@@ -11,7 +11,7 @@ import torch
 from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.config.serialization import WATERMARK_DEFAULTS
 
-from .base import LogitsProcessorList, token_id_list
+from .base import LogitsProcessor, LogitsProcessorList, token_id_list
 from .bias import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
 from .guidance import UnbatchedClassifierFreeGuidanceLogitsProcessor
 from .length import (
@@ -120,50 +120,80 @@ def build_logits_processors(
     Raises:
         ValueError: a field has a bad value, or a processor lacks what it needs (model, EOS, tokenizer...).
     """
-    processors = LogitsProcessorList()
     eos = token_id_list(eos_token_ids, "eos_token_id") if eos_token_ids is not None else None
     if eos is not None and len(eos) == 0:
         eos = None
     if prompt_ids is not None and not isinstance(prompt_ids, torch.Tensor):
         prompt_ids = torch.tensor(prompt_ids, dtype=torch.long)
+    # The steps run in the order their processors appear in transformers' list; that order is the contract.
+    processors = LogitsProcessorList()
+    processors.extend(
+        _guidance_processors(config, prompt_ids, model, negative_prompt_ids, negative_prompt_attention_mask)
+    )
+    processors.extend(_penalty_processors(config, prompt_ids, prompt_pad_lengths, eos))
+    processors.extend(_length_and_suppression_processors(config, input_len, eos))
+    if _field(config, "do_sample"):
+        processors.extend(_sampling_warpers(config, num_beams, eos))
+    processors.extend(_final_processors(config, vocab_size))
+    return processors
+
+
+def _guidance_processors(
+    config: Any,
+    prompt_ids: torch.LongTensor | None,
+    model: Any,
+    negative_prompt_ids: torch.LongTensor | None,
+    negative_prompt_attention_mask: torch.LongTensor | None,
+) -> list[LogitsProcessor]:
+    """Classifier-free guidance, first in transformers' list (it replaces the scores it is given)."""
+    guidance_scale = _field(config, "guidance_scale")
+    if guidance_scale is None or guidance_scale == 1:
+        return []
+    if negative_prompt_ids is not None and prompt_ids is not None:
+        negatives, prompts = negative_prompt_ids.shape[0], prompt_ids.shape[0]
+        if negatives not in (1, prompts):
+            # Checked here, before any forward, rather than at the processor's first call.
+            raise InvalidGenerationArgument.for_field(
+                "negative_prompt_ids",
+                tuple(negative_prompt_ids.shape),
+                f"give one negative prompt for the whole batch, or one per prompt ({prompts} here)",
+            )
+    use_cache = _field(config, "use_cache")
+    return [
+        UnbatchedClassifierFreeGuidanceLogitsProcessor(
+            guidance_scale,
+            model,
+            unconditional_ids=negative_prompt_ids,
+            unconditional_attention_mask=negative_prompt_attention_mask,
+            # Unset means the model's own default, which is to cache.
+            use_cache=True if use_cache is None else use_cache,
+        )
+    ]
+
+
+def _penalty_processors(
+    config: Any,
+    prompt_ids: torch.LongTensor | None,
+    prompt_pad_lengths: torch.LongTensor | Sequence[int] | None,
+    eos: list[int] | None,
+) -> list[LogitsProcessor]:
+    """Sequence bias, (encoder) repetition penalties, (encoder) no-repeat n-grams and bad words, in that order."""
+    processors: list[LogitsProcessor] = []
     # transformers ignores dummy encoder inputs (filled with -100) and non-2-D ones.
     has_encoder_ids = prompt_ids is not None and prompt_ids.dim() == 2 and not bool((prompt_ids < 0).any())
-
-    guidance_scale = _field(config, "guidance_scale")
-    if guidance_scale is not None and guidance_scale != 1:
-        if negative_prompt_ids is not None and prompt_ids is not None:
-            negatives, prompts = negative_prompt_ids.shape[0], prompt_ids.shape[0]
-            if negatives not in (1, prompts):
-                # Checked here, before any forward, rather than at the processor's first call.
-                raise InvalidGenerationArgument.for_field(
-                    "negative_prompt_ids",
-                    tuple(negative_prompt_ids.shape),
-                    f"give one negative prompt for the whole batch, or one per prompt ({prompts} here)",
-                )
-        use_cache = _field(config, "use_cache")
-        processors.append(
-            UnbatchedClassifierFreeGuidanceLogitsProcessor(
-                guidance_scale,
-                model,
-                unconditional_ids=negative_prompt_ids,
-                unconditional_attention_mask=negative_prompt_attention_mask,
-                # Unset means the model's own default, which is to cache.
-                use_cache=True if use_cache is None else use_cache,
-            )
-        )
     sequence_bias = _field(config, "sequence_bias")
     if sequence_bias is not None:
         processors.append(SequenceBiasLogitsProcessor(sequence_bias))
-
     encoder_penalty = _field(config, "encoder_repetition_penalty")
     if encoder_penalty is not None and encoder_penalty != 1.0:
         if has_encoder_ids:
             processors.append(EncoderRepetitionPenaltyLogitsProcessor(encoder_penalty, prompt_ids))
         else:
+            # stacklevel 3: the warning points at build_logits_processors' caller.
             warnings.warn(
                 "`encoder_repetition_penalty` needs the prompt ids (2-D, non-negative); ignoring it.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     repetition_penalty = _field(config, "repetition_penalty")
     if repetition_penalty is not None and repetition_penalty != 1.0:
@@ -184,11 +214,18 @@ def build_logits_processors(
             warnings.warn(
                 "`encoder_no_repeat_ngram_size` needs the prompt ids (2-D, non-negative); ignoring it.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     bad_words_ids = _field(config, "bad_words_ids")
     if bad_words_ids is not None:
         processors.append(NoBadWordsLogitsProcessor(bad_words_ids, eos))
+    return processors
+
+
+def _length_and_suppression_processors(config: Any, input_len: int, eos: list[int] | None) -> list[LogitsProcessor]:
+    """Min length, min new tokens, forced BOS/EOS, inf/nan removal, the exponential decay length
+    penalty and token suppression, in transformers' order (inf/nan removal sits in the middle there too)."""
+    processors: list[LogitsProcessor] = []
     min_length = _field(config, "min_length")
     if min_length is not None and eos is not None and min_length > 0:
         processors.append(MinLengthLogitsProcessor(min_length, eos))
@@ -222,39 +259,47 @@ def build_logits_processors(
         # After a one-token prompt a forced BOS takes the first position, so "begin" is one later.
         begin_index = input_len if (input_len > 1 or forced_bos is None) else input_len + 1
         processors.append(SuppressTokensAtBeginLogitsProcessor(begin_suppress, begin_index))
+    return processors
 
-    if _field(config, "do_sample"):
-        # A beam must keep a non-EOS continuation next to every EOS id.
-        if num_beams is not None and num_beams > 1:
-            min_tokens_to_keep = len(eos) + 1 if eos is not None else 2
-        else:
-            min_tokens_to_keep = 1
-        temperature = _field(config, "temperature")
-        if temperature is not None and temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(temperature))
-        top_h = _field(config, "top_h")
-        if top_h is not None:
-            processors.append(TopHLogitsWarper(top_h))
-        top_k = _field(config, "top_k")
-        if top_k is not None and top_k != 0:
-            processors.append(TopKLogitsWarper(top_k, min_tokens_to_keep=min_tokens_to_keep))
-        top_p = _field(config, "top_p")
-        if top_p is not None and top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p, min_tokens_to_keep=min_tokens_to_keep))
-        min_p = _field(config, "min_p")
-        if min_p is not None:
-            processors.append(MinPLogitsWarper(min_p, min_tokens_to_keep=min_tokens_to_keep))
-        typical_p = _field(config, "typical_p")
-        if typical_p is not None and typical_p < 1.0:
-            processors.append(TypicalLogitsWarper(typical_p, min_tokens_to_keep=min_tokens_to_keep))
-        epsilon = _field(config, "epsilon_cutoff")
-        if epsilon is not None and 0.0 < epsilon < 1.0:
-            processors.append(EpsilonLogitsWarper(epsilon, min_tokens_to_keep=min_tokens_to_keep))
-        eta = _field(config, "eta_cutoff")
-        if eta is not None and 0.0 < eta < 1.0:
-            processors.append(EtaLogitsWarper(eta, min_tokens_to_keep=min_tokens_to_keep))
 
-    # The watermark must see the final distribution, so it comes after every other processor.
+def _sampling_warpers(config: Any, num_beams: int, eos: list[int] | None) -> list[LogitsProcessor]:
+    """Temperature, top-h, top-k, top-p, min-p, typical, epsilon and eta, in that order (only when `do_sample`)."""
+    # A beam must keep a non-EOS continuation next to every EOS id.
+    if num_beams is not None and num_beams > 1:
+        min_tokens_to_keep = len(eos) + 1 if eos is not None else 2
+    else:
+        min_tokens_to_keep = 1
+    warpers: list[LogitsProcessor] = []
+    temperature = _field(config, "temperature")
+    if temperature is not None and temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    top_h = _field(config, "top_h")
+    if top_h is not None:
+        warpers.append(TopHLogitsWarper(top_h))
+    top_k = _field(config, "top_k")
+    if top_k is not None and top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k, min_tokens_to_keep=min_tokens_to_keep))
+    top_p = _field(config, "top_p")
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p, min_tokens_to_keep=min_tokens_to_keep))
+    min_p = _field(config, "min_p")
+    if min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p, min_tokens_to_keep=min_tokens_to_keep))
+    typical_p = _field(config, "typical_p")
+    if typical_p is not None and typical_p < 1.0:
+        warpers.append(TypicalLogitsWarper(typical_p, min_tokens_to_keep=min_tokens_to_keep))
+    epsilon = _field(config, "epsilon_cutoff")
+    if epsilon is not None and 0.0 < epsilon < 1.0:
+        warpers.append(EpsilonLogitsWarper(epsilon, min_tokens_to_keep=min_tokens_to_keep))
+    eta = _field(config, "eta_cutoff")
+    if eta is not None and 0.0 < eta < 1.0:
+        warpers.append(EtaLogitsWarper(eta, min_tokens_to_keep=min_tokens_to_keep))
+    return warpers
+
+
+def _final_processors(config: Any, vocab_size: int) -> list[LogitsProcessor]:
+    """The watermark, then `LogitNormalization`: both must see the final distribution, so they come last."""
+    processors: list[LogitsProcessor] = []
     watermarking_config = _field(config, "watermarking_config")
     if watermarking_config is not None:
         processors.append(_watermark_processor(watermarking_config, vocab_size))

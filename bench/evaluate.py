@@ -1,0 +1,119 @@
+"""The issue's targets, compared with the measurements (`results["targets"]`).
+
+A target whose inputs were not measured (a workload skipped, speculation not available) is reported as
+not measured, never as met.
+"""
+
+from __future__ import annotations
+
+from bench.stats import lookup, ratio
+
+
+def _series_tps(workload: dict | None, label: str) -> dict | None:
+    return lookup(workload, "series", label, "tokens_per_second")
+
+
+def _target(name: str, goal: str, measured: float | None, met: bool | None, detail: str) -> dict:
+    return {"name": name, "goal": goal, "measured": measured, "met": met, "detail": detail}
+
+
+def evaluate_targets(results: dict) -> list[dict]:
+    w = results["workloads"]
+    targets = []
+
+    def ratio_target(name, goal_ratio, workload, ours, theirs, what):
+        value = ratio(_series_tps(w.get(workload), ours), _series_tps(w.get(workload), theirs))
+        why = lookup(w.get(workload), "reason") or ("workload not run" if workload not in w else "not measured")
+        targets.append(
+            _target(
+                name,
+                f">= {goal_ratio:.1f}x",
+                value,
+                None if value is None else value >= goal_ratio,
+                what if value is not None else why,
+            )
+        )
+
+    ratio_target(
+        "greedy tokens/s vs transformers",
+        1.1,
+        "greedy",
+        "specwire",
+        "transformers",
+        "specwire (gRPC, unary) / transformers.generate(), medians",
+    )
+    ratio_target(
+        "beam-4 tokens/s vs transformers",
+        1.0,
+        "beam",
+        "specwire",
+        "transformers",
+        "specwire / transformers, medians",
+    )
+    ratio_target(
+        "prompt lookup tokens/s vs transformers' prompt lookup",
+        1.2,
+        "prompt_lookup",
+        "specwire_prompt_lookup",
+        "transformers_prompt_lookup",
+        "same code-edit prompt, medians",
+    )
+
+    levels = lookup(w.get("concurrency"), "levels", default={})
+    if levels:
+        top = max(levels.values(), key=lambda level: level["clients"])
+        one = levels.get("1")
+        value = ratio(top["aggregate_tokens_per_second"], one["aggregate_tokens_per_second"] if one else None)
+        targets.append(
+            _target(
+                f"{top['clients']} concurrent clients vs 1 client, aggregate tokens/s",
+                ">= 3.0x",
+                value,
+                None if value is None or top["clients"] != 8 else value >= 3.0,
+                "medians" if top["clients"] == 8 else f"only up to {top['clients']} clients ran",
+            )
+        )
+    else:
+        targets.append(
+            _target(
+                "8 concurrent clients vs 1 client, aggregate tokens/s",
+                ">= 3.0x",
+                None,
+                None,
+                lookup(w.get("concurrency"), "reason", default="workload not run"),
+            )
+        )
+
+    p50 = lookup(w.get("roundtrip"), "direct", "prompt_lookup_10", "p50_ms", "median")
+    targets.append(
+        _target(
+            "draft round trip p50 (loopback)",
+            "<= 1.0 ms",
+            p50,
+            None if p50 is None else p50 <= 1.0,
+            "direct Draft-stream measurement, prompt lookup 10 tokens per round"
+            if p50 is not None
+            else lookup(w.get("roundtrip"), "reason", default="workload not run"),
+        )
+    )
+
+    mem = w.get("memory")
+    peak = lookup(mem, "services", "target", "peak_rss_mb")
+    budget = lookup(mem, "target_budget_mb")
+    device = lookup(results, "meta", "device", default="cpu")
+    if budget is None:
+        detail = "workload not run"
+    elif device != "cpu":
+        detail = f"a CPU target, not evaluated: the weights are on {device} (device memory in section 9)"
+    else:
+        detail = f"budget {budget:.0f} MB (float32 weights {mem['model_float32_mb']:.0f} MB)"
+    targets.append(
+        _target(
+            "target service peak resident memory",
+            "<= 1.5 x float32 weights + 300 MB",
+            peak,
+            None if peak is None or budget is None or device != "cpu" else peak <= budget,
+            detail,
+        )
+    )
+    return targets

@@ -1,0 +1,233 @@
+"""The benchmark's PNG plots, drawn with matplotlib from the results (one figure per workload family)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.stats import lookup
+
+PLOTS = {
+    "throughput.png": "Tokens/s and time to first token, specwire vs transformers",
+    "concurrency.png": "Aggregate tokens/s and latency versus concurrent clients",
+    "draft_length.png": "Acceptance and speed versus draft length",
+    "memory.png": "Peak resident memory per service",
+}
+
+
+def _errorbar(summary: dict | None) -> tuple[float, list[float]]:
+    if not summary:
+        return 0.0, [0.0, 0.0]
+    return summary["median"], [summary["median"] - summary["min"], summary["max"] - summary["median"]]
+
+
+def plot(results: dict, folder: Path) -> list[str]:
+    """Draw every figure whose workload ran into `folder`; the file names written, in `PLOTS` order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w = results["workloads"]
+    subtitle = (
+        f"{results['meta']['model']}, {results['meta']['max_new_tokens']} new tokens, "
+        f"median of {results['meta']['repeats']} (bars: min-max)"
+    )
+    written = []
+    for name, draw in _FIGURES.items():
+        fig = draw(plt, w, subtitle)
+        if fig is None:
+            continue
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def _throughput_figure(plt: Any, w: dict, subtitle: str) -> Any:
+    """Tokens/s per decoding mode and side, and greedy time to first token; None when nothing ran."""
+    groups = [
+        ("greedy", "greedy", "specwire", "transformers"),
+        ("sampling", "sampling", "specwire", "transformers"),
+        ("beam", "beam-4", "specwire", "transformers"),
+        ("prompt_lookup", "prompt lookup", "specwire_prompt_lookup", "transformers_prompt_lookup"),
+        ("prompt_lookup", "greedy (code)", "specwire_greedy", "transformers_greedy"),
+        ("draft_model", "draft model", "specwire_draft_model", "transformers_assisted"),
+    ]
+    groups = [g for g in groups if lookup(w, g[0], "series")]
+    if not groups:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    for offset, side, color in ((-0.2, 2, "tab:blue"), (0.2, 3, "tab:orange")):
+        values = [_errorbar(lookup(w, g[0], "series", g[side], "tokens_per_second")) for g in groups]
+        axes[0].bar(
+            [i + offset for i in range(len(groups))],
+            [v[0] for v in values],
+            0.4,
+            yerr=list(zip(*[v[1] for v in values], strict=True)) if values else None,
+            capsize=3,
+            color=color,
+            label="specwire (gRPC)" if side == 2 else "transformers (in-process)",
+        )
+    axes[0].set_xticks(range(len(groups)), [g[1] for g in groups])
+    axes[0].set_ylabel("tokens/s")
+    axes[0].legend()
+    axes[0].set_title("Throughput")
+    ttft = [
+        _errorbar(lookup(w, "greedy", "series", label, "ttft_seconds"))
+        for label in ("specwire_stream", "transformers_streamer")
+    ]
+    axes[1].bar(
+        [0, 1],
+        [t[0] * 1000 for t in ttft],
+        yerr=[[t[1][0] * 1000 for t in ttft], [t[1][1] * 1000 for t in ttft]],
+        capsize=3,
+        color=["tab:blue", "tab:orange"],
+    )
+    axes[1].set_xticks([0, 1], ["specwire", "transformers"])
+    axes[1].set_ylabel("ms")
+    axes[1].set_title("Time to first token (greedy)")
+    fig.suptitle(subtitle, fontsize=9)
+    return fig
+
+
+def _concurrency_figure(plt: Any, w: dict, subtitle: str) -> Any:
+    """Aggregate tokens/s and p50/p99 latency versus concurrent clients; None when not run."""
+    if not lookup(w, "concurrency", "levels"):
+        return None
+    c = w["concurrency"]
+    levels = sorted(c["levels"].values(), key=lambda level: level["clients"])
+    x = [level["clients"] for level in levels]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    values = [_errorbar(level["aggregate_tokens_per_second"]) for level in levels]
+    axes[0].errorbar(
+        x,
+        [v[0] for v in values],
+        yerr=list(zip(*[v[1] for v in values], strict=True)),
+        marker="o",
+        capsize=3,
+        label="specwire aggregate",
+    )
+    seq = lookup(c, "transformers_sequential", "tokens_per_second", "median")
+    if seq:
+        axes[0].axhline(seq, color="tab:orange", linestyle="--", label="transformers sequential")
+    one = levels[0]["aggregate_tokens_per_second"]["median"] if levels[0]["clients"] == 1 else None
+    if one:
+        axes[0].axhline(3 * one, color="grey", linestyle=":", label="target at 8 clients (3x one client)")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xticks(x, [str(n) for n in x])
+    axes[0].set_xlabel("concurrent clients")
+    axes[0].set_ylabel("tokens/s")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("Aggregate throughput")
+    axes[1].plot(x, [level["latency_p50_seconds"] for level in levels], marker="o", label="p50")
+    axes[1].plot(x, [level["latency_p99_seconds"] for level in levels], marker="s", label="p99")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xticks(x, [str(n) for n in x])
+    axes[1].set_xlabel("concurrent clients")
+    axes[1].set_ylabel("request latency (s)")
+    axes[1].legend()
+    axes[1].set_title("Latency")
+    fig.suptitle(subtitle, fontsize=9)
+    return fig
+
+
+def _draft_length_figure(plt: Any, w: dict, subtitle: str) -> Any:
+    """Acceptance and tokens/s versus draft length, with the greedy baselines; None when not run."""
+    if not lookup(w, "draft_length", "points"):
+        return None
+    d = w["draft_length"]
+    ks = [p["draft_length"] for p in d["points"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    styles = {
+        "specwire_prompt_lookup": ("specwire prompt lookup", "tab:blue", "-"),
+        "transformers_prompt_lookup": ("transformers prompt lookup", "tab:orange", "-"),
+        "specwire_draft_model": ("specwire draft model", "tab:blue", "--"),
+        "transformers_assisted": ("transformers assisted", "tab:orange", "--"),
+    }
+    any_acceptance = False
+    for key, (name, color, style) in styles.items():
+        pts = [(p["draft_length"], p[key]) for p in d["points"] if key in p]
+        if not pts:
+            continue
+        values = [_errorbar(e["tokens_per_second"]) for _, e in pts]
+        axes[1].errorbar(
+            [k for k, _ in pts],
+            [v[0] for v in values],
+            yerr=list(zip(*[v[1] for v in values], strict=True)),
+            color=color,
+            linestyle=style,
+            marker="o",
+            capsize=3,
+            label=name,
+        )
+        acc = [(k, lookup(e, "acceptance_rate", "median")) for k, e in pts]
+        acc = [(k, a) for k, a in acc if a is not None]
+        if acc:
+            any_acceptance = True
+            axes[0].plot(
+                [k for k, _ in acc],
+                [a for _, a in acc],
+                color=color,
+                linestyle=style,
+                marker="o",
+                label=name,
+            )
+    for key, series in d.get("baselines", {}).items():
+        color = "tab:blue" if key.startswith("specwire") else "tab:orange"
+        style = ":" if key.endswith("code") else "-."
+        axes[1].axhline(
+            series["tokens_per_second"]["median"],
+            color=color,
+            linestyle=style,
+            alpha=0.6,
+            label=key.replace("_", " "),
+        )
+    if not any_acceptance:
+        axes[0].text(
+            0.5,
+            0.5,
+            "speculation not available in the target yet:\nno acceptance measured",
+            ha="center",
+            va="center",
+            transform=axes[0].transAxes,
+        )
+    else:
+        axes[0].legend(fontsize=8)
+    axes[0].set_xlabel("draft length (tokens per round)")
+    axes[0].set_ylabel("acceptance rate")
+    axes[0].set_ylim(0, 1.05)
+    axes[0].set_title("Acceptance")
+    axes[1].set_xlabel("draft length (tokens per round)")
+    axes[1].set_ylabel("tokens/s")
+    axes[1].legend(fontsize=7)
+    axes[1].set_title("Speed")
+    for ax in axes:
+        ax.set_xticks(ks)
+    fig.suptitle(subtitle + "; prompt lookup on the code prompt, draft model on the chat prompt", fontsize=9)
+    return fig
+
+
+def _memory_figure(plt: Any, w: dict, subtitle: str) -> Any:
+    """Peak resident size per service against the target's budget; None when not run."""
+    if not lookup(w, "memory", "services"):
+        return None
+    mem = w["memory"]
+    names = list(mem["services"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(names, [mem["services"][n]["peak_rss_mb"] or 0 for n in names], color="tab:blue")
+    ax.axhline(mem["target_budget_mb"], color="tab:red", linestyle="--", label="target-service budget")
+    ax.set_ylabel("peak resident size (MB)")
+    ax.legend()
+    ax.set_title("Peak memory per service (VmHWM)")
+    return fig
+
+
+# One function per file of `PLOTS`, in the same order.
+_FIGURES = {
+    "throughput.png": _throughput_figure,
+    "concurrency.png": _concurrency_figure,
+    "draft_length.png": _draft_length_figure,
+    "memory.png": _memory_figure,
+}

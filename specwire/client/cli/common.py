@@ -1,0 +1,70 @@
+"""What every `specwire` subcommand shares: exit codes, deadlines, usage errors, `key=value` parsing, help format."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# Deadlines of the CLI's calls: the clients' defaults (`TargetClient`: 600 s, `ConfigClient`: 30 s),
+# repeated here because the clients are imported only when a command runs (they import torch).
+DEFAULT_GENERATE_TIMEOUT_S = 600.0
+DEFAULT_CONFIG_TIMEOUT_S = 30.0
+DEFAULT_PROMPT = "Explain in two sentences why speculative decoding makes text generation faster."
+
+# Exit codes, the same for every subcommand.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (exit 2, like argparse's own errors)."""
+
+
+def parse_assignments(items: list[str] | None, what: str = "--set") -> dict[str, Any]:
+    """`key=value` pairs; values are JSON when they parse as JSON (numbers, true, lists), else strings."""
+    values: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"{what} expects key=value, got {item!r}")
+        try:
+            values[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            values[key] = raw
+    return values
+
+
+def read_source(path: str) -> str:
+    """The text of a file, or of stdin for `-`."""
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The usage text (the package docstring) as written, and every option's default in --help."""
+
+
+def add_command(subparsers: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand's parser, with the shared help format."""
+    return subparsers.add_parser(name, formatter_class=HelpFormatter, **kwargs)
+
+
+def add_chat_option(p: argparse.ArgumentParser) -> None:
+    """`--no-chat`, for the commands that send a prompt (`demo`, `generate`)."""
+    p.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="send the prompt as plain text, as the Python client does by default (the CLI wraps it in the "
+        "model's chat template, as a chat UI would; the Python client's apply_chat_template=True does the same)",
+    )
+
+
+# Said after an error with this gRPC status code.
+HINTS = {
+    "UNAVAILABLE": "is the service running at that address? `specwire serve` starts all three locally",
+    "DEADLINE_EXCEEDED": "raise --timeout, or ask for fewer tokens",
+}

@@ -1,0 +1,146 @@
+"""`specwire generate`: generate through a running target service, and how an output is printed (also `demo`'s)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from specwire.vocabulary import PROPOSER_NONE, PROPOSER_UNSPECIFIED, PROPOSERS
+
+from .common import (
+    DEFAULT_GENERATE_TIMEOUT_S,
+    EXIT_OK,
+    UsageError,
+    add_chat_option,
+    add_command,
+    parse_assignments,
+)
+
+
+def add_generate_parser(sub: Any) -> None:
+    """Register `specwire generate` on the CLI's subparsers."""
+    gen = add_command(sub, "generate", help="generate through a running target service")
+    gen.add_argument("prompt", nargs="*", help="prompt text (several = a batch)")
+    gen.add_argument("--address", default="127.0.0.1:50052", help="target service host:port")
+    gen.add_argument("--config", default=None, help="registry reference: name, name@VERSION or name:TAG")
+    gen.add_argument("--set", action="append", metavar="KEY=VALUE", help="GenerationConfig field override")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--json", dest="as_json", action="store_true", help="print the whole output as JSON")
+    add_chat_option(gen)
+    gen.add_argument(
+        "--proposer",
+        choices=list(PROPOSERS),
+        default=None,
+        help="speculation (default: the target's --default-proposer)",
+    )
+    gen.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_GENERATE_TIMEOUT_S,
+        help="deadline of the generation in seconds, 0 for none",
+    )
+
+
+def generate_command(args) -> int:
+    """Run `specwire generate`; the exit code."""
+    from specwire.client import SpecwireRpcError, TargetClient
+
+    if not args.prompt:
+        raise UsageError('give a prompt, e.g. specwire generate "Hello" (several prompts make a batch)')
+    overrides = parse_assignments(args.set)
+    prompts = args.prompt
+    with TargetClient(args.address, timeout=args.timeout or None) as client:
+        kwargs = dict(
+            text=prompts if len(prompts) > 1 else prompts[0],
+            generation_config=args.config,
+            apply_chat_template=not args.no_chat,
+            proposer=args.proposer,
+            **overrides,
+        )
+        if args.stream and not args.as_json:
+            try:
+                output = _stream(client, kwargs)
+            except SpecwireRpcError as exc:
+                if not any(v.field == "config.num_beams" for v in exc.violations):
+                    raise
+                # Beam search cannot stream (the best beam is known at the end): say so, answer anyway.
+                print("note: beam search cannot stream; printing the answer when the search ends", file=sys.stderr)
+                output = None
+            if output is not None:
+                print_warnings(output)
+                print_stats(output)
+                return EXIT_OK
+        output = client.generate(**kwargs)
+    if args.as_json:
+        print(
+            json.dumps(
+                {
+                    "text": output.text,
+                    "finish_reasons": output.finish_reasons,
+                    "sequences": output.sequences.tolist(),
+                    "speculation": output.speculation.__dict__,
+                    "config": {"name": output.config_name, "version": output.config_version},
+                    "warnings": [w.__dict__ for w in output.warnings],
+                },
+                indent=2,
+            )
+        )
+        print_warnings(output)
+        return EXIT_OK
+    for i, text in enumerate(output.text):
+        prefix = f"[{i}] " if len(output.text) > 1 else ""
+        print(f"{prefix}{text}")
+    print_warnings(output)
+    print_stats(output)
+    return EXIT_OK
+
+
+def _stream(client, kwargs):
+    """Print the text as it comes; the final `GenerateOutput`."""
+    output = None
+    for item in client.stream(**kwargs):
+        if hasattr(item, "row"):
+            print(item.text, end="", flush=True)
+        else:
+            output = item
+    print()
+    return output
+
+
+def print_warnings(output) -> None:
+    """The server's warnings (transformers' own, e.g. a temperature without sampling) on stderr."""
+    for w in output.warnings if output is not None else ():
+        print(f"warning: {w.field}: {w.message}", file=sys.stderr)
+
+
+def speculation_ran(stats) -> bool:
+    """Whether the request speculated (or tried to): plain requests print no speculation line."""
+    return (
+        stats.proposer not in ("", PROPOSER_NONE, PROPOSER_UNSPECIFIED)
+        or stats.rounds > 0
+        or bool(stats.fallback_reason)
+    )
+
+
+def print_stats(output) -> None:
+    """The finish reasons and model, then the speculation line(s) when the request speculated."""
+    if output is None:
+        return
+    s = output.speculation
+    print(f"-- finish: {', '.join(output.finish_reasons)} | model: {output.model_id}")
+    if not speculation_ran(s):
+        return
+    mean_length = 1 + s.accepted_tokens / s.rounds if s.rounds else 1.0
+    print(
+        f"-- speculation: proposer={s.proposer} rounds={s.rounds} drafted={s.drafted_tokens} "
+        f"accepted={s.accepted_tokens} acceptance_rate={s.acceptance_rate:.2f} "
+        f"mean_acceptance_length={mean_length:.2f}"
+    )
+    if s.rounds:
+        print(
+            f"-- accepted by draft position: {s.accepted_by_position} | draft {s.draft_seconds:.2f}s, "
+            f"verify {s.verify_seconds:.2f}s"
+        )
+    if s.fallback_reason:
+        print(f"-- fell back to plain decoding: {s.fallback_reason}")
