@@ -394,7 +394,7 @@ class SlotRows:
 
     def __init__(
         self,
-        submit: Callable[[SlotWork], None],
+        submit: Callable[[SlotWork], object],
         release: Callable[[list[int]], None],
         slots: list[int],
         *,
