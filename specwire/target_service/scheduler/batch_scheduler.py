@@ -155,7 +155,7 @@ class BatchScheduler:
     def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `fn(*args, **kwargs)` (a sequential-lane request's model call) on the scheduler thread,
         between packed forwards, and return its result; the caller's thread waits for it."""
-        future: Future = Future()
+        future: Future[Any] = Future()
         with self.cond:
             if self.failure_reason:
                 raise Unavailable(f"the target service cannot generate: {self.failure_reason}")
@@ -259,7 +259,7 @@ class BatchScheduler:
             )
 
 
-def _in_inference_mode(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _in_inference_mode(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # Grad mode is per thread: the lane request's thread runs in inference mode, so its forwards do too.
     with torch.inference_mode():
         return fn(*args, **kwargs)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specwire.target_service.scheduler")
 
 # A sequential-lane model call: (future, fn, args, posted at).
-LaneCall = tuple[Future, Callable[..., Any], tuple, float]
+LaneCall = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], float]
 
 
 class ForwardLoop:
