@@ -19,7 +19,7 @@ import signal
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf import any_pb2
@@ -359,7 +359,7 @@ class GrpcServer:
         serving = health_pb2.HealthCheckResponse
         while not self._stopping:
             try:
-                problem = self.liveness()
+                problem = cast(Callable[[], str], self.liveness)()  # the watchdog runs only with one
             except Exception as exc:  # noqa: BLE001 - a failing check is a problem, not a dead watchdog
                 problem = f"liveness check failed: {type(exc).__name__}: {exc}"
             if problem != self.problem and not self._stopping:

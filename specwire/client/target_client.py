@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import torch
@@ -96,7 +96,9 @@ class GenerateOutput:
             ],
             scores=steps("scores"),
             logits=steps("logits"),
-            beam_indices=None if not response.HasField("beam_indices") else tensor("beam_indices").long(),
+            beam_indices=None
+            if not response.HasField("beam_indices")
+            else cast(torch.Tensor, tensor("beam_indices")).long(),
             sequences_scores=tensor("sequences_scores"),
             speculation=SpeculationStats.from_proto(response.speculation),
             config_name=response.config.name,
@@ -150,7 +152,7 @@ def build_request(
             request.prompts.add(text=item)
     else:
         masks = _rows(attention_mask) or []
-        for i, row in enumerate(_rows(input_ids)):
+        for i, row in enumerate(cast(list[list[int]], _rows(input_ids))):  # no text: token ids were given
             prompt = request.prompts.add(token_ids=common_pb2.TokenSequence(ids=row))
             if masks:
                 prompt.attention_mask.extend(masks[i])
@@ -161,7 +163,7 @@ def build_request(
     if kwargs:
         request.overrides.CopyFrom(config_to_wire(dict(kwargs)))
     if negative_prompt_ids is not None:
-        request.negative_prompt.token_ids.ids.extend(_rows(negative_prompt_ids)[0])
+        request.negative_prompt.token_ids.ids.extend(cast(list[list[int]], _rows(negative_prompt_ids))[0])
     return request
 
 

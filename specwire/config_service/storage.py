@@ -9,6 +9,7 @@ guessed at, so stored data is never corrupted by an old server.
 from __future__ import annotations
 
 import base64
+import builtins
 import json
 import sqlite3
 import threading
@@ -187,7 +188,7 @@ class ConfigStore:
     # --- writes --------------------------------------------------------------------------------
 
     def create(
-        self, name: str, config: dict[str, Any], labels: dict[str, str], warnings: list[dict[str, Any]]
+        self, name: str, config: dict[str, Any], labels: dict[str, str], warnings: builtins.list[dict[str, Any]]
     ) -> StoredConfig:
         """Store version 1 of a new name."""
         now = time.time()
@@ -205,7 +206,7 @@ class ConfigStore:
         name: str,
         config: dict[str, Any],
         labels: dict[str, str] | None,
-        warnings: list[dict[str, Any]],
+        warnings: builtins.list[dict[str, Any]],  # `list` is the method above, in the class body
         expected_version: int | None = None,
     ) -> StoredConfig:
         """Store the next version of an existing name (optimistic concurrency on `expected_version`)."""

@@ -57,11 +57,11 @@ class GenerationResult:
         sequences (`torch.LongTensor` of shape `(batch_size * num_return_sequences, sequence_length)`):
             Prompt plus generated tokens; rows that finished early are padded (see `StepEvent` and the loops in
             `specwire.generation.loops`).
-        scores (`tuple(torch.FloatTensor)`, *optional*):
+        scores (`tuple(torch.Tensor)`, *optional*):
             Processed scores per step, each `(rows, vocab_size)`; rows is `batch * num_return_sequences` for
             greedy/sampling and `batch * num_beams` for beam search (processed log-probabilities, before the
             beam's running score is added). Set only with `return_dict_in_generate` and `output_scores`.
-        logits (`tuple(torch.FloatTensor)`, *optional*):
+        logits (`tuple(torch.Tensor)`, *optional*):
             Raw float32 logits per step, same shapes as `scores`. Set only with `return_dict_in_generate` and
             `output_logits`.
         beam_indices (`torch.IntTensor` of shape `(batch * num_return_sequences, generated)`, *optional*):
@@ -77,16 +77,16 @@ class GenerationResult:
             Number of prompt positions at the start of every row of `sequences` (padding included).
     """
 
-    sequences: torch.LongTensor
-    scores: tuple[torch.FloatTensor, ...] | None = None
-    logits: tuple[torch.FloatTensor, ...] | None = None
+    sequences: torch.Tensor
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
     beam_indices: torch.Tensor | None = None
-    sequences_scores: torch.FloatTensor | None = None
+    sequences_scores: torch.Tensor | None = None
     finish_reasons: list[str] = field(default_factory=list)
     prompt_length: int = 0
 
     @property
-    def generated_tokens(self) -> torch.LongTensor:
+    def generated_tokens(self) -> torch.Tensor:
         """`sequences` without the prompt: `(rows, sequence_length - prompt_length)`."""
         return self.sequences[:, self.prompt_length :]
 
@@ -109,7 +109,7 @@ def compute_transition_scores(
     Args:
         sequences (`torch.LongTensor` of shape `(rows, sequence_length)`):
             Generated sequences (prompt included).
-        scores (`tuple(torch.FloatTensor)`):
+        scores (`tuple(torch.Tensor)`):
             Per-step scores, each `(score_rows, vocab_size)`.
         beam_indices (`torch.Tensor` of shape `(rows, generated_length)`, *optional*):
             Which scores row produced each token; `-1` marks positions after the end. Defaults to row `i` for

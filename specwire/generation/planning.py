@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -285,7 +285,7 @@ def _special_tokens(config: Any) -> tuple[list[int] | None, int | None]:
 def _infer_attention_mask(input_ids: torch.Tensor, eos: list[int] | None, pad: int | None) -> torch.Tensor:
     """Padding is inferred only when the pad id is in the prompt and is not an EOS id; else all ones."""
     can_infer = pad is not None and bool((input_ids == pad).any()) and (not eos or pad not in eos)
-    return (input_ids != pad).long() if can_infer else torch.ones_like(input_ids, dtype=torch.long)
+    return (input_ids != cast(int, pad)).long() if can_infer else torch.ones_like(input_ids, dtype=torch.long)
 
 
 def _resolve_lengths(

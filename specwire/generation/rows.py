@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -86,7 +86,7 @@ def model_device(model: Any) -> torch.device:
     device = getattr(model, "device", None)
     if isinstance(device, torch.device):
         return device
-    return next(model.parameters()).device
+    return cast(torch.device, next(model.parameters()).device)
 
 
 def _accepts(model: Any, name: str) -> bool:
@@ -178,11 +178,11 @@ class RowBatch:
         target service's `SlotRows`) can share the processing too, batched with theirs.
 
         Args:
-            items (`Sequence[tuple[LogitsProcessorList, torch.LongTensor, torch.FloatTensor]]`):
+            items (`Sequence[tuple[LogitsProcessorList, torch.Tensor, torch.Tensor]]`):
                 `(processors, input_ids [n, len], scores [n, vocab])` per item.
 
         Returns:
-            `list[torch.FloatTensor]`: the processed scores of each item.
+            `list[torch.Tensor]`: the processed scores of each item.
         """
         return [processors(input_ids, scores) for processors, input_ids, scores in items]
 
@@ -201,6 +201,7 @@ class RowBatch:
         total = self.position_ids.shape[1] if upto is None else upto
         n = new_ids.shape[1]
         if self.cache is None:
+            assert self.tokens is not None  # prefill set it: without a cache the tokens are kept
             ids = self.tokens[:, :total]
             positions = self.position_ids[:, :total]
         else:
@@ -220,7 +221,7 @@ class RowBatch:
             inputs["logits_to_keep"] = keep
         outputs = self.model(**inputs)
         # Copy (and upcast) only the positions we need: the prefill's full logits can be large.
-        return outputs.logits[:, -keep:].to(dtype=torch.float32, copy=True)
+        return cast(torch.Tensor, outputs.logits[:, -keep:].to(dtype=torch.float32, copy=True))
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """
@@ -239,11 +240,11 @@ class RowBatch:
             return self._forward(input_ids, 1)[:, -1]
         length = input_ids.shape[1]
         chunk = self.prefill_chunk_size or length
-        logits = None
+        logits: torch.Tensor | None = None
         for start in range(0, length, chunk):
             end = min(start + chunk, length)
             logits = self._forward(input_ids[:, start:end], 1, upto=end)
-        return logits[:, -1]
+        return cast(torch.Tensor, logits)[:, -1]  # set: a prompt has at least one position
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """
@@ -273,6 +274,7 @@ class RowBatch:
         k = candidates.shape[1]
         self._grow(k)
         if self.cache is None:
+            assert self.tokens is not None  # prefill set it: without a cache the tokens are kept
             self.tokens = torch.cat([self.tokens, candidates], dim=-1)
         return self._forward(candidates, k)
 
@@ -289,6 +291,7 @@ class RowBatch:
         if self.cache is not None:
             self.cache.crop(-num_positions)
         else:
+            assert self.tokens is not None  # prefill set it: without a cache the tokens are kept
             self.tokens = self.tokens[:, :-num_positions]
         self.position_ids = self.position_ids[:, :-num_positions]
         if self.attention_mask is not None:
@@ -306,6 +309,7 @@ class RowBatch:
         if self.cache is not None:
             self.cache.reorder_cache(rows)
         else:
+            assert self.tokens is not None  # prefill set it: without a cache the tokens are kept
             self.tokens = self.tokens.index_select(0, rows)
         self.position_ids = self.position_ids.index_select(0, rows)
         if self.attention_mask is not None:

@@ -18,7 +18,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AnyStr, cast
 
 import torch
 
@@ -41,6 +41,11 @@ class MaxLengthCriteria:
     """
 
     finish_reason = FinishReason.LENGTH
+    # Declared here: typeshed does not register `int`/`float` as `numbers.Integral`/`Real`, so mypy reads
+    # everything after the isinstance checks in `__init__` as unreachable.
+    max_length: int
+    max_position_embeddings: int | None
+    _warned: bool
 
     def __init__(self, max_length: int, max_position_embeddings: int | None = None):
         if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) or max_length < 0:
@@ -49,7 +54,7 @@ class MaxLengthCriteria:
         self.max_position_embeddings = max_position_embeddings
         self._warned = False
 
-    def __call__(self, input_ids: torch.LongTensor, scores: Any = None, **kwargs: Any) -> torch.BoolTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
         cur_len = input_ids.shape[1]
         done = cur_len >= self.max_length
         if (
@@ -77,6 +82,9 @@ class MaxTimeCriteria:
     """
 
     finish_reason = FinishReason.TIME
+    # Declared here for mypy (see MaxLengthCriteria).
+    max_time: float
+    initial_timestamp: float
 
     def __init__(self, max_time: float, initial_timestamp: float | None = None):
         if isinstance(max_time, bool) or not isinstance(max_time, numbers.Real):
@@ -84,7 +92,7 @@ class MaxTimeCriteria:
         self.max_time = float(max_time)
         self.initial_timestamp = time.time() if initial_timestamp is None else initial_timestamp
 
-    def __call__(self, input_ids: torch.LongTensor, scores: Any = None, **kwargs: Any) -> torch.BoolTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
         done = time.time() - self.initial_timestamp > self.max_time
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
@@ -103,8 +111,8 @@ class EosTokenCriteria:
         self.eos_token_id = torch.tensor(token_id_list(eos_token_id, "eos_token_id"), dtype=torch.long)
 
     def __call__(
-        self, input_ids: torch.LongTensor, scores: Any = None, new_token_length: int = 1, **kwargs: Any
-    ) -> torch.BoolTensor:
+        self, input_ids: torch.Tensor, scores: Any = None, new_token_length: int = 1, **kwargs: Any
+    ) -> torch.Tensor:
         """Check the last `new_token_length` tokens of each row (> 1 after an accepted speculative block)."""
         eos = self.eos_token_id.to(input_ids.device)
         return torch.isin(input_ids[:, -new_token_length:], eos).any(dim=-1)
@@ -123,13 +131,16 @@ class ConfidenceCriteria:
     # Low confidence ends a draft block, not the request, so it never names a finish reason.
     finish_reason = FinishReason.NONE
 
+    # Declared here for mypy (see MaxLengthCriteria).
+    assistant_confidence_threshold: float
+
     def __init__(self, assistant_confidence_threshold: float):
         value = assistant_confidence_threshold
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
             raise ValueError(f"`assistant_confidence_threshold` has to be a probability in [0, 1], but is {value!r}.")
         self.assistant_confidence_threshold = float(value)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: Any = None, **kwargs: Any) -> torch.BoolTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
         if scores is None:
             raise ValueError("ConfidenceCriteria needs the scores of the step that produced the last token.")
         last = scores if isinstance(scores, torch.Tensor) else scores[-1]  # [rows, vocab]
@@ -222,22 +233,22 @@ class _CleanVocab:
     mode: str | None
     size: int
     clean: list[str | bytes | None]
-    reachable: OrderedDict = field(default_factory=OrderedDict)
-    by_first: dict | None = None
+    reachable: OrderedDict[str | bytes, bool] = field(default_factory=OrderedDict)
+    by_first: dict[str | bytes, list[str | bytes]] | None = None
     joined: str | bytes | None = None
     # Criteria may be built on several threads (the scheduler's and a lane's): the LRU is locked.
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def tokens_starting_with(self, first: str | bytes) -> list[str | bytes]:
         if self.by_first is None:
-            index: dict = {}
+            index: dict[str | bytes, list[str | bytes]] = {}
             for text in self.clean:
                 if text:
                     index.setdefault(text[:1], []).append(text)
             self.by_first = index
         return self.by_first.get(first, [])
 
-    def some_token_contains(self, target: str | bytes) -> bool:
+    def some_token_contains(self, target: AnyStr) -> bool:
         """Whether `target` occurs inside one token: one C-level search over all tokens, NUL-separated."""
         sep = b"\x00" if isinstance(target, bytes) else "\x00"
         if sep in target:  # could match across the separator: look token by token
@@ -262,7 +273,7 @@ class _CleanVocab:
                 self.reachable.popitem(last=False)
 
 
-_CLEAN_VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CLEAN_VOCABS: weakref.WeakKeyDictionary[Any, _CleanVocab] = weakref.WeakKeyDictionary()
 _STATIC_PREFIX = "abcdef"
 
 
@@ -292,7 +303,7 @@ def _build_clean_vocab(tokenizer: Any) -> _CleanVocab:
     prefix_text = tokenizer.convert_tokens_to_string(prefix_tokens)
     clean: list[str | bytes | None] = [None] * (max(vocab.values()) + 1 if vocab else 0)
     for token, idx in vocab.items():
-        text = _raw_token_bytes(token, mode)
+        text: str | bytes | None = _raw_token_bytes(token, mode)
         if text is None:
             decoded = _after_prefix(tokenizer.convert_tokens_to_string(prefix_tokens + [token]), prefix_text)
             if decoded is None:  # the decoder rewrote the prefix: the token's text on its own
@@ -314,7 +325,7 @@ def _clean_vocab(tokenizer: Any) -> _CleanVocab:
     return cached
 
 
-def _end_overlaps(last: str | bytes, stop: str | bytes) -> set[int]:
+def _end_overlaps(last: AnyStr, stop: AnyStr) -> set[int]:
     """How many characters of `stop` (counted from its end) the final token can cover.
 
     The final token may start inside `stop` (its first k characters equal the last k of `stop`,
@@ -387,7 +398,8 @@ class StopStringCriteria:
             tail = target[start:]
             if any(t[: len(tail)] == tail for t in vocab.tokens_starting_with(target[start : start + 1])):
                 return True
-        return vocab.some_token_contains(target)
+        # The vocabulary's mode makes every target and token the same one of str/bytes.
+        return vocab.some_token_contains(cast(Any, target))
 
     def _check_reachable(self) -> None:
         vocab = self._vocab
@@ -417,7 +429,7 @@ class StopStringCriteria:
             return False
         for target in self._targets:
             n = len(target)
-            for covered in _end_overlaps(last, target):
+            for covered in _end_overlaps(cast(Any, last), target):  # same type (the vocabulary's mode)
                 for token in tokens[1:]:
                     if covered >= n or token is None or not _fits_before(token, target, covered):
                         break
@@ -426,7 +438,7 @@ class StopStringCriteria:
                     return True
         return False
 
-    def __call__(self, input_ids: torch.LongTensor, scores: Any = None, **kwargs: Any) -> torch.BoolTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
         rows = input_ids.shape[0]
         if self._always:
             return torch.ones((rows,), dtype=torch.bool, device=input_ids.device)
@@ -439,10 +451,10 @@ class StopStringCriteria:
 # The list and the factory
 
 
-class StoppingCriteriaList(list):
+class StoppingCriteriaList(list[Any]):
     """Criteria applied together: a row is done when any criterion says so."""
 
-    def __call__(self, input_ids: torch.LongTensor, scores: Any = None, **kwargs: Any) -> torch.BoolTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
         """OR of every criterion.
 
         Args:
@@ -461,7 +473,7 @@ class StoppingCriteriaList(list):
             done = done | criterion(input_ids, scores, **kwargs)
         return done
 
-    def finish_reasons(self, input_ids: torch.LongTensor, scores: Any = None, **kwargs: Any) -> torch.LongTensor:
+    def finish_reasons(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
         """Why each row is done: the `FinishReason` of the first criterion (in list order) that fires.
 
         Criteria without a reason (`FinishReason.NONE`, e.g. `ConfidenceCriteria`, or custom ones without a

@@ -36,7 +36,7 @@ and no embedding scale: Llama, SmolLM2, Mistral, Qwen2 (projection biases are us
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +92,7 @@ def _activation(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         type(module).forward is torch.nn.SiLU.forward and not module.inplace
     ):
         return F.silu
-    return module
+    return cast(Callable[[torch.Tensor], torch.Tensor], module)  # an nn.Module: called on the hidden states
 
 
 class _Head:

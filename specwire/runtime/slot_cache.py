@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -89,14 +89,26 @@ def slot_support(model: Any) -> str:
     return ""
 
 
-def _slot_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def _slot_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
     """sdpa, except inside a packed step, where keys/values go to their slots first."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     step = kwargs.pop(_STEP_KWARG, None)
     if step is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        return cast(
+            tuple[torch.Tensor, Any],  # transformers' (attention output, weights)
+            sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            ),
         )
     return step.attend(module, query, key, value, scaling), None
 
@@ -153,7 +165,7 @@ class SlotKVCache:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         size = next(model.parameters()).element_size()
-        return 2 * config.num_hidden_layers * kv_heads * head_dim * slot_tokens * size
+        return cast(int, 2 * config.num_hidden_layers * kv_heads * head_dim * slot_tokens * size)
 
     def allocate(self, count: int) -> list[int] | None:
         """`count` free slots (adjacent ones when possible, so a request's rows share kernel calls)."""
@@ -349,7 +361,7 @@ def run_packed(
             return_dict=True,
             **{_STEP_KWARG: step},
         )
-    return outputs.logits[0].to(dtype=torch.float32, copy=True)
+    return cast(torch.Tensor, outputs.logits[0].to(dtype=torch.float32, copy=True))
 
 
 _NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
@@ -379,14 +391,14 @@ class SlotRows:
 
     def __init__(
         self,
-        submit: Callable[[SlotWork], None],
+        submit: Callable[[SlotWork], object],
         slots: list[int],
         *,
         attention_mask: torch.Tensor | None,
         prompt_length: int,
         rows: int,
         device: torch.device,
-        process: Callable[[list], list[torch.Tensor]] | None = None,
+        process: Callable[[list[Any]], list[torch.Tensor]] | None = None,
     ):
         if len(slots) != rows:
             raise ValueError(f"{rows} rows need {rows} slots, got {len(slots)}")
@@ -470,9 +482,9 @@ class SlotRows:
         for i, p in enumerate(parents):
             if new_slots[i] is None:
                 new_slots[i] = spare.pop()
-                self._copies.append((old_slots[p], new_slots[i]))
+                self._copies.append((old_slots[p], cast(int, new_slots[i])))  # just filled
                 self._copy_length = max(self._copy_length, old_cursors[p])
-        self.slots = [int(s) for s in new_slots]
+        self.slots = [int(s) for s in cast(list[int], new_slots)]  # every None filled above
         self.cursors = [old_cursors[p] for p in parents]
 
 

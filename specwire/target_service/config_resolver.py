@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import grpc
 
@@ -106,7 +106,7 @@ class ConfigResolver:
         if self._stub is None:
             self._channel = secure_channel(self.address, aio=True)
             self._stub = pb_grpc.ConfigServiceStub(self._channel)
-        timeout = remaining(self.timeout_s)
+        timeout = cast(float, remaining(self.timeout_s))  # capped by timeout_s: never None
         if timeout <= 0:
             raise DeadlineExceeded(f"{field}={ref!r}: the request's deadline passed before the config lookup")
         try:

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -301,7 +301,7 @@ class DraftPolicy:
         """The draft service's channel (one per target process, started on first use)."""
         with self._channel_lock:
             if self._channel is None:
-                self._channel = DraftChannel(self.draft_address)
+                self._channel = DraftChannel(cast(str, self.draft_address))  # asked for only when one is set
             return self._channel
 
     def proposer(self, requested: int, config: Any) -> str:

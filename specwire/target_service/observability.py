@@ -145,7 +145,7 @@ class RequestObserver:
         self.tokens_per_row: list[int] = []
         self.first_token: float | None = None
         self.span: Any = None
-        self._use = None
+        self._use: Any = None  # trace.use_span's context manager, entered in __enter__
 
     def __enter__(self) -> RequestObserver:
         self.started = time.perf_counter()
@@ -217,6 +217,7 @@ class RequestObserver:
             span.set_attribute("error.type", error)
         if job is None:
             return
+        assert stats is not None  # a job always carries its SpeculationStats
         attributes: dict[str, Any] = {
             "specwire.request_id": job.request_id,
             "specwire.rows": int(job.input_ids.shape[0]),

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from typing import cast
 
 import torch
 
@@ -25,6 +26,7 @@ from specwire.target_service.engine import Engine
 from specwire.target_service.limits import DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
 from specwire.target_service.observability import RequestObserver, SpecDecodeMetrics
 from specwire.target_service.requests import GenerationJob, build_job
+from specwire.target_service.scheduler.batch_scheduler import BatchScheduler
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
 from specwire.wire.common import FINISH_REASON_TO_PROTO, violation_to_proto
 from specwire.wire.generation_config import config_to_proto
@@ -160,7 +162,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         """The cheap capacity checks, before the request costs anything (no tokenizing, no validation)."""
         retry_after_s = self.engine.queue_full()
         if retry_after_s is not None:
-            queued, limit = self.engine.batcher.stats().queued, self.engine.batcher.options.max_queued
+            batcher = cast(BatchScheduler, self.engine.batcher)  # a full queue is the batched scheduler's
+            queued, limit = batcher.stats().queued, batcher.options.max_queued
             raise ResourceExhausted(
                 f"the target service is at capacity: {queued} requests queued (--max-queued {limit}); retry later",
                 retry_after_s=retry_after_s,
@@ -173,7 +176,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     async def _run(
         self, request, context, rpc: str = "Generate"
-    ) -> AsyncIterator[tuple[GenerationJob, StepEvent | GenerationResult]]:
+    ) -> AsyncGenerator[tuple[GenerationJob, StepEvent | GenerationResult], None]:
         # The request's span (config lookup and draft stream are its children), round spans, metrics.
         with RequestObserver(self.metrics, self.loaded.model_id, rpc, request) as observed:
             self._admit()

@@ -8,11 +8,12 @@ ends: the step events carry empty token lists, and one last event carries every 
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from specwire.generation.loops.beam_search import BeamSearch
+from specwire.generation.loops.beam_search import StopCodes as BeamStopCodes
 from specwire.generation.loops.stop_codes import StopCodes, reason_names
 from specwire.generation.outputs import GenerationResult, StepEvent, outputs_wanted
 from specwire.generation.planning import GenerationPlan
@@ -63,12 +64,16 @@ def beam_loop(
             log_probs = torch.log_softmax(logits, dim=-1)
             log_probs = rows.process([(processors, sequences, log_probs)])[0]  # [batch * num_beams, V]
             if keep_logits:
+                assert raw_logits is not None  # a tuple whenever keep_logits
                 raw_logits += (logits,)
             if keep_scores:
+                assert scores is not None  # a tuple whenever keep_scores
                 scores += (log_probs,)
             # The criteria see the scores recorded so far, as in transformers.
             parents = search.step(  # [batch * num_beams] parent row of every new running row
-                log_probs, lambda candidates, recorded=scores: stop_codes(candidates, recorded), generator
+                log_probs,
+                cast(BeamStopCodes, lambda candidates, recorded=scores: stop_codes(candidates, recorded)),
+                generator,
             )
         if search.done:
             break
@@ -104,7 +109,7 @@ def _finish(
     event = StepEvent(
         step=step,
         tokens=[generated[r, : used[r]].tolist() for r in range(out_rows)],
-        finish_reasons=finish,
+        finish_reasons=cast(list[str | None], finish),  # every hypothesis has its reason
         final=True,
     )
     result = GenerationResult(

@@ -65,10 +65,10 @@ class BeamOutput:
             Stopping reason code of each hypothesis (0 where a slot was never filled).
     """
 
-    sequences: torch.LongTensor
-    sequences_scores: torch.FloatTensor
+    sequences: torch.Tensor
+    sequences_scores: torch.Tensor
     beam_indices: torch.Tensor
-    reason_codes: torch.LongTensor
+    reason_codes: torch.Tensor
 
 
 class BeamSearch:
@@ -144,17 +144,17 @@ class BeamSearch:
         self.running_beam_indices = torch.full((batch, num_beams, generated_room), -1, dtype=torch.int32, device=device)
         self.finished_beam_indices = self.running_beam_indices.clone()
 
-    def running_sequences(self) -> torch.LongTensor:
+    def running_sequences(self) -> torch.Tensor:
         """The running beams' tokens so far: `(batch * num_beams, cur_len)`."""
         return self.running[:, :, : self.cur_len].reshape(self.batch_size * self.num_beams, self.cur_len)
 
-    def last_tokens(self) -> torch.LongTensor:
+    def last_tokens(self) -> torch.Tensor:
         """The token each running beam appended last: `(batch * num_beams,)`."""
         return self.running[:, :, self.cur_len - 1].reshape(-1)
 
     def step(
         self, log_probs: torch.Tensor, stop_codes: StopCodes, generator: torch.Generator | None = None
-    ) -> torch.LongTensor:
+    ) -> torch.Tensor:
         """
         Advances every item by one token.
 

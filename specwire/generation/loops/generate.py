@@ -21,7 +21,7 @@ Attention/hidden-state outputs are not returned, and the KV cache is always a `D
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -155,11 +155,11 @@ def generate_from_plan(
         vocab_size=vocab_size,
         eos_token_ids=plan.eos_token_ids,
         num_beams=plan.num_beams,
-        prompt_ids=plan.input_ids,
-        prompt_pad_lengths=rows.padding_lengths,
+        prompt_ids=plan.input_ids,  # type: ignore[arg-type]  # factory.py: torch.LongTensor
+        prompt_pad_lengths=rows.padding_lengths,  # type: ignore[arg-type]  # factory.py: torch.LongTensor
         model=model,
-        negative_prompt_ids=negative_prompt_ids,
-        negative_prompt_attention_mask=negative_prompt_attention_mask,
+        negative_prompt_ids=negative_prompt_ids,  # type: ignore[arg-type]  # factory.py: torch.LongTensor
+        negative_prompt_attention_mask=negative_prompt_attention_mask,  # type: ignore[arg-type]  # factory.py: torch.LongTensor
     )
     criteria = build_stopping_criteria(
         config,
@@ -242,4 +242,4 @@ def drain(steps: Iterator[StepEvent]) -> GenerationResult:
         try:
             next(steps)
         except StopIteration as stop:
-            return stop.value
+            return cast(GenerationResult, stop.value)

@@ -50,8 +50,10 @@ def sample_loop(
         with torch.no_grad():
             next_scores = rows.process([(processors, input_ids, logits)])[0]  # [rows, V]
             if keep_scores:
+                assert scores is not None  # a tuple whenever keep_scores
                 scores += (next_scores,)
             if keep_logits:
+                assert raw_logits is not None  # a tuple whenever keep_logits
                 raw_logits += (logits,)
             tokens = select_tokens(next_scores, do_sample=plan.do_sample, generator=generator)  # [rows]
             if pad_finished:

@@ -32,7 +32,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
-def greedy_tokens(scores: torch.Tensor) -> torch.LongTensor:
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     """
     The highest-scoring token of each row (first index on ties, as `torch.argmax`).
 
@@ -46,7 +46,7 @@ def greedy_tokens(scores: torch.Tensor) -> torch.LongTensor:
     return torch.argmax(scores, dim=-1)
 
 
-def sample_tokens(scores: torch.Tensor, generator: torch.Generator | None) -> torch.LongTensor:
+def sample_tokens(scores: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """
     One token per row drawn from `softmax(scores)`.
 
@@ -63,7 +63,7 @@ def sample_tokens(scores: torch.Tensor, generator: torch.Generator | None) -> to
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
 
 
-def select_tokens(scores: torch.Tensor, *, do_sample: bool, generator: torch.Generator | None) -> torch.LongTensor:
+def select_tokens(scores: torch.Tensor, *, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
     """
     Greedy or sampled next tokens, one per row.
 
@@ -85,7 +85,7 @@ def select_tokens(scores: torch.Tensor, *, do_sample: bool, generator: torch.Gen
 
 def sample_without_replacement(
     scores: torch.Tensor, num_samples: int, generator: torch.Generator | None
-) -> torch.LongTensor:
+) -> torch.Tensor:
     """
     `num_samples` distinct indices per row drawn from `softmax(scores)` (beam-sample's candidate draw).
 

@@ -28,7 +28,7 @@ plain decoding, and records why.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ def speculative_loop(
     rows: SpeculativeRows,
     input_ids: torch.Tensor,
     row_processors: list[Any],
-    row_stop_codes: list[Callable[[torch.Tensor, Any], torch.Tensor]],
+    row_stop_codes: Sequence[Callable[[torch.Tensor, Any], torch.Tensor]],
     generator: torch.Generator | None,
     open_drafter: Callable[[list[list[int]]], Drafter],
     stats: SpeculationStats,
@@ -234,8 +234,8 @@ def _per_row_steps(
                 vocab_size=vocab_size,
                 eos_token_ids=plan.eos_token_ids,
                 num_beams=1,
-                prompt_ids=prompt,
-                prompt_pad_lengths=None if pad_lengths is None else pad_lengths[r : r + 1],
+                prompt_ids=prompt,  # type: ignore[arg-type]  # factory.py: torch.LongTensor
+                prompt_pad_lengths=None if pad_lengths is None else pad_lengths[r : r + 1],  # type: ignore[arg-type]  # factory.py: torch.LongTensor
                 model=model,
             )
         )

@@ -8,9 +8,9 @@ schedules), its drafter session and its statistics; `loops.speculative.speculati
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -57,7 +57,7 @@ class _Block:
     Args:
         asked (`int`): the draft length the drafter was asked for (the longest a row wants).
         drafts (`list[list[int]]`): per row, its draft tokens (cut to what the row wants).
-        probs (`list[torch.FloatTensor | None]`): per row, the draft's probabilities of them.
+        probs (`list[torch.Tensor | None]`): per row, the draft's probabilities of them.
         blocks (`list[list[int]]`): per row, the drafts, or the pad filler of a finished row.
         draft_s (`float`): seconds spent drafting.
     """
@@ -104,7 +104,7 @@ class SpeculativeRun:
         rows: SpeculativeRows,
         input_ids: torch.Tensor,
         row_processors: list[Any],
-        row_stop_codes: list[Callable[[torch.Tensor, Any], torch.Tensor]],
+        row_stop_codes: Sequence[Callable[[torch.Tensor, Any], torch.Tensor]],
         generator: torch.Generator | None,
         stats: SpeculationStats,
         reason_names: dict[int, str],
@@ -143,7 +143,7 @@ class SpeculativeRun:
         """Plain decoding stops when every row finished; later-finishing rows define the length."""
         if not all(row.finished for row in self.state):
             return False
-        length = max(row.finish_length for row in self.state)
+        length = max(cast(int, row.finish_length) for row in self.state)  # set: every row finished
         return all(len(row.generated) >= length for row in self.state)
 
     def first_step(self) -> StepEvent:
@@ -176,11 +176,13 @@ class SpeculativeRun:
 
     def _drafter_failed(self, exc: DraftFailure) -> None:
         self.stats.fallback_reason = f"draft failed mid-request: {exc}"
-        self.drafter = _close(self.drafter)
+        _close(cast(Drafter, self.drafter))  # the open drafter raised the failure
+        self.drafter = None
 
     def close_drafter(self) -> None:
         if self.drafter is not None:
-            self.drafter = _close(self.drafter)
+            _close(self.drafter)
+            self.drafter = None
 
     def round(self, step: int) -> StepEvent:
         """One speculative round: draft, verify, accept, commit."""
@@ -233,7 +235,7 @@ class SpeculativeRun:
             self.stats.draft_seconds += draft_s
         drafts = [list(proposal.tokens[r][: want[r]]) for r in range(len(state))]
         # Finished rows are fed the pad token, as plain decoding feeds them (their scores stay exact).
-        catch_up = max(row.finish_length for row in state) if all(row.finished for row in state) else 0
+        catch_up = max(cast(int, row.finish_length) for row in state) if all(row.finished for row in state) else 0
         forced = [
             [pad] * max(min(max(asked, catch_up - len(row.generated) - 1), room[r] - 1), 0)
             if row.finished and pad is not None
@@ -278,7 +280,8 @@ class SpeculativeRun:
         runs them on too).
         """
         num_rows = len(self.state)
-        emitted: list[list[int]] = [[*block.blocks[r], self.pad] for r in range(num_rows)]
+        # The pad is None only where every row decides below, and a deciding row's entry is replaced.
+        emitted: list[list[int]] = [[*block.blocks[r], cast(int, self.pad)] for r in range(num_rows)]
         accepted, codes = [0] * num_rows, [0] * num_rows
         deciding = [r for r, row in enumerate(self.state) if not row.finished or self.pad is None]
         if not deciding:
@@ -327,7 +330,7 @@ class SpeculativeRun:
         self, outcome: _Outcome, scores: list[torch.Tensor], logits: torch.Tensor
     ) -> list[tuple[list[int], str | None]]:
         """Rows keep what they emitted; returns what the caller sees: real tokens, and a reason once."""
-        events = []
+        events: list[tuple[list[int], str | None]] = []
         for r, row in enumerate(self.state):
             emitted, was_finished = outcome.emitted[r], row.finished
             row.generated += emitted
@@ -366,7 +369,7 @@ class SpeculativeRun:
 
     def result(self) -> GenerationResult:
         state = self.state
-        length = max(row.finish_length for row in state)
+        length = max(cast(int, row.finish_length) for row in state)  # set: result() follows done()
         sequences = torch.stack(
             [torch.cat([row.prompt, row.prompt.new_tensor(row.generated[:length])]) for row in state]
         )
@@ -406,9 +409,9 @@ def accept_blocks(
             Sampling (else greedy).
         blocks (`list[list[int]]`):
             Per row, its draft tokens (possibly none).
-        draft_probs (`list[torch.FloatTensor | None]`):
+        draft_probs (`list[torch.Tensor | None]`):
             Per row, the draft's probabilities, of shape `(>= len(block), vocab)`, or `None`.
-        scores (`list[torch.FloatTensor]`):
+        scores (`list[torch.Tensor]`):
             Per row, the target's processed scores of shape `(len(block) + 1, vocab)`.
         generator (`torch.Generator`, *optional*):
             The request's randomness.
@@ -426,14 +429,18 @@ def accept_blocks(
     target_probs = _padded([row_scores.softmax(-1) for row_scores in scores], k + 1)  # [rows, k + 1, V]
     drafted = [r for r, block in enumerate(blocks) if block]
     if drafted and all(draft_probs[r] is not None for r in drafted):
-        q = [draft_probs[r][: len(blocks[r])].to(device) if blocks[r] else None for r in range(len(blocks))]
+        # Every drafted row has its probabilities (checked just above).
+        q = [
+            cast(torch.Tensor, draft_probs[r])[: len(blocks[r])].to(device) if blocks[r] else None
+            for r in range(len(blocks))
+        ]
         return rejection_sample(drafts, lengths, _padded(q, k, like=q[drafted[0]]), target_probs, generator)
     return sampled_accept_without_draft_probs(drafts, lengths, target_probs, generator)
 
 
-def _padded(pieces: list[torch.Tensor | None], width: int, like: torch.Tensor | None = None) -> torch.Tensor:
+def _padded(pieces: Sequence[torch.Tensor | None], width: int, like: torch.Tensor | None = None) -> torch.Tensor:
     """Stacks per-row `[n, V]` pieces into `[rows, width, V]`, zeros after each row's `n` (never read)."""
-    like = like if like is not None else pieces[0]
+    like = like if like is not None else cast(torch.Tensor, pieces[0])  # without `like`, every piece is given
     out = like.new_zeros((len(pieces), width, like.shape[-1]))
     for r, piece in enumerate(pieces):
         if piece is not None:

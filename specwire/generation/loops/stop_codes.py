@@ -38,7 +38,7 @@ class StopCodes:
 
     def __call__(self, input_ids: torch.Tensor, scores: Any) -> torch.Tensor:
         """`FinishReason` code per row `[rows]` (0 = still running) for `input_ids` `[rows, len]`."""
-        codes = self.criteria.finish_reasons(input_ids, scores).to(input_ids.device)  # [rows]
+        codes: torch.Tensor = self.criteria.finish_reasons(input_ids, scores).to(input_ids.device)  # [rows]
         if self.eos is not None:
             ended_on_eos = torch.isin(input_ids[:, -1], self.eos)
             codes = torch.where((codes == FinishReason.LENGTH) & ended_on_eos, int(FinishReason.EOS), codes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -24,7 +24,7 @@ class LogitsProcessor(Protocol):
     (transformers' naming).
     """
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Process one step.
 
         Args:
@@ -39,14 +39,14 @@ class LogitsProcessor(Protocol):
         ...
 
 
-class LogitsProcessorList(list):
+class LogitsProcessorList(list[Any]):
     """A list of processors applied in order; calling it runs the chain.
 
     Unlike transformers' list, no signature introspection happens per step: every processor takes
     exactly `(input_ids, scores)`, resolved once when the list is built.
     """
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Apply every processor in list order.
 
         Args:
@@ -81,7 +81,7 @@ def token_id_list(value: int | Sequence[int] | torch.Tensor, name: str) -> list[
     if isinstance(value, torch.Tensor):
         if torch.is_floating_point(value):
             raise ValueError(f"`{name}` has to hold integer token ids, but is a float tensor {value}.")
-        items: Iterable = value.reshape(-1).tolist()
+        items: Iterable[Any] = value.reshape(-1).tolist()
     elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
         items = [value]
     elif isinstance(value, Sequence) and not isinstance(value, str):

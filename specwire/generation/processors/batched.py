@@ -18,7 +18,7 @@ watermarks, guidance) is not batchable: such a request applies its own list (`Ro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,11 +86,11 @@ class BatchedChains:
         Processed scores for each item.
 
         Args:
-            items (`Sequence[tuple[RowChain, torch.LongTensor, torch.FloatTensor]]`):
+            items (`Sequence[tuple[RowChain, torch.Tensor, torch.Tensor]]`):
                 `(chain, input_ids [rows_i, len_i], scores [rows_i, vocab])` per item; lengths may differ.
 
         Returns:
-            `list[torch.FloatTensor]`: each item's processed scores `[rows_i, vocab]`, a tensor of its own.
+            `list[torch.Tensor]`: each item's processed scores `[rows_i, vocab]`, a tensor of its own.
         """
         sizes = [scores.shape[0] for _, _, scores in items]
         scores = torch.cat([s for _, _, s in items]) if len(items) > 1 else items[0][2]
@@ -119,7 +119,7 @@ class BatchedChains:
         if same and tuple(sizes) == self._sizes:
             return self._params
 
-        def per_row(stage: str, read, default) -> list:
+        def per_row(stage: str, read: Callable[[Any], Any], default: Any) -> list[Any]:
             """One value per row: `read(processor)` for rows using `stage`, else `default`."""
             values = []
             for chain, n in zip(chains, sizes, strict=True):
@@ -127,7 +127,7 @@ class BatchedChains:
                 values += [default if processor is None else read(processor)] * n
             return values
 
-        def tensor(stage: str, read, default, dtype: torch.dtype) -> torch.Tensor:
+        def tensor(stage: str, read: Callable[[Any], Any], default: Any, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(per_row(stage, read, default), dtype=dtype, device=device)
 
         def uses(stage: str) -> torch.Tensor | None:
@@ -149,7 +149,8 @@ class BatchedChains:
         if "top_p" in used:
             # `1 - top_p` in Python, then float32: what `tensor <= (1 - top_p)` compares against.
             below = tensor("top_p", lambda p: 1 - p.top_p, 0.0, torch.float32)[:, None]
-            keep = per_row("top_p", lambda p: p.min_tokens_to_keep, 1)
+            # The per-row list, then one int shared by every row or a `[rows]` tensor.
+            keep: Any = per_row("top_p", lambda p: p.min_tokens_to_keep, 1)
             keep = keep[0] if len(set(keep)) == 1 else torch.tensor(keep, dtype=torch.long, device=device)
             params["top_p"] = (below, keep, uses("top_p"))
         if "min_p" in used:
@@ -159,7 +160,12 @@ class BatchedChains:
         return params
 
 
-def _repetition(scores: torch.Tensor, items, penalty: torch.Tensor, vocab: int) -> torch.Tensor:
+def _repetition(
+    scores: torch.Tensor,
+    items: Sequence[tuple[RowChain, torch.Tensor, torch.Tensor]],
+    penalty: torch.Tensor,
+    vocab: int,
+) -> torch.Tensor:
     """`RepetitionPenaltyLogitsProcessor` per row: one presence mask for every row, ids padded with `vocab`."""
     ids = []
     for chain, input_ids, _ in items:
@@ -188,7 +194,9 @@ def _only(drop: torch.Tensor, uses: torch.Tensor | None) -> torch.Tensor:
     return drop if uses is None else drop & uses[:, None]
 
 
-def _top_p(scores: torch.Tensor, below: torch.Tensor, keep: int | torch.Tensor, uses: torch.Tensor | None):
+def _top_p(
+    scores: torch.Tensor, below: torch.Tensor, keep: int | torch.Tensor, uses: torch.Tensor | None
+) -> torch.Tensor:
     """`TopPLogitsWarper` per row: drop the ascending tail whose mass is at most `1 - top_p`."""
     vocab = scores.shape[-1]
     ascending, order = torch.sort(scores, descending=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -16,7 +16,7 @@ def _is_id_sequence(value: Any) -> bool:
     return (
         isinstance(value, (list, tuple))
         and len(value) > 0
-        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in value)
+        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and cast(int, t) >= 0 for t in value)
     )
 
 
@@ -69,9 +69,13 @@ class SequenceBiasLogitsProcessor:
     def __init__(self, sequence_bias: dict[tuple[int, ...], float] | list[list[Any]]):
         self.sequence_bias = _normalise_sequence_bias(sequence_bias)
         # Bias tensors depend on the vocabulary width and device of the scores: built on first use.
-        self._prepared: dict[tuple[int, torch.device], tuple[torch.Tensor, list]] = {}
+        self._prepared: dict[
+            tuple[int, torch.device], tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
+        ] = {}
 
-    def _prepare(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, list]:
+    def _prepare(
+        self, vocab: int, device: torch.device
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
         key = (vocab, device)
         if key in self._prepared:
             return self._prepared[key]
@@ -104,7 +108,7 @@ class SequenceBiasLogitsProcessor:
         self._prepared[key] = (single, multi)
         return single, multi
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         single, multi = self._prepare(scores.shape[-1], scores.device)
         bias = torch.zeros_like(scores)  # [rows, vocab]
         bias += single

@@ -9,7 +9,7 @@ particular, speculative verification can't call it on several candidate prefixes
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -64,8 +64,8 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
         self,
         guidance_scale: float,
         model: Any,
-        unconditional_ids: torch.LongTensor | None = None,
-        unconditional_attention_mask: torch.LongTensor | None = None,
+        unconditional_ids: torch.Tensor | None = None,
+        unconditional_attention_mask: torch.Tensor | None = None,
         use_cache: bool = True,
     ):
         if model is None:
@@ -90,7 +90,7 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
         self._past = None
         self._last_len: int | None = None  # row length at the previous call; None before the first
 
-    def _unconditional_logits(self, input_ids: torch.LongTensor) -> torch.Tensor:
+    def _unconditional_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         cur_len = input_ids.shape[-1]
         if self._last_len is None:
             rows = input_ids.shape[0]
@@ -114,6 +114,8 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
                     "at consecutive lengths. Build a new processor list per request and don't use it "
                     "for speculative verification."
                 )
+            # The first call (`_last_len is None`) set both.
+            assert self._mask is not None and self._ids is not None
             self._mask = torch.cat([self._mask, torch.ones_like(input_ids[:, -1:], dtype=torch.long)], dim=1)
             if self.use_cache:
                 feed = input_ids[:, -1:]  # the cache holds everything before it
@@ -124,9 +126,9 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
         with torch.no_grad():
             out = self.model(feed, attention_mask=self._mask, use_cache=self.use_cache, past_key_values=self._past)
         self._past = getattr(out, "past_key_values", None)
-        return out.logits
+        return cast(torch.Tensor, out.logits)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = torch.nn.functional.log_softmax(scores, dim=-1)  # [rows, vocab]
         if self.guidance_scale == 1:
             return scores

@@ -29,7 +29,7 @@ class MinLengthLogitsProcessor:
         self.min_length = int(min_length)
         self.eos_token_id = torch.tensor(token_id_list(eos_token_id, "eos_token_id"), dtype=torch.long)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] >= self.min_length:
             return scores
         eos = vocab_mask(self.eos_token_id, scores.shape[-1], scores.device)  # [vocab]
@@ -55,7 +55,7 @@ class MinNewTokensLengthLogitsProcessor:
         self.min_new_tokens = int(min_new_tokens)
         self.eos_token_id = torch.tensor(token_id_list(eos_token_id, "eos_token_id"), dtype=torch.long)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] - self.prompt_length_to_skip >= self.min_new_tokens:
             return scores
         eos = vocab_mask(self.eos_token_id, scores.shape[-1], scores.device)  # [vocab]
@@ -79,7 +79,7 @@ class ForcedBOSTokenLogitsProcessor:
             raise ValueError(f"`forced_bos_token_id` has to be a single token id, but is {bos_token_id!r}.")
         self.bos_token_id = ids[0]
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] != 1:
             return scores
         forced = torch.full_like(scores, -float("inf"))  # [rows, vocab]
@@ -102,7 +102,7 @@ class ForcedEOSTokenLogitsProcessor:
         self.max_length = int(max_length)
         self.eos_token_id = torch.tensor(token_id_list(eos_token_id, "forced_eos_token_id"), dtype=torch.long)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] != self.max_length - 1:
             return scores
         forced = torch.full_like(scores, -float("inf"))  # [rows, vocab]

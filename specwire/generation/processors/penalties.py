@@ -60,7 +60,7 @@ class RepetitionPenaltyLogitsProcessor:
         self.penalty = penalty
         self.prompt_ignore_length = prompt_ignore_length
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         vocab = scores.shape[-1]
         ids = input_ids  # [rows, cur_len]
         ignore = self.prompt_ignore_length
@@ -94,7 +94,7 @@ class EncoderRepetitionPenaltyLogitsProcessor:
             hypotheses per batch item (`rows = batch * k`, hypotheses of one item adjacent).
     """
 
-    def __init__(self, penalty: float, encoder_input_ids: torch.LongTensor):
+    def __init__(self, penalty: float, encoder_input_ids: torch.Tensor):
         _check_penalty(penalty, "encoder_repetition_penalty")
         if encoder_input_ids.dim() != 2:
             raise ValueError(
@@ -104,7 +104,7 @@ class EncoderRepetitionPenaltyLogitsProcessor:
         self.penalty = 1 / penalty
         self.encoder_input_ids = encoder_input_ids
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         rows, vocab = scores.shape
         source = self.encoder_input_ids.to(scores.device)  # [batch, src_len]
         if rows > source.shape[0]:
@@ -142,7 +142,7 @@ class NoRepeatNGramLogitsProcessor:
         _check_ngram_size(ngram_size, "no_repeat_ngram_size")
         self.ngram_size = int(ngram_size)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         n = self.ngram_size
         cur_len = input_ids.shape[-1]
         if cur_len < n:
@@ -163,7 +163,7 @@ class EncoderNoRepeatNGramLogitsProcessor:
             The source ids. Row `r` of the scores uses source row `r // (rows // batch)`.
     """
 
-    def __init__(self, encoder_ngram_size: int, encoder_input_ids: torch.LongTensor):
+    def __init__(self, encoder_ngram_size: int, encoder_input_ids: torch.Tensor):
         _check_ngram_size(encoder_ngram_size, "encoder_no_repeat_ngram_size")
         self.ngram_size = int(encoder_ngram_size)
         if encoder_input_ids.dim() == 1:
@@ -172,11 +172,11 @@ class EncoderNoRepeatNGramLogitsProcessor:
         n = self.ngram_size
         # Source windows are fixed for the whole generation: build them once.
         if encoder_input_ids.shape[1] >= n:
-            self._windows = encoder_input_ids.unfold(1, n, 1)  # [batch, windows, n]
+            self._windows: torch.Tensor | None = encoder_input_ids.unfold(1, n, 1)  # [batch, windows, n]
         else:
             self._windows = None
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         n = self.ngram_size
         cur_len = input_ids.shape[-1]
         # With fewer than n-1 tokens no source n-gram can be completed yet.
@@ -206,6 +206,12 @@ class ExponentialDecayLengthPenalty:
             The prompt length (`input_len`).
     """
 
+    # Declared here: mypy reads everything after the `numbers.Real` isinstance checks in `__init__` as
+    # unreachable (typeshed does not register `float` as `numbers.Real`).
+    regulation_start: float
+    regulation_factor: float
+    eos_token_id: torch.Tensor
+
     def __init__(
         self,
         exponential_decay_length_penalty: Sequence[float],
@@ -227,7 +233,7 @@ class ExponentialDecayLengthPenalty:
         self.regulation_factor = value[1]
         self.eos_token_id = torch.tensor(token_id_list(eos_token_id, "eos_token_id"), dtype=torch.long)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         cur_len = input_ids.shape[-1]
         if not cur_len > self.regulation_start:
             return scores

@@ -18,7 +18,7 @@ class SuppressTokensLogitsProcessor:
     def __init__(self, suppress_tokens: list[int]):
         self.suppress_tokens = torch.tensor(token_id_list(list(suppress_tokens), "suppress_tokens"), dtype=torch.long)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         mask = vocab_mask(self.suppress_tokens, scores.shape[-1], scores.device)  # [vocab]
         return torch.where(mask, -float("inf"), scores)
 
@@ -40,7 +40,7 @@ class SuppressTokensAtBeginLogitsProcessor:
         )
         self.begin_index = begin_index
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] != self.begin_index:
             return scores
         mask = vocab_mask(self.begin_suppress_tokens, scores.shape[-1], scores.device)  # [vocab]

@@ -25,7 +25,7 @@ def _check_min_tokens_to_keep(value: int) -> int:
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy `[rows]` of `softmax(logits)`, computed by torch's `Categorical` (the reference's numerics)."""
-    return Categorical(logits=logits, validate_args=False).entropy()
+    return Categorical(logits=logits, validate_args=False).entropy()  # type: ignore[no-untyped-call, no-any-return]  # torch.distributions is untyped
 
 
 class TemperatureLogitsWarper:
@@ -47,7 +47,7 @@ class TemperatureLogitsWarper:
             raise ValueError(message)
         self.temperature = temperature
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         return scores / self.temperature
 
 
@@ -63,6 +63,12 @@ class TopKLogitsWarper:
             Lower bound on the number of kept tokens.
     """
 
+    # Declared here: typeshed does not register `int`/`float` as `numbers.Integral`/`Real`, so mypy reads
+    # everything after the isinstance checks in `__init__` as unreachable.
+    min_tokens_to_keep: int
+    top_k: int
+    filter_value: float
+
     def __init__(self, top_k: int, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k <= 0:
             raise ValueError(
@@ -72,7 +78,7 @@ class TopKLogitsWarper:
         self.top_k = max(int(top_k), self.min_tokens_to_keep)
         self.filter_value = filter_value
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         k = min(self.top_k, scores.shape[-1])
         kth = torch.topk(scores, k).values[..., -1:]  # [rows, 1]
         return scores.masked_fill(scores < kth, self.filter_value)
@@ -101,7 +107,7 @@ class TopPLogitsWarper:
         self.filter_value = filter_value
         self.min_tokens_to_keep = _check_min_tokens_to_keep(min_tokens_to_keep)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         ascending, order = torch.sort(scores, descending=False)  # [rows, vocab]
         mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)  # [rows, vocab]
         drop_sorted = mass_below <= 1 - self.top_p
@@ -122,6 +128,12 @@ class MinPLogitsWarper:
             The most probable tokens always kept.
     """
 
+    # Declared here: typeshed does not register `int`/`float` as `numbers.Integral`/`Real`, so mypy reads
+    # everything after the isinstance checks in `__init__` as unreachable.
+    min_p: float
+    filter_value: float
+    min_tokens_to_keep: int
+
     def __init__(self, min_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0 <= min_p <= 1.0:
             raise ValueError(f"`min_p` has to be a float in the [0, 1] interval (e.g. 0.05), but is {min_p!r}.")
@@ -129,7 +141,7 @@ class MinPLogitsWarper:
         self.filter_value = filter_value
         self.min_tokens_to_keep = _check_min_tokens_to_keep(min_tokens_to_keep)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores, dim=-1)  # [rows, vocab]
         threshold = self.min_p * probs.amax(dim=-1, keepdim=True)  # [rows, 1]
         drop = probs < threshold
@@ -154,18 +166,23 @@ class TopHLogitsWarper:
 
     top_n = 100
 
+    # Declared here: typeshed does not register `int`/`float` as `numbers.Integral`/`Real`, so mypy reads
+    # everything after the isinstance checks in `__init__` as unreachable.
+    top_h: float
+    filter_value: float
+
     def __init__(self, top_h: float, filter_value: float = NEG_INF):
         if isinstance(top_h, bool) or not isinstance(top_h, numbers.Real) or not 0 < top_h <= 1:
             raise ValueError(f"`top_h` must be in the range (0, 1] (e.g. 0.4), but is {top_h!r}.")
         self.top_h = top_h
         self.filter_value = filter_value
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         n = min(self.top_n, scores.shape[-1])
         top_scores, top_ids = torch.topk(scores, n, dim=-1, largest=True, sorted=True)  # [rows, n]
         dist = Categorical(logits=top_scores, validate_args=False)
         probs = dist.probs  # [rows, n]
-        budget = (dist.entropy() * self.top_h).unsqueeze(-1)  # [rows, 1]
+        budget = (dist.entropy() * self.top_h).unsqueeze(-1)  # type: ignore[no-untyped-call]  # [rows, 1]; torch.distributions is untyped
         running = torch.cumsum(-probs * torch.log(probs), dim=-1)  # [rows, n]
         keep_top = running <= budget
         keep_top[:, 0] = True
@@ -196,7 +213,7 @@ class TypicalLogitsWarper:
         self.filter_value = filter_value
         self.min_tokens_to_keep = _check_min_tokens_to_keep(min_tokens_to_keep)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logp = torch.nn.functional.log_softmax(scores, dim=-1)  # [rows, vocab]
         entropy = -(logp * torch.exp(logp)).nansum(-1, keepdim=True)  # [rows, 1]
         distance = torch.abs(-logp - entropy)  # [rows, vocab]
@@ -229,7 +246,7 @@ class EpsilonLogitsWarper:
         self.filter_value = filter_value
         self.min_tokens_to_keep = _check_min_tokens_to_keep(min_tokens_to_keep)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         drop = scores.softmax(dim=-1) < self.epsilon  # [rows, vocab]
         kth = torch.topk(scores, min(self.min_tokens_to_keep, scores.shape[-1])).values[..., -1:]  # [rows, 1]
         return scores.masked_fill(drop & (scores < kth), self.filter_value)
@@ -255,7 +272,7 @@ class EtaLogitsWarper:
         self.filter_value = filter_value
         self.min_tokens_to_keep = _check_min_tokens_to_keep(min_tokens_to_keep)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = scores.softmax(dim=-1)  # [rows, vocab]
         # A 0-d float32 tensor, as in the reference: the sqrt/min happen in float32, not in Python doubles.
         eps = torch.tensor(self.epsilon, device=scores.device)

@@ -56,6 +56,15 @@ class WatermarkLogitsProcessor:
             Number of previous tokens used for seeding (selfhash; lefthash only uses the last one).
     """
 
+    # Declared here: typeshed does not register `int`/`float` as `numbers.Integral`/`Real`, so mypy reads
+    # everything after the isinstance checks in `__init__` as unreachable.
+    vocab_size: int
+    greenlist_size: int
+    bias: float
+    hashing_key: int
+    seeding_scheme: str
+    context_width: int
+
     def __init__(
         self,
         vocab_size: int,
@@ -116,7 +125,7 @@ class WatermarkLogitsProcessor:
                 green.append(int(candidate))
         return torch.tensor(green, dtype=torch.long, device=row.device)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] < self.context_width:
             logger.warning(
                 "Watermarking needs at least %d tokens of context but the rows have %d; skipping this step.",

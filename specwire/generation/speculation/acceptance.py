@@ -402,7 +402,7 @@ def crop_at_stops(
             Written over the tokens that are cut.
 
     Returns:
-        `tuple(AcceptResult, torch.LongTensor)`: the cropped block (`num_emitted` = the stop
+        `tuple(AcceptResult, torch.Tensor)`: the cropped block (`num_emitted` = the stop
         position; `num_accepted` lowered to `num_emitted - 1` where the cut falls inside the
         accepted drafts, as transformers recounts it) and the finish code per row (`0` where no
         criterion fired, `1` for a bool `stop_fn`).

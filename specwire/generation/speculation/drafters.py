@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from specwire.generation.speculation.prompt_lookup import (
+    BannedFn,
     SuffixMatcher,
     banned_fn_from_processors,
     prompt_lookup_candidates,
 )
 from specwire.generation.speculation.schedules import ConfidenceStop
+
+if TYPE_CHECKING:
+    from specwire.generation.processors.base import LogitsProcessorList
 
 __all__ = ["PROMPT_LOOKUP_RULES", "DraftFailure", "Drafter", "ModelDrafter", "PromptLookupDrafter", "Proposal"]
 
@@ -42,7 +46,7 @@ class Proposal:
 
     Args:
         tokens (`list[list[int]]`): per row, the proposed tokens (possibly none).
-        probs (`list[torch.FloatTensor | None]`): per row, the draft's processed probabilities of shape
+        probs (`list[torch.Tensor | None]`): per row, the draft's processed probabilities of shape
             `(len(tokens[row]), vocab)` when the session returns them, else `None`.
     """
 
@@ -72,7 +76,7 @@ def _eos_list(config: Any) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-def _draft_processors(config: Any, prompt: list[int], vocab_size: int, model: Any = None):
+def _draft_processors(config: Any, prompt: list[int], vocab_size: int, model: Any = None) -> LogitsProcessorList:
     """The request's logits processors as the draft applies them.
 
     Like transformers' assistant, the draft uses the target's processors except the length ones
@@ -94,7 +98,7 @@ def _draft_processors(config: Any, prompt: list[int], vocab_size: int, model: An
         vocab_size=vocab_size,
         eos_token_ids=_eos_list(draft_config) or None,
         num_beams=1,
-        prompt_ids=torch.tensor([prompt], dtype=torch.long),
+        prompt_ids=torch.tensor([prompt], dtype=torch.long),  # type: ignore[arg-type]  # factory.py: torch.LongTensor
         model=model,
     )
 
@@ -147,7 +151,7 @@ class PromptLookupDrafter:
                     max_length=len(row) + num_tokens + 1,
                     max_matching_ngram_size=self.ngram,
                     eos_token_ids=self.eos or None,
-                    banned_fn=lambda _row, prefix, cand, i=i: self.banned_fn(i, prefix, cand),
+                    banned_fn=cast(BannedFn, lambda _row, prefix, cand, i=i: self.banned_fn(i, prefix, cand)),
                 )
                 tokens.append(candidates[0, : int(lengths[0])].tolist())
         self._last = tokens
@@ -224,7 +228,7 @@ class ModelDrafter:
         ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, past_key_values=row.cache, use_cache=True)
         row.cached += len(new_tokens)
-        return out.logits[:, -1, :].float()  # [1, draft_vocab]
+        return cast(torch.Tensor, out.logits[:, -1, :].float())  # [1, draft_vocab]
 
     def _fit_vocab(self, scores: torch.Tensor) -> torch.Tensor:
         # A draft's head may be wider or narrower than the target's vocabulary (padding rows).

@@ -35,6 +35,7 @@ tokens, this rule 170 for 58 (simulated on the greedy output with measured step 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -80,7 +81,8 @@ def banned_fn_from_processors(processors: Processor | Sequence[Processor | None]
     per_row = None if callable(processors) else list(processors)
 
     def banned(row: int, prefix_ids: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
-        processor = processors if per_row is None else per_row[row]
+        # per_row is None exactly when `processors` is one callable shared by every row.
+        processor = cast(Processor, processors) if per_row is None else per_row[row]
         mask = torch.zeros(candidate_ids.shape[0], dtype=torch.bool)  # [c]
         if processor is None:
             return mask
@@ -120,16 +122,17 @@ def _per_row_eos(
         # One entry per row.
         if len(items) != rows:
             raise ValueError(f"Per-row `eos_token_ids` has {len(items)} entries for {rows} rows.")
-        out = []
+        out: list[list[int]] = []
         for item in items:
             if item is None:
                 out.append([])
             elif isinstance(item, torch.Tensor):
                 out.append(item.view(-1).tolist())
             else:
-                out.append([int(v) for v in item])
+                out.append([int(v) for v in cast(Sequence[int], item)])
         return out
-    return [[int(v) for v in items] for _ in range(rows)]
+    # No entry is a list, tensor or None: `items` are the EOS ids shared by every row.
+    return [[int(v) for v in cast(list[int], items)] for _ in range(rows)]
 
 
 def _lookup_row(
@@ -208,7 +211,7 @@ def prompt_lookup_candidates(
             Fills `candidates` after each row's proposal.
 
     Returns:
-        `tuple(torch.LongTensor, torch.LongTensor)`: `candidates` of shape `(rows, k)` with
+        `tuple(torch.Tensor, torch.Tensor)`: `candidates` of shape `(rows, k)` with
         `k = max(lengths)` (possibly 0) and `lengths` of shape `(rows,)`; a row with length 0 has no
         candidates and falls back to a plain decoding step.
     """
@@ -239,7 +242,15 @@ def prompt_lookup_candidates(
     for row in range(rows):
         ids = input_ids[row] if attention_mask is None else input_ids[row][attention_mask[row].bool()]
         proposals.append(
-            _lookup_row(row, ids, num_outputs[row], ngram_sizes[row], max_lengths[row], eos[row], banned_fn)
+            _lookup_row(
+                row,
+                ids,
+                cast(int, num_outputs[row]),  # None refused above
+                ngram_sizes[row],
+                cast(int, max_lengths[row]),  # None refused above
+                eos[row],
+                banned_fn,
+            )
         )
     lengths = torch.tensor([p.shape[0] for p in proposals], dtype=torch.long, device=input_ids.device)  # [rows]
     k = int(lengths.max()) if rows else 0

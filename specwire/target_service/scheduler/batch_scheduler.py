@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -136,7 +136,7 @@ class BatchScheduler:
             request = Request(job, plan, rows, budget, loop, self._seq)
             # The request's thread runs in the RPC's context (tracing spans, telemetry).
             request.context = contextvars.copy_context()
-            self.admission.admit(request, self.loop.forward_ema)
+            cast(SlotAdmission, self.admission).admit(request, self.loop.forward_ema)  # callers check `enabled`
         try:
             while True:
                 kind, value = await request.events.get()
@@ -151,12 +151,12 @@ class BatchScheduler:
     def cancel(self, request: Request) -> None:
         """The request's RPC ended: drop it from the queue or free its slots before the next forward."""
         with self.cond:
-            self.admission.cancel(request)
+            cast(SlotAdmission, self.admission).cancel(request)
 
     def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `fn(*args, **kwargs)` (a sequential-lane request's model call) on the scheduler thread,
         between packed forwards, and return its result; the caller's thread waits for it."""
-        future: Future = Future()
+        future: Future[Any] = Future()
         with self.cond:
             if self.failure_reason:
                 raise Unavailable(f"the target service cannot generate: {self.failure_reason}")
@@ -173,11 +173,12 @@ class BatchScheduler:
         error = Unavailable(f"the target service cannot generate: {reason}")
         with self.cond:
             self.failure_reason = self.failure_reason or reason
-            for request in self.admission.running:
+            admission = cast(SlotAdmission, self.admission)  # only the batched path fails this way
+            for request in admission.running:
                 request.failure = error
                 request.take_work()  # not run again: its thread raises `error`
-            while self.admission.waiting:
-                request = self.admission.waiting.popleft()
+            while admission.waiting:
+                request = admission.waiting.popleft()
                 request.state = RequestState.FINISHED
                 request.send("error", error)
             calls = list(self.calls)
@@ -202,10 +203,11 @@ class BatchScheduler:
         try:
             if self.failure_reason:
                 return self.failure_reason
-            if not self.thread.is_alive() and not self.closed:
+            # A cache was set up on the scheduler thread, and with it the admission.
+            if not cast(threading.Thread, self.thread).is_alive() and not self.closed:
                 return "the scheduler thread is dead"
             # `work` (not the state): a cancelled request's work counts until the scheduler thread reaps it.
-            pending = [r.ready_since for r in self.admission.running if r.work is not None]
+            pending = [r.ready_since for r in cast(SlotAdmission, self.admission).running if r.work is not None]
             pending += [posted for *_, posted in self.calls]
             if not pending:
                 return ""
@@ -258,7 +260,7 @@ class BatchScheduler:
             )
 
 
-def _in_inference_mode(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _in_inference_mode(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # Grad mode is per thread: the lane request's thread runs in inference mode, so its forwards do too.
     with torch.inference_mode():
         return fn(*args, **kwargs)

@@ -22,15 +22,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from specwire.errors import Unavailable
 from specwire.model_thread import claim_torch_threads, is_device_error
-from specwire.runtime.slot_cache import SlotWork, execute
+from specwire.runtime.slot_cache import SlotKVCache, SlotWork, execute
 from specwire.target_service.scheduler import gather_policy
 from specwire.target_service.scheduler.request import ProcessWork, Request, RequestState
+from specwire.target_service.scheduler.slot_admission import SlotAdmission
 from specwire.target_service.scheduler.startup_probe import build_slot_cache
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specwire.target_service.scheduler")
 
 # A sequential-lane model call: (future, fn, args, posted at).
-LaneCall = tuple[Future, Callable[..., Any], tuple, float]
+LaneCall = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], float]
 
 
 class ForwardLoop:
@@ -84,7 +85,7 @@ class ForwardLoop:
         """Wait (holding the lock) until something should run; the requests of the next forward or
         processing ([] for lane calls only), or None when closed."""
         scheduler = self.scheduler
-        admission = scheduler.admission
+        admission = cast(SlotAdmission, scheduler.admission)  # the loop serves only where it is set
         while True:
             if scheduler.closed:
                 return None
@@ -117,12 +118,13 @@ class ForwardLoop:
                 self.scheduler.calls.clear()
                 processing = [r for r in ready if isinstance(r.work, ProcessWork)]
                 if not calls and not processing:
-                    steps = [r for r in ready if r.work.keep_all]
-                    prefills = sorted((r for r in ready if not r.work.keep_all), key=lambda r: r.seq)
-                    step_tokens = sum(r.work.remaining for r in steps)
+                    # No processing: every ready request posted a forward (`SlotWork`).
+                    steps = [r for r in ready if cast(SlotWork, r.work).keep_all]
+                    prefills = sorted((r for r in ready if not cast(SlotWork, r.work).keep_all), key=lambda r: r.seq)
+                    step_tokens = sum(cast(SlotWork, r.work).remaining for r in steps)
                     budget = step_tokens + max(options.max_tokens_per_step - step_tokens, options.min_prefill_tokens)
                     batch = steps + prefills
-                    works = [r.work for r in batch]
+                    works = [cast(SlotWork, r.work) for r in batch]
             if calls:
                 self._run_calls(calls)
             elif processing:
@@ -136,7 +138,9 @@ class ForwardLoop:
         failure = None
         try:
             with torch.inference_mode():
-                ran = execute(self.scheduler.model, self.scheduler.cache, works, budget, self.scheduler.decoder)
+                ran = execute(
+                    self.scheduler.model, cast(SlotKVCache, self.scheduler.cache), works, budget, self.scheduler.decoder
+                )
         except Exception as exc:  # noqa: BLE001 - fails the requests in this forward, not the server
             log.exception("batched forward failed")
             failure, ran = exc, 0
@@ -178,7 +182,7 @@ class ForwardLoop:
 
     def _run_processing(self, requests: list[Request]) -> None:
         """One `BatchedChains.apply` over the posted processing of `requests`."""
-        works = [r.work for r in requests]
+        works = [cast(ProcessWork, r.work) for r in requests]
         items = [item for work in works for item in work.items]
         failure = None
         try:

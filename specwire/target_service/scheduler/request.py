@@ -75,7 +75,7 @@ class Request:
         self.loop = loop
         self.seq = seq
         self.state = RequestState.QUEUED
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()  # (kind, value), see `send`
         self.slots: list[int] = []
         # The posted work. It stays set on a cancelled request until the scheduler thread reaps it, so
         # the liveness check still counts it as waiting.

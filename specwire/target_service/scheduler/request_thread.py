@@ -13,17 +13,19 @@ gives the same tokens whatever its neighbours.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from specwire.errors import Unavailable
 from specwire.generation.processors.batched import RowChain
-from specwire.runtime.slot_cache import SlotRows, SlotWork
+from specwire.runtime.slot_cache import SlotKVCache, SlotRows, SlotWork
 from specwire.target_service.scheduler.request import ProcessWork, Request, RequestCancelled, RequestState
+from specwire.target_service.scheduler.slot_admission import SlotAdmission
 
 if TYPE_CHECKING:
     from specwire.target_service.scheduler.batch_scheduler import BatchScheduler
@@ -51,7 +53,7 @@ class RequestThread:
 
     def _run(self) -> None:
         # The request's thread runs in the RPC's context (tracing spans, telemetry).
-        self.request.context.run(self._drive)
+        cast(contextvars.Context, self.request.context).run(self._drive)  # set before the thread starts
 
     def _drive(self) -> None:
         request = self.request
@@ -81,7 +83,8 @@ class RequestThread:
                     log.exception("closing request %s failed", request.job.request_id)
             with self.cond:
                 if request.state is not RequestState.FINISHED:
-                    self.scheduler.admission.free(request)
+                    # Requests exist only where the batched path serves: admission is set.
+                    cast(SlotAdmission, self.scheduler.admission).free(request)
 
     def _rows(self, model: Any, *, attention_mask: Any, prompt_length: int, rows: int, **_: Any) -> SlotRows:
         """The loop's `rows_factory`: rows over the request's slots, their work posted to the scheduler."""
@@ -94,7 +97,7 @@ class RequestThread:
             attention_mask=attention_mask,
             prompt_length=prompt_length,
             rows=rows,
-            device=self.scheduler.cache.device,
+            device=cast(SlotKVCache, self.scheduler.cache).device,
             process=self._process,
         )
 
@@ -113,12 +116,12 @@ class RequestThread:
         ]
         shared = [i for i, chain in enumerate(chains) if chain is not None]
         if shared:
-            work = ProcessWork([(chains[i], items[i][1], items[i][2]) for i in shared])
+            work = ProcessWork([(cast(RowChain, chains[i]), items[i][1], items[i][2]) for i in shared])
             request.shares_processing = True
             self._submit(work)
-            for i, output in zip(shared, work.outputs, strict=True):
+            for i, output in zip(shared, cast(list[torch.Tensor], work.outputs), strict=True):  # filled when done
                 outputs[i] = output
-        return outputs
+        return cast(list[torch.Tensor], outputs)  # every None was a shared row's, now filled
 
     @contextlib.contextmanager
     def _drafting(self) -> Iterator[None]:

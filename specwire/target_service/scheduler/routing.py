@@ -9,14 +9,14 @@ token. A model `slot_support` refuses, or one the start-up probe refused, sends 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from specwire.runtime.slot_cache import SlotKVCache
 
 
 def planned_rows(plan: Any) -> int:
     """The KV slots a planned request takes: its prompts times `max(num_beams, num_return_sequences)`."""
-    return plan.input_ids.shape[0] * plan.expand
+    return cast(int, plan.input_ids.shape[0] * plan.expand)
 
 
 def lane_reason(plan: Any, cache: SlotKVCache) -> str:
