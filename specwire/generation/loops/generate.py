@@ -155,11 +155,11 @@ def generate_from_plan(
         vocab_size=vocab_size,
         eos_token_ids=plan.eos_token_ids,
         num_beams=plan.num_beams,
-        prompt_ids=plan.input_ids,  # type: ignore[arg-type]  # factory.py: torch.LongTensor
-        prompt_pad_lengths=rows.padding_lengths,  # type: ignore[arg-type]  # factory.py: torch.LongTensor
+        prompt_ids=plan.input_ids,
+        prompt_pad_lengths=rows.padding_lengths,
         model=model,
-        negative_prompt_ids=negative_prompt_ids,  # type: ignore[arg-type]  # factory.py: torch.LongTensor
-        negative_prompt_attention_mask=negative_prompt_attention_mask,  # type: ignore[arg-type]  # factory.py: torch.LongTensor
+        negative_prompt_ids=negative_prompt_ids,
+        negative_prompt_attention_mask=negative_prompt_attention_mask,
     )
     criteria = build_stopping_criteria(
         config,

@@ -234,8 +234,8 @@ def _per_row_steps(
                 vocab_size=vocab_size,
                 eos_token_ids=plan.eos_token_ids,
                 num_beams=1,
-                prompt_ids=prompt,  # type: ignore[arg-type]  # factory.py: torch.LongTensor
-                prompt_pad_lengths=None if pad_lengths is None else pad_lengths[r : r + 1],  # type: ignore[arg-type]  # factory.py: torch.LongTensor
+                prompt_ids=prompt,
+                prompt_pad_lengths=None if pad_lengths is None else pad_lengths[r : r + 1],
                 model=model,
             )
         )

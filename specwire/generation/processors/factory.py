@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -74,11 +74,11 @@ def build_logits_processors(
     vocab_size: int,
     eos_token_ids: int | Sequence[int] | torch.Tensor | None,
     num_beams: int,
-    prompt_ids: torch.LongTensor,
-    prompt_pad_lengths: torch.LongTensor | Sequence[int] | None = None,
+    prompt_ids: torch.Tensor,
+    prompt_pad_lengths: torch.Tensor | Sequence[int] | None = None,
     model: Any = None,
-    negative_prompt_ids: torch.LongTensor | None = None,
-    negative_prompt_attention_mask: torch.LongTensor | None = None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
 ) -> LogitsProcessorList:
     r"""Build the processors for one request, in transformers 5.23's order and under its conditions.
 
@@ -140,10 +140,10 @@ def build_logits_processors(
 
 def _guidance_processors(
     config: Any,
-    prompt_ids: torch.LongTensor | None,
+    prompt_ids: torch.Tensor | None,
     model: Any,
-    negative_prompt_ids: torch.LongTensor | None,
-    negative_prompt_attention_mask: torch.LongTensor | None,
+    negative_prompt_ids: torch.Tensor | None,
+    negative_prompt_attention_mask: torch.Tensor | None,
 ) -> list[LogitsProcessor]:
     """Classifier-free guidance, first in transformers' list (it replaces the scores it is given)."""
     guidance_scale = _field(config, "guidance_scale")
@@ -173,8 +173,8 @@ def _guidance_processors(
 
 def _penalty_processors(
     config: Any,
-    prompt_ids: torch.LongTensor | None,
-    prompt_pad_lengths: torch.LongTensor | Sequence[int] | None,
+    prompt_ids: torch.Tensor | None,
+    prompt_pad_lengths: torch.Tensor | Sequence[int] | None,
     eos: list[int] | None,
 ) -> list[LogitsProcessor]:
     """Sequence bias, (encoder) repetition penalties, (encoder) no-repeat n-grams and bad words, in that order."""
@@ -187,7 +187,7 @@ def _penalty_processors(
     encoder_penalty = _field(config, "encoder_repetition_penalty")
     if encoder_penalty is not None and encoder_penalty != 1.0:
         if has_encoder_ids:
-            processors.append(EncoderRepetitionPenaltyLogitsProcessor(encoder_penalty, prompt_ids))
+            processors.append(EncoderRepetitionPenaltyLogitsProcessor(encoder_penalty, cast(torch.Tensor, prompt_ids)))
         else:
             # stacklevel 3: the warning points at build_logits_processors' caller.
             warnings.warn(
@@ -209,7 +209,7 @@ def _penalty_processors(
     encoder_no_repeat = _field(config, "encoder_no_repeat_ngram_size")
     if encoder_no_repeat is not None and encoder_no_repeat > 0:
         if has_encoder_ids:
-            processors.append(EncoderNoRepeatNGramLogitsProcessor(encoder_no_repeat, prompt_ids))
+            processors.append(EncoderNoRepeatNGramLogitsProcessor(encoder_no_repeat, cast(torch.Tensor, prompt_ids)))
         else:
             warnings.warn(
                 "`encoder_no_repeat_ngram_size` needs the prompt ids (2-D, non-negative); ignoring it.",

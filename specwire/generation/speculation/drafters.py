@@ -98,7 +98,7 @@ def _draft_processors(config: Any, prompt: list[int], vocab_size: int, model: An
         vocab_size=vocab_size,
         eos_token_ids=_eos_list(draft_config) or None,
         num_beams=1,
-        prompt_ids=torch.tensor([prompt], dtype=torch.long),  # type: ignore[arg-type]  # factory.py: torch.LongTensor
+        prompt_ids=torch.tensor([prompt], dtype=torch.long),
         model=model,
     )
 
