@@ -68,6 +68,20 @@ def test_a_failed_commit_is_rolled_back_and_reported(tmp_path):
     assert integrity(tmp_path / "registry.db") == ["ok"]
 
 
+def test_a_failed_commit_reaches_the_client_as_unavailable(tmp_path):
+    with threaded_server(lambda: build_server(str(tmp_path / "registry.db"))) as server:
+        store = server.server.bindings[0].servicer.store
+        with ConfigClient(server.address) as client:
+            client.create("chat", {"max_new_tokens": 1})
+            failing = store._db = FailingCommit(store._db)
+            with pytest.raises(SpecwireRpcError) as info:
+                client.update("chat", {"max_new_tokens": 2})
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "nothing was stored" in info.value.message
+            failing.fail = False
+            assert client.get("chat").version == 1
+            assert client.update("chat", {"max_new_tokens": 3}).version == 2
+
+
 def test_a_full_volume_fails_the_write_not_the_registry(tmp_path):
     store = ConfigStore(tmp_path / "registry.db")
     store.create("small", {"max_new_tokens": 1}, {}, [])
