@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def copy_main(command: str, argv: list[str]) -> None:
             backup(args.db, args.path, force=args.force)
         else:
             restore(args.path, args.db, force=args.force)
-    except (SpecwireError, OSError) as exc:
+    except (SpecwireError, OSError, sqlite3.Error) as exc:
         sys.exit(f"config-service {command}: {exc}")
     print(f"{command}: {args.db} {'->' if command == 'backup' else '<-'} {args.path}")
 

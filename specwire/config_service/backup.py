@@ -45,9 +45,10 @@ def backup(db: str | Path, target: str | Path, force: bool = False) -> None:
     target = Path(target)
     if target.exists() and not force:
         raise FailedPrecondition(f"{target} exists; pass --force to replace it")
+    source = _open_existing(Path(db), "registry database")
+    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     partial.unlink(missing_ok=True)
-    source = _open_existing(Path(db), "registry database")
     try:
         copy = sqlite3.connect(partial)
         try:
