@@ -1,17 +1,24 @@
 """`config-service`: the GenerationConfig registry server.
 
-Usage: config-service --host 127.0.0.1 --port 50051 --db registry.db
+Usage:
+    config-service --host 127.0.0.1 --port 50051 --db registry.db   # serve
+    config-service backup PATH --db registry.db                     # safe while serving
+    config-service restore PATH --db registry.db [--force]          # with the service stopped
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sqlite3
+import sys
 from pathlib import Path
 
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
+from specwire.config_service.backup import backup, restore
 from specwire.config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_EXTRA_BYTES, ConfigServicer
 from specwire.config_service.storage import ConfigStore
+from specwire.errors import SpecwireError
 from specwire.paths import default_registry
 from specwire.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -52,15 +59,49 @@ def build_server(
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="config-service", description="specwire GenerationConfig registry")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=50051, help="port to bind, 0 for any free one (default 50051)")
+def _db_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--db",
         default=str(default_registry()),
         help="SQLite file, created if missing (default: %(default)s; SPECWIRE_HOME moves it)",
     )
+
+
+def copy_main(command: str, argv: list[str]) -> None:
+    """`config-service backup PATH` / `config-service restore PATH`: exits 1 with the reason on refusal."""
+    parser = argparse.ArgumentParser(
+        prog=f"config-service {command}",
+        description="copy the registry database to PATH (safe while the service runs)"
+        if command == "backup"
+        else "replace the registry database with the backup PATH (stop the service first)",
+    )
+    parser.add_argument("path", help="the backup file")
+    _db_argument(parser)
+    parser.add_argument("--force", action="store_true", help="replace the file written to if it exists")
+    args = parser.parse_args(argv)
+    try:
+        if command == "backup":
+            backup(args.db, args.path, force=args.force)
+        else:
+            restore(args.path, args.db, force=args.force)
+    except (SpecwireError, OSError, sqlite3.Error) as exc:
+        sys.exit(f"config-service {command}: {exc}")
+    print(f"{command}: {args.db} {'->' if command == 'backup' else '<-'} {args.path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    # Subcommands are matched by hand: the serving flags (`config-service --port ...`) stay as they were.
+    if argv and argv[0] in ("backup", "restore"):
+        copy_main(argv[0], argv[1:])
+        return
+    parser = argparse.ArgumentParser(
+        prog="config-service",
+        description="specwire GenerationConfig registry (also: `config-service backup|restore PATH --db DB`)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50051, help="port to bind, 0 for any free one (default 50051)")
+    _db_argument(parser)
     parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
     parser.add_argument(
         "--max-config-bytes",

@@ -1,9 +1,10 @@
 """SQLite storage of the config registry: named configs, immutable versions, tags.
 
-One file, WAL journal (readers never block the writer), every write in one `BEGIN IMMEDIATE`
-transaction, foreign keys on, and a schema version in `PRAGMA user_version` with forward-only
-migrations. A database written by a newer specwire (higher schema version) is refused rather than
-guessed at, so stored data is never corrupted by an old server.
+One file, WAL journal (readers never block the writer), `synchronous=FULL`, every write in one
+`BEGIN IMMEDIATE` transaction that is committed or rolled back as a whole, foreign keys on, and a
+schema version in `PRAGMA user_version` with forward-only migrations. A database written by a newer
+specwire (higher schema version) is refused rather than guessed at, so stored data is never
+corrupted by an old server.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import base64
 import builtins
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specwire.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from specwire.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 # Each entry migrates the schema from version i to i + 1. Never edit a released entry: append.
 MIGRATIONS: list[list[str]] = [
@@ -49,6 +51,11 @@ MIGRATIONS: list[list[str]] = [
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class StorageError(Unavailable):
+    """A write SQLite could not make durable (full volume, I/O error, lock timeout): nothing of it was
+    stored, so retrying it is safe once the cause is fixed."""
 
 
 @dataclass
@@ -94,7 +101,10 @@ class ConfigStore:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA foreign_keys = ON")
         self._db.execute("PRAGMA journal_mode = WAL")
-        self._db.execute("PRAGMA synchronous = NORMAL")
+        # FULL syncs the WAL on every commit: a commit the client was told about survives a node crash
+        # or power loss (NORMAL may drop the last commits). The registry is write-light, so the extra
+        # fsync per write costs nothing that matters.
+        self._db.execute("PRAGMA synchronous = FULL")
         self._migrate()
 
     def close(self) -> None:
@@ -103,14 +113,30 @@ class ConfigStore:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write: committed as a whole, or rolled back and reported (a `SpecwireError` as is, a
+        SQLite failure such as a full volume at COMMIT as `StorageError`). Never left open: an open
+        transaction would hold the write lock and make every later write fail or block."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
             try:
+                self._db.execute("BEGIN IMMEDIATE")
                 yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                self._db.execute("COMMIT")
+            except BaseException as exc:
+                self._rollback()
+                if isinstance(exc, sqlite3.Error):
+                    raise StorageError(
+                        f"the registry could not store this write ({exc}); nothing was stored: "
+                        "check the database volume (space, permissions) and retry"
+                    ) from exc
                 raise
-            self._db.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        # SQLite may already have rolled back on its own (SQLITE_FULL, SQLITE_IOERR): ROLLBACK then fails.
+        if self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                logging.getLogger(__name__).exception("rollback of a failed registry write failed")
 
     def schema_version(self) -> int:
         return self._db.execute("PRAGMA user_version").fetchone()[0]

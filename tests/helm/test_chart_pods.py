@@ -223,6 +223,14 @@ def test_config_registry_is_one_replica_on_a_pvc(renders):
     assert r.settings("config")["SPECWIRE_DB"].startswith(mount["mountPath"] + "/")
 
 
+def test_config_registry_volume_is_kept_on_uninstall_unless_turned_off(renders, tools):
+    pvc = renders["default"].get("PersistentVolumeClaim", "config-data")
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    args = ["--set", "config.persistence.keepOnUninstall=false", "--set", "config.persistence.annotations.team=a"]
+    pvc = Rendered(template(tools, *args).stdout).get("PersistentVolumeClaim", "config-data")
+    assert pvc["metadata"]["annotations"] == {"team": "a"}
+
+
 def test_config_registry_without_persistence_uses_an_emptydir(renders):
     r = renders["minimal-cpu"]
     assert not r.all("PersistentVolumeClaim")
