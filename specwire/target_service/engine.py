@@ -157,7 +157,6 @@ class Engine:
         generator = None
         if job.config.seed is not None:
             generator = torch.Generator(device=self.loaded.model.device).manual_seed(job.config.seed)
-        device = self.loaded.model.device
         common = dict(
             tokenizer=self.loaded.tokenizer,
             generator=generator,
@@ -166,12 +165,11 @@ class Engine:
             max_position_embeddings=self.loaded.max_position_embeddings,
             rows_factory=rows_factory,
         )
-        if plan is None:
-            mask = None if job.attention_mask is None else job.attention_mask.to(device)
+        if plan is None:  # (prepare_generation moves the prompts to the model's device)
             plan = prepare_generation(
                 model,
-                job.input_ids.to(device),
-                mask,
+                job.input_ids,
+                job.attention_mask,
                 config=job.config,
                 max_position_embeddings=self.loaded.max_position_embeddings,
             )
