@@ -76,6 +76,16 @@ class GenerationPlan:
     num_beams: int
     do_sample: bool
 
+    @property
+    def rows(self) -> int:
+        """Rows the loop runs: prompts times `expand`."""
+        return int(self.input_ids.shape[0]) * self.expand
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Steps the loop may run at most."""
+        return self.max_length - self.input_len
+
     def expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts and mask with each prompt repeated `expand` times, rows ordered `[b0, b0, .., b1, ..]`."""
         if self.expand == 1:

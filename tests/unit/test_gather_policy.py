@@ -10,7 +10,7 @@ from specwire.target_service.scheduler.request import ProcessWork, Request, Requ
 
 
 def request(seq: int, state: RequestState, work=None, ready_since: float = 0.0, shares: bool = False) -> Request:
-    made = Request(job=None, plan=None, rows=1, max_new_tokens=8, loop=None, seq=seq)
+    made = Request(job=None, plan=None, loop=None, seq=seq)
     made.state, made.work, made.ready_since, made.shares_processing = state, work, ready_since, shares
     return made
 

@@ -225,7 +225,7 @@ def _per_row_steps(
     vocab_size, max_position_embeddings = model_limits(model, max_position_embeddings)
     pad_lengths = rows.padding_lengths
     row_processors, row_stops = [], []
-    for r in range(plan.input_ids.shape[0] * plan.expand):
+    for r in range(plan.rows):
         prompt = plan.input_ids[r // plan.expand : r // plan.expand + 1]
         row_processors.append(
             build_logits_processors(

@@ -32,7 +32,7 @@ from specwire.target_service.scheduler.forward_loop import ForwardLoop, LaneCall
 from specwire.target_service.scheduler.options import SchedulerOptions
 from specwire.target_service.scheduler.request import Request, RequestState
 from specwire.target_service.scheduler.request_thread import RequestThread
-from specwire.target_service.scheduler.routing import lane_reason, planned_rows
+from specwire.target_service.scheduler.routing import lane_reason
 from specwire.target_service.scheduler.slot_admission import SlotAdmission
 from specwire.target_service.scheduler.startup_probe import SlotSetup
 from specwire.target_service.scheduler.stats import SchedulerStats
@@ -132,8 +132,7 @@ class BatchScheduler:
             if self.failure_reason:
                 raise Unavailable(f"the target service cannot generate: {self.failure_reason}")
             self._seq += 1
-            rows, budget = planned_rows(plan), plan.max_length - plan.input_len
-            request = Request(job, plan, rows, budget, loop, self._seq)
+            request = Request(job, plan, loop, self._seq)
             # The request's thread runs in the RPC's context (tracing spans, telemetry).
             request.context = contextvars.copy_context()
             cast(SlotAdmission, self.admission).admit(request, self.loop.forward_ema)  # callers check `enabled`

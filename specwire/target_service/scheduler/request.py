@@ -60,18 +60,15 @@ class Request:
 
     Args:
         job (`GenerationJob`): what to generate.
-        plan (`GenerationPlan`): its plan, made once when it was routed; its loop runs from it.
-        rows (`int`): KV slots it takes.
-        max_new_tokens (`int`): its step budget (for the retry hint).
+        plan (`GenerationPlan`): its plan, made once when it was routed; its loop runs from it. Its
+            `rows` are the KV slots it takes, its `max_new_tokens` its step budget (retry hint).
         loop (`asyncio.AbstractEventLoop`): the RPC's event loop, where its events go.
         seq (`int`): arrival number (admission order, and which requests the last forward ran).
     """
 
-    def __init__(self, job: Any, plan: Any, rows: int, max_new_tokens: int, loop: asyncio.AbstractEventLoop, seq: int):
+    def __init__(self, job: Any, plan: Any, loop: asyncio.AbstractEventLoop, seq: int):
         self.job = job
         self.plan = plan
-        self.rows = rows
-        self.max_new_tokens = max_new_tokens
         self.loop = loop
         self.seq = seq
         self.state = RequestState.QUEUED

@@ -9,14 +9,9 @@ token. A model `slot_support` refuses, or one the start-up probe refused, sends 
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from specwire.runtime.slot_cache import SlotKVCache
-
-
-def planned_rows(plan: Any) -> int:
-    """The KV slots a planned request takes: its prompts times `max(num_beams, num_return_sequences)`."""
-    return cast(int, plan.input_ids.shape[0] * plan.expand)
 
 
 def lane_reason(plan: Any, cache: SlotKVCache) -> str:
@@ -27,7 +22,7 @@ def lane_reason(plan: Any, cache: SlotKVCache) -> str:
         cache (`SlotKVCache`): the scheduler's slots.
     """
     config = plan.config
-    rows = planned_rows(plan)
+    rows = plan.rows
     if not config.use_cache:
         return "use_cache=False"
     if config.guidance_scale is not None and config.guidance_scale != 1:

@@ -72,7 +72,7 @@ class SlotAdmission:
             self.waiting.popleft()
 
     def _try_start(self, request: Request) -> bool:
-        slots = self.cache.allocate(request.rows)
+        slots = self.cache.allocate(request.plan.rows)
         if slots is None:
             return False
         request.slots = slots
@@ -117,5 +117,5 @@ class SlotAdmission:
     def retry_hint(self, step_seconds: float) -> float:
         """Seconds until the first running request should end (a hint, not a promise)."""
         step = step_seconds or 0.05
-        remaining = min((r.max_new_tokens - r.steps for r in self.running), default=1)
+        remaining = min((r.plan.max_new_tokens - r.steps for r in self.running), default=1)
         return float(min(max(step * max(remaining, 1), 0.05), 60.0))
