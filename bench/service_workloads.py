@@ -117,7 +117,7 @@ async def _round_trips(address: str, prompt: list[int], num_tokens: int, rounds:
     from specwire.common.v1 import common_pb2
     from specwire.draft.v1 import draft_service_pb2 as pb
     from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
-    from specwire.security import secure_channel
+    from specwire.security.channels import secure_channel
 
     queue: asyncio.Queue = asyncio.Queue()
 

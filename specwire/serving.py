@@ -33,7 +33,8 @@ from specwire.deadline import CALLER_DEADLINE, set_caller_deadline
 from specwire.errors import FieldProblem, InvalidArgument, SpecwireError
 from specwire.ports import PortInUse, port_in_use
 from specwire.rpc_limits import ConcurrencyLimitInterceptor
-from specwire.security import server_credentials, server_interceptors
+from specwire.security.tls import server_credentials
+from specwire.security.tokens import server_interceptors
 from specwire.wire.common import violation_to_proto
 
 log = logging.getLogger("specwire.serving")
@@ -45,7 +46,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 # Keepalive of every server: ping a client after 60 s without traffic and close the connection when
 # no answer comes within 20 s (a vanished client's calls are cancelled, their work freed). Clients may
-# ping every 15 s or more, also with no call open (`specwire.security.KEEPALIVE_CLIENT_OPTIONS` pings
+# ping every 15 s or more, also with no call open (`specwire.security.channels.KEEPALIVE_CLIENT_OPTIONS` pings
 # every 30 s); a client pinging faster is sent GOAWAY after 2 strikes. The ping timeout is set with
 # the keepalive timeout (gRPC core times keepalive pings out after `grpc.http2.ping_timeout_ms`).
 KEEPALIVE_SERVER_OPTIONS: list[tuple[str, Any]] = [

@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specwire.security import secure_channel
+from specwire.security.channels import secure_channel
 
 
 def read_process(pid: int) -> dict | None:

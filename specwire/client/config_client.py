@@ -17,7 +17,7 @@ from specwire.config.v1 import config_service_pb2 as pb
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.config.v1 import generation_config_pb2
 from specwire.generation.config import GenerationConfig
-from specwire.security import secure_channel
+from specwire.security.channels import secure_channel
 from specwire.wire.generation_config import config_from_proto, dict_to_proto
 
 

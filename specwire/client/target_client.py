@@ -19,7 +19,7 @@ from specwire.client.config_client import config_to_wire
 from specwire.client.errors import SpecwireRpcError, Violation, raises_rpc_errors
 from specwire.common.v1 import common_pb2
 from specwire.generation.outputs import compute_transition_scores as _compute_transition_scores
-from specwire.security import DEFAULT_CLIENT_MAX_MESSAGE_BYTES, secure_channel
+from specwire.security.channels import DEFAULT_CLIENT_MAX_MESSAGE_BYTES, secure_channel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.vocabulary import FINISH_UNSPECIFIED, PROPOSER_NONE, PROPOSER_UNSPECIFIED

@@ -24,7 +24,7 @@ from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.deadline import remaining
 from specwire.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from specwire.generation.config import GenerationConfig
-from specwire.security import secure_channel
+from specwire.security.channels import secure_channel
 from specwire.wire.generation_config import config_from_proto
 
 K = TypeVar("K")

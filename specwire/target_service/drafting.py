@@ -32,7 +32,7 @@ from specwire.deadline import caller_deadline, remaining
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.generation.speculation.drafters import Drafter, DraftFailure, PromptLookupDrafter, Proposal
-from specwire.security import secure_channel
+from specwire.security.channels import secure_channel
 from specwire.vocabulary import PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
 from specwire.wire.generation_config import config_to_proto
 from specwire.wire.proposers import PROPOSER_FROM_PROTO

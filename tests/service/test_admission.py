@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specwire.client import ConfigClient, SpecwireRpcError, TargetClient
 from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.models import load_model
-from specwire.security import secure_channel
+from specwire.security.channels import secure_channel
 from specwire.target_service.__main__ import build_server
 from specwire.target_service.admission import PreparationPool
 from specwire.target_service.scheduler.options import SchedulerOptions

@@ -28,7 +28,7 @@ from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.deadline import set_caller_deadline
 from specwire.errors import DeadlineExceeded
 from specwire.models import load_model
-from specwire.security import KEEPALIVE_CLIENT_OPTIONS, secure_channel
+from specwire.security.channels import KEEPALIVE_CLIENT_OPTIONS, secure_channel
 from specwire.serving import KEEPALIVE_SERVER_OPTIONS, GrpcServer
 from specwire.target_service.__main__ import build_server
 from specwire.target_service.config_resolver import ConfigResolver, LruCache

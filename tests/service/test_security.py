@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specwire.client import ConfigClient, SpecwireRpcError
-from specwire.security import secure_channel
+from specwire.security.channels import secure_channel
 from tests.servers import free_port, subprocess_server
 
 

@@ -8,7 +8,7 @@ import pytest
 from opentelemetry import trace
 
 from specwire import telemetry
-from specwire.security import secure_channel
+from specwire.security.channels import secure_channel
 from specwire.serving import GrpcServer
 from tests.telemetry.conftest import telemetry_for_module
 

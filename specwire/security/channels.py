@@ -1,0 +1,87 @@
+"""Every client channel: keepalive, message-size limits, TLS, the bearer token and tracing."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+
+from specwire import telemetry
+from specwire.security.tls import channel_credentials
+from specwire.security.tokens import AioTokenInterceptor, TokenInterceptor, TokenPlugin, auth_metadata
+
+# Every client channel pings its server after 30 s without traffic and drops the connection when no
+# answer comes within 10 s: a hung peer (SIGSTOPped, partitioned, no TCP reset) fails its calls with
+# UNAVAILABLE instead of leaving them to their deadlines. Pings also go out with no call open (so an
+# idle pooled connection is checked before use) and without data frames (long streams that are
+# waiting). The servers accept a ping every 15 s (`specwire.serving.KEEPALIVE_SERVER_OPTIONS`), so
+# these never count as abuse. gRPC core (1.85) times a keepalive ping out after
+# `grpc.http2.ping_timeout_ms` (default 60 s), not `keepalive_timeout_ms` alone: both are set.
+KEEPALIVE_CLIENT_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# Largest message a client channel sends or receives unless its caller asks for more.
+DEFAULT_CLIENT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def client_channel_options(
+    options: list[tuple[str, Any]] | None = None, max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES
+) -> list[tuple[str, Any]]:
+    """Keepalive and message-size limits of every client channel, then `options` (which win, key by key)."""
+    merged = dict(
+        [
+            *KEEPALIVE_CLIENT_OPTIONS,
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+    )
+    merged.update(options or [])
+    return list(merged.items())
+
+
+def secure_channel(
+    address: str,
+    options: list[tuple[str, Any]] | None = None,
+    *,
+    aio: bool = False,
+    env: Mapping[str, str] = os.environ,
+    max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
+):
+    """A client channel to `address` honouring the TLS and token settings (sync or grpc.aio).
+
+    Args:
+        address (`str`): `host:port`, or `dns:///name:port` to spread calls over every replica.
+        options (`list`, *optional*): channel options; they override the defaults below.
+        aio (`bool`, defaults to `False`): a `grpc.aio` channel instead of a blocking one.
+        env (`Mapping`): where the TLS and token settings are read.
+        max_message_bytes (`int`, defaults to 16 MiB): largest message sent or received.
+
+    Every channel has keepalive (`KEEPALIVE_CLIENT_OPTIONS`).
+    """
+    options = client_channel_options(options, max_message_bytes)
+    if address.startswith("dns:///"):
+        # Spread per-request streams over every replica behind a headless Service.
+        options.append(("grpc.lb_policy_name", "round_robin"))
+    tls = channel_credentials(env)
+    metadata = auth_metadata(env)
+    # OpenTelemetry's client interceptors (client spans, W3C trace context) when telemetry is set up.
+    traced = telemetry.aio_client_interceptors() if aio else []
+    if tls is not None:
+        if metadata:
+            tls = grpc.composite_channel_credentials(tls, grpc.metadata_call_credentials(TokenPlugin(metadata)))
+        if aio:
+            return grpc.aio.secure_channel(address, tls, options=options, interceptors=traced or None)
+        return telemetry.instrument_channel(grpc.secure_channel(address, tls, options=options))
+    if aio:
+        interceptors = [*traced, *([AioTokenInterceptor(metadata)] if metadata else [])]
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors or None)
+    channel = grpc.insecure_channel(address, options=options)
+    if metadata:
+        channel = grpc.intercept_channel(channel, TokenInterceptor(metadata))
+    return telemetry.instrument_channel(channel)
