@@ -162,6 +162,7 @@ class CertificateReloader:
         self.interval_s = interval_s
         self.reloads = 0  # how many new configurations were handed to gRPC
         self._checked_at = time.monotonic()
+        self._refusal = ""  # the last reason a changed set was not loaded
         self._lock = threading.Lock()
 
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:
@@ -178,13 +179,16 @@ class CertificateReloader:
                     return None
                 fresh = load_checked(self.files)
             except TlsSettingsError as error:
-                log.warning("TLS files changed but were not reloaded, the old certificate stays: %s", error)
+                if str(error) != self._refusal:  # once per problem, not once a second
+                    log.warning("TLS files changed but were not reloaded, the old certificate stays: %s", error)
+                    self._refusal = str(error)
                 return None
             except Exception:  # noqa: BLE001 - a fetcher that raises would fail the handshake
                 log.exception("TLS reload check failed; the old certificate stays")
                 return None
             self.served = fresh
             self.reloads += 1
+            self._refusal = ""
             log.info(
                 "TLS: reloaded certificate %s (sha256 %s), CA %s (sha256 %s)",
                 self.files.cert,
