@@ -29,7 +29,7 @@ import grpc
 log = logging.getLogger("specwire.security.tls")
 
 CERT_ENV, KEY_ENV, CA_ENV = "SPECWIRE_TLS_CERT_FILE", "SPECWIRE_TLS_KEY_FILE", "SPECWIRE_TLS_CA_FILE"
-# A handshake asks for new files at most this often: a stat-and-read of three small files per second
+# A handshake asks for new files at most this often: reading three small files once a second
 # is nothing next to a TLS handshake, and a renewal is picked up within a second.
 RELOAD_INTERVAL_S = 1.0
 
