@@ -33,7 +33,7 @@ from specwire.deadline import CALLER_DEADLINE, set_caller_deadline
 from specwire.errors import FieldProblem, InvalidArgument, SpecwireError
 from specwire.ports import PortInUse, port_in_use
 from specwire.rpc_limits import ConcurrencyLimitInterceptor
-from specwire.security.tls import server_credentials
+from specwire.security.tls import TlsSettingsError, check_server_settings, server_credentials
 from specwire.security.tokens import server_interceptors
 from specwire.wire.common import violation_to_proto
 
@@ -423,11 +423,24 @@ def add_capacity_arguments(parser: Any, max_concurrent_rpcs: int, calls: str = "
     )
 
 
+def check_transport_security(name: str) -> None:
+    """Exit with the reason and the fix, not a traceback, when the server's `SPECWIRE_TLS_*` settings are
+    half there or their files do not check out (`specwire.security.tls.check_server_settings`).
+
+    Services call it first thing, so a bad setting is reported before a model loads.
+    """
+    try:
+        check_server_settings()
+    except TlsSettingsError as error:
+        raise SystemExit(f"{name}: {error}") from None
+
+
 def run_until_signal(server: GrpcServer, name: str) -> None:
-    """A service's main loop: serve until SIGTERM/SIGINT; a port in use exits with one line, not a traceback."""
+    """A service's main loop: serve until SIGTERM/SIGINT; a port in use or TLS settings that fail their
+    check exit with the reason, not a traceback."""
     try:
         asyncio.run(server.serve_until_signal())
-    except PortInUse as error:
+    except (PortInUse, TlsSettingsError) as error:
         raise SystemExit(f"{name}: {error}") from None
 
 

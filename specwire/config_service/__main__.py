@@ -25,6 +25,7 @@ from specwire.serving import (
     GrpcServer,
     ServiceBinding,
     add_capacity_arguments,
+    check_transport_security,
     run_until_signal,
     setup_logging,
 )
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    check_transport_security("config-service")  # TLS settings that fail closed, before the registry opens
     setup_telemetry("specwire-config")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     Path(args.db).parent.mkdir(parents=True, exist_ok=True)
     server = build_server(

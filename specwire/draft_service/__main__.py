@@ -22,6 +22,7 @@ from specwire.serving import (
     GrpcServer,
     ServiceBinding,
     add_capacity_arguments,
+    check_transport_security,
     run_until_signal,
     setup_logging,
 )
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    check_transport_security("draft-service")  # TLS settings that fail closed, before any model loads
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-draft")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     try:

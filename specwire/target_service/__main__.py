@@ -17,6 +17,7 @@ from specwire.serving import (
     GrpcServer,
     ServiceBinding,
     add_capacity_arguments,
+    check_transport_security,
     run_until_signal,
     setup_logging,
 )
@@ -301,6 +302,7 @@ def limits_from_args(args: argparse.Namespace, max_position_embeddings: int | No
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    check_transport_security("target-service")  # TLS settings that fail closed, before any model loads
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     try:

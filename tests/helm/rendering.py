@@ -97,3 +97,20 @@ class Rendered:
 
 # Renders shared by many tests: the default values and every example, each rendered once.
 VARIANTS = {"default": []} | {p.stem: ["-f", str(p)] for p in EXAMPLES}
+
+
+def kubernetes_validate(tools, text: str, kube_version: str = KUBE_VERSIONS[0]) -> subprocess.CompletedProcess:
+    """`kubernetes-validate --strict` on rendered objects: every field checked against the Kubernetes schema."""
+    return subprocess.run(
+        [tools["kubernetes-validate"], "--strict", "--quiet", "-k", kube_version, "-"],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def pods(r: Rendered) -> list[tuple[str, dict]]:
+    """(name, pod spec) of every Deployment's pod template and of every bare Pod (the `helm test` pod)."""
+    found = [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in r.all("Deployment")]
+    return found + [(d["metadata"]["name"], d["spec"]) for d in r.all("Pod")]

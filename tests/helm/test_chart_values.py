@@ -94,7 +94,7 @@ def test_default_render_has_every_object(renders):
         (["--set", "target.nodeSelecter.pool=large"], "nodeSelecter"),
         (["--set", "draft.gpu.enable=true"], "enable"),
         (["--set", "targte.replicaCount=2"], "targte"),
-        (["--set", "config.replicaCount=2"], "replicaCount"),
+        (["--set", "config.replicaCount=0"], "replicaCount"),
         (["--set", "target.dtype=fp8"], "dtype"),
         (["--set", "draft.image.variant=rocm"], "variant"),
         (["--set", "metrics.port=0"], "port"),
@@ -226,6 +226,7 @@ def test_every_value_is_documented():
         (["--set", "target.graceSeconds=116"], "raise terminationGracePeriodSeconds or lower graceSeconds"),
         (["--set", "config.terminationGracePeriodSeconds=6"], "config: --grace"),
         (["--set", "target.limits.maxOutputBytes=20000000"], "is above target.maxMessageBytes"),
+        (["--set", "config.replicaCount=2"], "config.replicaCount is 2 but the registry is on SQLite"),
     ],
 )
 def test_inconsistent_values_fail_with_a_hint(tools, args, message):

@@ -9,6 +9,8 @@ what differs (storage, model cache, GPUs, autoscaling) is switched on the compon
 {{- $name := include "specwire.componentName" . -}}
 {{- $health := include "specwire.healthService" . -}}
 {{- $scripts := printf "%s-scripts" (include "specwire.fullname" $root) -}}
+{{- /* The registry keeps its data on a volume unless it is stored in PostgreSQL. */ -}}
+{{- $dataVolume := and (eq $c "config") (not (include "specwire.postgresql" $root)) -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -25,10 +27,17 @@ spec:
   selector:
     matchLabels:
       {{- include "specwire.selectorLabels" . | nindent 6 }}
-  {{- if eq $c "config" }}
+  {{- if $dataVolume }}
   # One SQLite writer on a ReadWriteOnce volume: the old pod must be gone before the new one mounts it.
   strategy:
     type: Recreate
+  {{- else if eq $c "config" }}
+  # The registry in PostgreSQL: replicas share no volume, so they roll one by one without a gap.
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 1
+      maxUnavailable: 0
   {{- else if $v.updateStrategy }}
   strategy:
     {{- toYaml $v.updateStrategy | nindent 4 }}
@@ -134,6 +143,14 @@ spec:
                   name: {{ $v.model.hfTokenSecret.name }}
                   key: {{ $v.model.hfTokenSecret.key }}
             {{- end }}
+            {{- if and (eq $c "config") (include "specwire.postgresql" $root) }}
+            # The registry's PostgreSQL URL: config-service's --db default (no --db argument is passed).
+            - name: SPECWIRE_DB
+              valueFrom:
+                secretKeyRef:
+                  name: {{ $v.postgresql.existingSecret }}
+                  key: {{ $v.postgresql.secretKey }}
+            {{- end }}
             {{- with $v.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -164,7 +181,7 @@ spec:
           volumeMounts:
             - name: tmp
               mountPath: /tmp
-            {{- if eq $c "config" }}
+            {{- if $dataVolume }}
             - name: data
               mountPath: {{ $v.persistence.mountPath }}
             {{- end }}
@@ -185,14 +202,16 @@ spec:
             {{- end }}
       volumes:
         - name: tmp
-          emptyDir: {}
-        {{- if eq $c "config" }}
+          emptyDir:
+            sizeLimit: {{ $v.tmpSizeLimit }}
+        {{- if $dataVolume }}
         - name: data
           {{- if $v.persistence.enabled }}
           persistentVolumeClaim:
             claimName: {{ $v.persistence.existingClaim | default (printf "%s-data" $name) }}
           {{- else }}
-          emptyDir: {}
+          emptyDir:
+            sizeLimit: {{ $v.persistence.emptyDirSizeLimit }}
           {{- end }}
         {{- end }}
         {{- if hasKey $v "model" }}
@@ -208,7 +227,7 @@ spec:
         {{- if $root.Values.tls.enabled }}
         - name: tls
           secret:
-            secretName: {{ $root.Values.tls.secretName }}
+            secretName: {{ include "specwire.tlsSecretName" . }}
         - name: scripts
           configMap:
             name: {{ $scripts }}

@@ -128,6 +128,16 @@ that a round_robin client opens a subchannel per draft pod and spreads its strea
 {{- end -}}
 {{- end -}}
 
+{{/* The certificate Secret of one service: its own `tls.secretName`, else the shared `tls.secretName`. */}}
+{{- define "specwire.tlsSecretName" -}}
+{{- (index .root.Values .component).tls.secretName | default .root.Values.tls.secretName -}}
+{{- end -}}
+
+{{/* True ("true") when the config registry is stored in PostgreSQL (`config.postgresql.existingSecret`). */}}
+{{- define "specwire.postgresql" -}}
+{{- if .Values.config.postgresql.existingSecret -}}true{{- end -}}
+{{- end -}}
+
 {{/* True ("true") when the service requests GPUs. */}}
 {{- define "specwire.gpuEnabled" -}}
 {{- $v := index .root.Values .component -}}
@@ -147,7 +157,10 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $_ := set $s "SPECWIRE_MAX_MESSAGE_BYTES" (toString (int64 $v.maxMessageBytes)) -}}
 {{- $_ := set $s "SPECWIRE_MAX_CONCURRENT_RPCS" (toString (int64 $v.maxConcurrentRpcs)) -}}
 {{- if eq .component "config" -}}
+{{- /* With PostgreSQL, SPECWIRE_DB comes from the Secret (a URL with a password stays out of the ConfigMap). */ -}}
+{{- if not (include "specwire.postgresql" $root) -}}
 {{- $_ := set $s "SPECWIRE_DB" (printf "%s/%s" (trimSuffix "/" $v.persistence.mountPath) $v.dbFile) -}}
+{{- end -}}
 {{- $_ := set $s "SPECWIRE_MAX_CONFIG_BYTES" (toString (int64 $v.maxConfigBytes)) -}}
 {{- $_ := set $s "SPECWIRE_MAX_EXTRA_BYTES" (toString (int64 $v.maxExtraBytes)) -}}
 {{- end -}}
@@ -231,7 +244,11 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $args := list "--host" "$(SPECWIRE_HOST)" "--port" "$(SPECWIRE_PORT)" "--grace" "$(SPECWIRE_GRACE)" -}}
 {{- $args = concat $args (list "--max-message-bytes" "$(SPECWIRE_MAX_MESSAGE_BYTES)" "--max-concurrent-rpcs" "$(SPECWIRE_MAX_CONCURRENT_RPCS)") -}}
 {{- if eq .component "config" -}}
+{{- /* With PostgreSQL, no `--db`: config-service takes SPECWIRE_DB (the Secret's URL) as its default, so
+the password never shows on the command line. */ -}}
+{{- if not (include "specwire.postgresql" .root) -}}
 {{- $args = concat $args (list "--db" "$(SPECWIRE_DB)") -}}
+{{- end -}}
 {{- $args = concat $args (list "--max-config-bytes" "$(SPECWIRE_MAX_CONFIG_BYTES)" "--max-extra-bytes" "$(SPECWIRE_MAX_EXTRA_BYTES)") -}}
 {{- end -}}
 {{- if hasKey $settings "SPECWIRE_MODEL" -}}
@@ -323,8 +340,21 @@ preStop sleep minus 5 s, so the server has drained and exited before the kubelet
 
 {{/* Checks of values that the schema cannot express. */}}
 {{- define "specwire.validate" -}}
-{{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
-{{- fail "tls.enabled needs tls.secretName: a kubernetes.io/tls Secret whose certificate names the services" -}}
+{{- range $c := list "config" "draft" "target" -}}
+{{- if or (eq $c "target") (index $.Values $c).enabled -}}
+{{- if and $.Values.tls.enabled (not (include "specwire.tlsSecretName" (dict "root" $ "component" $c))) -}}
+{{- fail (printf "tls.enabled needs a certificate Secret for %s: set tls.secretName (a kubernetes.io/tls Secret with ca.crt, shared by the services) or %s.tls.secretName" $c $c) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (not $.Values.tls.enabled) (index $.Values $c).tls.secretName -}}
+{{- fail (printf "%s.tls.secretName is set but tls.enabled is false: set tls.enabled=true to serve TLS, or clear %s.tls.secretName" $c $c) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (gt (int .Values.config.replicaCount) 1) (not (include "specwire.postgresql" .)) -}}
+{{- fail (printf "config.replicaCount is %d but the registry is on SQLite, which has one writer on one ReadWriteOnce volume: set config.replicaCount=1, or store the registry in PostgreSQL with config.postgresql.existingSecret (a Secret holding a postgresql:// URL)" (int .Values.config.replicaCount)) -}}
+{{- end -}}
+{{- if and (include "specwire.postgresql" .) .Values.config.persistence.existingClaim -}}
+{{- fail "config.persistence.existingClaim is set but config.postgresql.existingSecret stores the registry in PostgreSQL, so the claim would not be used: clear one of them" -}}
 {{- end -}}
 {{- if and .Values.otel.enabled (not .Values.otel.endpoint) -}}
 {{- fail "otel.enabled needs otel.endpoint, e.g. http://otel-collector.observability:4317" -}}
