@@ -227,7 +227,9 @@ class ConfigResolver:
                 entry = self._moving.get(ref)
                 if entry is not None:
                     if entry.failed_at is None:
-                        log.warning("config registry at %s unreachable refreshing %r: %s", self.address, ref, _said(exc))
+                        log.warning(
+                            "config registry at %s unreachable refreshing %r: %s", self.address, ref, _said(exc)
+                        )
                     entry.failed_at, entry.failure = time.monotonic(), _said(exc)
             elif exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 self._moving.pop(ref)  # deleted or no longer valid: never served again from the cache

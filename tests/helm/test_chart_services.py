@@ -365,6 +365,8 @@ def test_config_stale_max_reaches_the_target(tools, renders, tmp_path):
     values.write_text("target:\n  configStaleMaxSeconds: 12.5\n")
     for args in (["--set", "target.configStaleMaxSeconds=0"], ["-f", str(values)]):
         custom = Rendered(template(tools, *args).stdout)
-        assert build_parser().parse_args(expanded_args(custom, "target")).config_stale_max == (0 if "--set" in args else 12.5)
+        assert build_parser().parse_args(expanded_args(custom, "target")).config_stale_max == (
+            0 if "--set" in args else 12.5
+        )
     failed = template(tools, "--set", "target.configStaleMaxSeconds=-1", check=False)
     assert failed.returncode != 0 and "configStaleMaxSeconds" in failed.stderr
