@@ -10,9 +10,11 @@ every distinct name a client sends.
 Registry outages. When a refresh fails because the registry cannot be reached (UNAVAILABLE,
 DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED: a restart, a node drain, a partition, an overload), the last
 good value is served while it is at most `stale_max_s` seconds old, with a warning (`FieldProblem`,
-severity warning) naming the reference and its age in the response. For the next `ttl_s` seconds
-after such a failure the stale value is served without asking again, so a blackholed registry does
-not cost every request a lookup timeout. Past `stale_max_s` the request fails UNAVAILABLE. NOT_FOUND
+severity warning) naming the reference and its age in the response. Once a refresh has failed, the
+stale value is served at once and the registry is asked again in the background, at most once per
+`ttl_s`: only the first request after the registry goes away waits for it (up to the lookup timeout
+when it hangs), not every request, and the first answer after it is back refreshes the cache. Past
+`stale_max_s` the request fails UNAVAILABLE. NOT_FOUND
 and INVALID_ARGUMENT are the registry's answers, not outages: the cached value is dropped and the
 error returned, so a deleted config stops being served as soon as the registry says so.
 
@@ -179,8 +181,11 @@ class ConfigResolver:
         if entry is not None:
             if now - entry.fetched_at < self.ttl_s:
                 return entry.resolved
-            if entry.failed_at is not None and now - entry.failed_at < self.ttl_s and self._servable(entry, now):
-                # The registry failed moments ago: do not make this request wait for it too.
+            if entry.failed_at is not None and self._servable(entry, now):
+                # The registry is known to be down: this request does not wait for it; a background
+                # refresh (one per TTL) finds out when it is back.
+                if now - entry.failed_at >= self.ttl_s:
+                    self._start_fetch(ref)
                 return self._stale(entry, ref, field, now)
         if self.address is None:
             raise FailedPrecondition(
@@ -190,11 +195,7 @@ class ConfigResolver:
         left = remaining()
         if left is not None and left <= 0:
             raise DeadlineExceeded(f"{field}={ref!r}: the request's deadline passed before the config lookup")
-        fetch = self._fetches.get(ref)
-        if fetch is None:
-            fetch = asyncio.ensure_future(self._fetch(ref))
-            self._fetches[ref] = fetch
-            fetch.add_done_callback(lambda done: self._fetched(ref, done))
+        fetch = self._start_fetch(ref)
         try:
             if left is None or left >= self.timeout_s:
                 return await asyncio.shield(fetch)  # the fetch ends within timeout_s by itself
@@ -208,6 +209,15 @@ class ConfigResolver:
             if entry is not None and self._servable(entry, time.monotonic()):
                 return self._stale(entry, ref, field, time.monotonic())
             raise self._error(exc, ref, field, entry) from exc
+
+    def _start_fetch(self, ref: str) -> asyncio.Future[ResolvedConfig]:
+        """The fetch of `ref` in flight, started now if there is none."""
+        fetch = self._fetches.get(ref)
+        if fetch is None:
+            fetch = asyncio.ensure_future(self._fetch(ref))
+            self._fetches[ref] = fetch
+            fetch.add_done_callback(lambda done: self._fetched(ref, done))
+        return fetch
 
     def _fetched(self, ref: str, fetch: asyncio.Future[ResolvedConfig]) -> None:
         if self._fetches.get(ref) is fetch:

@@ -150,6 +150,11 @@ def test_a_hung_registry_costs_a_request_its_deadline_at_most(tmp_path, loaded):
                 assert time.monotonic() - started < 2 and stale_age(again, "chat:prod") > 4
             finally:
                 registry.send_signal(signal.SIGCONT)
+            # Back: a background refresh (one per TTL) gets the fresh value, and the warnings stop.
+            give_up = time.monotonic() + 20
+            while client.generate(PROMPT, generation_config="chat:prod").warnings and time.monotonic() < give_up:
+                time.sleep(0.3)
+            assert client.generate(PROMPT, generation_config="chat:prod").warnings == []
 
 
 def test_stale_serving_can_be_turned_off(tmp_path):
