@@ -159,8 +159,8 @@ class ConfigResolver:
         self._stub: pb_grpc.ConfigServiceStub | None = None
         self._pinned: LruCache[str, ResolvedConfig] = LruCache(max_entries)
         self._moving: LruCache[str, _MovingEntry] = LruCache(max_entries)
-        # One fetch per reference at a time; later callers wait on it (bounded by max_entries callers'
-        # references in practice: an entry leaves when its fetch ends).
+        # The fetch in flight per reference: later callers of that reference wait on it instead of
+        # sending their own. An entry leaves when its fetch ends (within timeout_s).
         self._fetches: dict[str, asyncio.Future[ResolvedConfig]] = {}
 
     async def close(self) -> None:
