@@ -77,3 +77,53 @@ def subprocess_server(args: list[str], port: int, service: str = "", timeout: fl
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+class InjectedFaults:
+    """A server interceptor in front of a real service: counts the calls of each method and makes the
+    first `fail_first` calls of each fail with `code` (and `metadata`), or delays them by `delay_s`.
+
+    Faults are injected around the real servicer, which answers every call that is let through: the
+    tests see what gRPC and the clients do with a refused or slow call, not a stand-in service.
+    """
+
+    def __init__(self, code=None, metadata=(), fail_first: int = 1, delay_s: float = 0.0):
+        import collections
+
+        self.code = code
+        self.metadata = tuple(metadata)
+        self.fail_first = fail_first
+        self.delay_s = delay_s
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def count(self, method: str) -> int:
+        """Calls seen of `Service/Method` (e.g. "ConfigService/GetConfig"), however they ended."""
+        return sum(n for name, n in self.calls.items() if name.endswith(method))
+
+    def interceptor(self):
+        import grpc
+
+        faults = self
+
+        class Interceptor(grpc.aio.ServerInterceptor):
+            async def intercept_service(self, continuation, details):
+                method = details.method
+                if method.startswith("/grpc.reflection"):
+                    return await continuation(details)
+                faults.calls[method] += 1
+                if faults.delay_s:
+                    await asyncio.sleep(faults.delay_s)
+                if faults.code is not None and faults.calls[method] <= faults.fail_first:
+
+                    async def refuse(request, context):
+                        await context.abort(faults.code, "injected by the test", trailing_metadata=faults.metadata)
+
+                    return grpc.unary_unary_rpc_method_handler(refuse)
+                return await continuation(details)
+
+        return Interceptor()
+
+    def install(self, server):
+        """`server` (a `GrpcServer` not started yet) with these faults in front of its services."""
+        server.interceptors.insert(0, self.interceptor())
+        return server

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from specwire.client.errors import Violation, raises_rpc_errors
+from specwire.client.retrying import acall_with_retries, call_with_retries, check_retries
 from specwire.config.v1 import config_service_pb2 as pb
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.config.v1 import generation_config_pb2
@@ -113,13 +114,27 @@ class ConfigClient:
         address (`str`): `host:port` of the config service.
         timeout (`float`, defaults to 30.0): per-call deadline in seconds.
         channel (`grpc.Channel`, *optional*): an existing channel to use instead of `address`.
+        retries (`int`, defaults to 0): how many times a call the registry refused for load
+            (RESOURCE_EXHAUSTED with a retry hint, before any work) is sent again after the hinted wait,
+            within `timeout`. 0: never.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 30.0, channel: grpc.Channel | None = None):
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout: float = 30.0,
+        channel: grpc.Channel | None = None,
+        retries: int = 0,
+    ):
+        self.retries = check_retries(retries)
         self._own_channel = channel is None
         self.channel = channel or secure_channel(address)
         self.stub = pb_grpc.ConfigServiceStub(self.channel)
         self.timeout = timeout
+
+    def _call(self, method, request):
+        """`method(request)` within the client's timeout, retried after load refusals (`retries`)."""
+        return call_with_retries(lambda left: method(request, timeout=left), self.retries, self.timeout)
 
     def close(self) -> None:
         if self._own_channel:
@@ -147,13 +162,13 @@ class ConfigClient:
         `allow_custom=True` stores them on purpose, `strict=True` refuses any warning.
         """
         request = _Requests.create(name, config, labels, strict, allow_custom)
-        response = self.stub.CreateConfig(request, timeout=self.timeout)
+        response = self._call(self.stub.CreateConfig, request)
         return ConfigRecord.from_proto(response.record)
 
     @raises_rpc_errors
     def get(self, ref: str) -> ConfigRecord:
         """Read `name` (latest), `name@VERSION` or `name:TAG`."""
-        return ConfigRecord.from_proto(self.stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout).record)
+        return ConfigRecord.from_proto(self._call(self.stub.GetConfig, pb.GetConfigRequest(ref=ref)).record)
 
     @raises_rpc_errors
     def update(
@@ -167,16 +182,15 @@ class ConfigClient:
         allow_custom: bool = False,
     ) -> ConfigRecord:
         """Store a new version; with `expected_version`, fail with ABORTED if someone else updated first."""
-        response = self.stub.UpdateConfig(
-            _Requests.update(name, config, expected_version, labels, strict, allow_custom), timeout=self.timeout
-        )
+        request = _Requests.update(name, config, expected_version, labels, strict, allow_custom)
+        response = self._call(self.stub.UpdateConfig, request)
         return ConfigRecord.from_proto(response.record)
 
     @raises_rpc_errors
     def list_page(self, prefix: str = "", page_size: int = 0, page_token: str = "") -> tuple[list[ConfigRecord], str]:
         """One page of the latest versions, by name, and the next page's token ("" on the last)."""
         request = pb.ListConfigsRequest(prefix=prefix, page_size=page_size, page_token=page_token)
-        response = self.stub.ListConfigs(request, timeout=self.timeout)
+        response = self._call(self.stub.ListConfigs, request)
         return [ConfigRecord.from_proto(r) for r in response.records], response.next_page_token
 
     def iter(self, prefix: str = "", page_size: int = 0) -> Iterator[ConfigRecord]:
@@ -196,19 +210,19 @@ class ConfigClient:
     def delete(self, name: str, expected_version: int | None = None) -> int:
         """Delete `name` with all its versions; returns how many versions were deleted."""
         request = pb.DeleteConfigRequest(name=name, expected_version=expected_version)
-        return self.stub.DeleteConfig(request, timeout=self.timeout).deleted_versions
+        return self._call(self.stub.DeleteConfig, request).deleted_versions
 
     @raises_rpc_errors
     def set_tag(self, name: str, tag: str, version: int) -> ConfigRecord:
         """Point `name:tag` at `version`."""
         request = pb.SetTagRequest(name=name, tag=tag, version=version)
-        return ConfigRecord.from_proto(self.stub.SetTag(request, timeout=self.timeout).record)
+        return ConfigRecord.from_proto(self._call(self.stub.SetTag, request).record)
 
     @raises_rpc_errors
     def validate(self, config: Any, strict: bool = False, *, allow_custom: bool = False) -> ValidationResult:
         """Check a config without storing it."""
         request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict, allow_custom=allow_custom)
-        response = self.stub.ValidateConfig(request, timeout=self.timeout)
+        response = self._call(self.stub.ValidateConfig, request)
         return ValidationResult(response.valid, [Violation.from_proto(v) for v in response.violations])
 
     @raises_rpc_errors
@@ -221,18 +235,18 @@ class ConfigClient:
     ) -> ConfigRecord:
         """Import a Hub repo's generation_config.json (through huggingface_hub on the server)."""
         request = _Requests.import_from_hub(repo_id, revision, filename, name)
-        return ConfigRecord.from_proto(self.stub.ImportConfig(request, timeout=self.timeout).record)
+        return ConfigRecord.from_proto(self._call(self.stub.ImportConfig, request).record)
 
     @raises_rpc_errors
     def import_json(self, text: str, name: str, labels: dict[str, str] | None = None) -> ConfigRecord:
         """Import `generation_config.json` text as `name` (a new config or a new version)."""
         request = _Requests.import_json(text, name, labels)
-        return ConfigRecord.from_proto(self.stub.ImportConfig(request, timeout=self.timeout).record)
+        return ConfigRecord.from_proto(self._call(self.stub.ImportConfig, request).record)
 
     @raises_rpc_errors
     def export(self, ref: str) -> str:
         """`generation_config.json` text of a version, loadable by transformers."""
-        return self.stub.ExportConfig(pb.ExportConfigRequest(ref=ref), timeout=self.timeout).json
+        return self._call(self.stub.ExportConfig, pb.ExportConfigRequest(ref=ref)).json
 
 
 class AsyncConfigClient:
@@ -241,12 +255,17 @@ class AsyncConfigClient:
     Args:
         address (`str`): `host:port` of the config service.
         timeout (`float`, defaults to 30.0): per-call deadline in seconds.
+        retries (`int`, defaults to 0): as `ConfigClient`'s.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 30.0):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 30.0, retries: int = 0):
+        self.retries = check_retries(retries)
         self.channel = secure_channel(address, aio=True)
         self.stub = pb_grpc.ConfigServiceStub(self.channel)
         self.timeout = timeout
+
+    async def _call(self, method, request):
+        return await acall_with_retries(lambda left: method(request, timeout=left), self.retries, self.timeout)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -268,12 +287,12 @@ class AsyncConfigClient:
         allow_custom: bool = False,
     ) -> ConfigRecord:
         request = _Requests.create(name, config, labels, strict, allow_custom)
-        response = await self.stub.CreateConfig(request, timeout=self.timeout)
+        response = await self._call(self.stub.CreateConfig, request)
         return ConfigRecord.from_proto(response.record)
 
     @raises_rpc_errors
     async def get(self, ref: str) -> ConfigRecord:
-        response = await self.stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout)
+        response = await self._call(self.stub.GetConfig, pb.GetConfigRequest(ref=ref))
         return ConfigRecord.from_proto(response.record)
 
     @raises_rpc_errors
@@ -288,14 +307,14 @@ class AsyncConfigClient:
         allow_custom: bool = False,
     ) -> ConfigRecord:
         request = _Requests.update(name, config, expected_version, labels, strict, allow_custom)
-        return ConfigRecord.from_proto((await self.stub.UpdateConfig(request, timeout=self.timeout)).record)
+        return ConfigRecord.from_proto((await self._call(self.stub.UpdateConfig, request)).record)
 
     @raises_rpc_errors
     async def list_page(
         self, prefix: str = "", page_size: int = 0, page_token: str = ""
     ) -> tuple[list[ConfigRecord], str]:
         request = pb.ListConfigsRequest(prefix=prefix, page_size=page_size, page_token=page_token)
-        response = await self.stub.ListConfigs(request, timeout=self.timeout)
+        response = await self._call(self.stub.ListConfigs, request)
         return [ConfigRecord.from_proto(r) for r in response.records], response.next_page_token
 
     async def list(self, prefix: str = "") -> list[ConfigRecord]:
@@ -308,17 +327,17 @@ class AsyncConfigClient:
     @raises_rpc_errors
     async def delete(self, name: str, expected_version: int | None = None) -> int:
         request = pb.DeleteConfigRequest(name=name, expected_version=expected_version)
-        return (await self.stub.DeleteConfig(request, timeout=self.timeout)).deleted_versions
+        return (await self._call(self.stub.DeleteConfig, request)).deleted_versions
 
     @raises_rpc_errors
     async def set_tag(self, name: str, tag: str, version: int) -> ConfigRecord:
         request = pb.SetTagRequest(name=name, tag=tag, version=version)
-        return ConfigRecord.from_proto((await self.stub.SetTag(request, timeout=self.timeout)).record)
+        return ConfigRecord.from_proto((await self._call(self.stub.SetTag, request)).record)
 
     @raises_rpc_errors
     async def validate(self, config: Any, strict: bool = False, *, allow_custom: bool = False) -> ValidationResult:
         request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict, allow_custom=allow_custom)
-        response = await self.stub.ValidateConfig(request, timeout=self.timeout)
+        response = await self._call(self.stub.ValidateConfig, request)
         return ValidationResult(response.valid, [Violation.from_proto(v) for v in response.violations])
 
     @raises_rpc_errors
@@ -330,13 +349,13 @@ class AsyncConfigClient:
         name: str | None = None,
     ) -> ConfigRecord:
         request = _Requests.import_from_hub(repo_id, revision, filename, name)
-        return ConfigRecord.from_proto((await self.stub.ImportConfig(request, timeout=self.timeout)).record)
+        return ConfigRecord.from_proto((await self._call(self.stub.ImportConfig, request)).record)
 
     @raises_rpc_errors
     async def import_json(self, text: str, name: str, labels: dict[str, str] | None = None) -> ConfigRecord:
         request = _Requests.import_json(text, name, labels)
-        return ConfigRecord.from_proto((await self.stub.ImportConfig(request, timeout=self.timeout)).record)
+        return ConfigRecord.from_proto((await self._call(self.stub.ImportConfig, request)).record)
 
     @raises_rpc_errors
     async def export(self, ref: str) -> str:
-        return (await self.stub.ExportConfig(pb.ExportConfigRequest(ref=ref), timeout=self.timeout)).json
+        return (await self._call(self.stub.ExportConfig, pb.ExportConfigRequest(ref=ref))).json

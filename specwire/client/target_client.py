@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -17,6 +19,7 @@ import torch
 
 from specwire.client.config_client import config_to_wire
 from specwire.client.errors import SpecwireRpcError, Violation, raises_rpc_errors
+from specwire.client.retrying import RetrySchedule, acall_with_retries, call_with_retries, check_retries
 from specwire.common.v1 import common_pb2
 from specwire.generation.outputs import compute_transition_scores as _compute_transition_scores
 from specwire.security.channels import DEFAULT_CLIENT_MAX_MESSAGE_BYTES, secure_channel
@@ -186,6 +189,9 @@ class TargetClient:
             deadline); every method takes `timeout=` to override it for one call.
         max_message_bytes (`int`, defaults to 16 MiB): largest response accepted (scores and logits of
             long generations need more).
+        retries (`int`, defaults to 0): how many times a call the target refused for load
+            (RESOURCE_EXHAUSTED with a retry hint, before any work) is sent again after the hinted wait,
+            within the call's timeout; a stream only before its first message. 0: never.
     """
 
     def __init__(
@@ -193,7 +199,9 @@ class TargetClient:
         address: str = "127.0.0.1:50052",
         timeout: float | None = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
+        retries: int = 0,
     ):
+        self.retries = check_retries(retries)
         self.channel = secure_channel(address, max_message_bytes=max_message_bytes)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout
@@ -233,7 +241,10 @@ class TargetClient:
             generation_config=generation_config,
             **kwargs,
         )
-        return GenerateOutput.from_proto(self.stub.Generate(request, timeout=self._timeout(timeout)))
+        response = call_with_retries(
+            lambda left: self.stub.Generate(request, timeout=left), self.retries, self._timeout(timeout)
+        )
+        return GenerateOutput.from_proto(response)
 
     def stream(
         self,
@@ -255,22 +266,35 @@ class TargetClient:
             generation_config=generation_config,
             **kwargs,
         )
-        call = self.stub.GenerateStream(request, timeout=self._timeout(timeout))
-        try:
-            for message in call:
-                if message.HasField("final"):
-                    yield GenerateOutput.from_proto(message.final)
-                else:
-                    yield from _deltas(message.delta)
-        except grpc.RpcError as exc:
-            raise SpecwireRpcError.from_rpc_error(exc) from None
-        finally:
-            call.cancel()
+        schedule = RetrySchedule(self.retries, self._timeout(timeout))
+        while True:
+            call = self.stub.GenerateStream(request, timeout=schedule.timeout())
+            started = False
+            try:
+                for message in call:
+                    started = True
+                    if message.HasField("final"):
+                        yield GenerateOutput.from_proto(message.final)
+                    else:
+                        yield from _deltas(message.delta)
+                return
+            except grpc.RpcError as exc:
+                # Refused for load before its first message: nothing was generated, it can be sent again.
+                wait = None if started else schedule.wait_after(exc)
+                if wait is None:
+                    raise SpecwireRpcError.from_rpc_error(exc) from None
+            finally:
+                call.cancel()
+            time.sleep(wait)
 
     @raises_rpc_errors
     def model_info(self, timeout: float | None = _CLIENT_DEFAULT) -> pb.GetModelInfoResponse:
         """The served model's id, vocabulary, special tokens and generation config."""
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout))
+        return call_with_retries(
+            lambda left: self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=left),
+            self.retries,
+            self._timeout(timeout),
+        )
 
     def model_generation_config(self):
         """The served model's generation_config.json as our GenerationConfig."""
@@ -296,7 +320,9 @@ class AsyncTargetClient:
         address: str = "127.0.0.1:50052",
         timeout: float | None = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
+        retries: int = 0,
     ):
+        self.retries = check_retries(retries)
         self.channel = secure_channel(address, aio=True, max_message_bytes=max_message_bytes)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout
@@ -332,7 +358,10 @@ class AsyncTargetClient:
             generation_config=generation_config,
             **kwargs,
         )
-        return GenerateOutput.from_proto(await self.stub.Generate(request, timeout=self._timeout(timeout)))
+        response = await acall_with_retries(
+            lambda left: self.stub.Generate(request, timeout=left), self.retries, self._timeout(timeout)
+        )
+        return GenerateOutput.from_proto(response)
 
     async def stream(
         self,
@@ -352,22 +381,34 @@ class AsyncTargetClient:
             generation_config=generation_config,
             **kwargs,
         )
-        call = self.stub.GenerateStream(request, timeout=self._timeout(timeout))
-        try:
-            async for message in call:
-                if message.HasField("final"):
-                    yield GenerateOutput.from_proto(message.final)
-                else:
-                    for delta in _deltas(message.delta):
-                        yield delta
-        except grpc.RpcError as exc:
-            raise SpecwireRpcError.from_rpc_error(exc) from None
-        finally:
-            call.cancel()
+        schedule = RetrySchedule(self.retries, self._timeout(timeout))
+        while True:
+            call = self.stub.GenerateStream(request, timeout=schedule.timeout())
+            started = False
+            try:
+                async for message in call:
+                    started = True
+                    if message.HasField("final"):
+                        yield GenerateOutput.from_proto(message.final)
+                    else:
+                        for delta in _deltas(message.delta):
+                            yield delta
+                return
+            except grpc.RpcError as exc:
+                wait = None if started else schedule.wait_after(exc)
+                if wait is None:
+                    raise SpecwireRpcError.from_rpc_error(exc) from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(wait)
 
     @raises_rpc_errors
     async def model_info(self, timeout: float | None = _CLIENT_DEFAULT) -> pb.GetModelInfoResponse:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout))
+        return await acall_with_retries(
+            lambda left: self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=left),
+            self.retries,
+            self._timeout(timeout),
+        )
 
     async def request_limits(self) -> pb.RequestLimits:
         """What one request may ask of this target, as `GetModelInfo` reports them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -29,16 +30,50 @@ KEEPALIVE_CLIENT_OPTIONS: list[tuple[str, Any]] = [
 # Largest message a client channel sends or receives unless its caller asks for more.
 DEFAULT_CLIENT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
+# The reads a channel may send again when the server could not be reached (UNAVAILABLE: a restart, a
+# drain, a refused connection): they change nothing, so a second copy is harmless. Explicit, never a
+# whole service: writes (Create/Update/SetTag/Delete/Import) may have landed before the connection
+# broke, generation costs model time and is not repeatable for sampled outputs, and a stream cannot be
+# retried once its first message is out. A method named here that a server lacks is never called.
+IDEMPOTENT_READS: dict[str, tuple[str, ...]] = {
+    "specwire.config.v1.ConfigService": ("GetConfig", "ListConfigs", "ExportConfig", "ValidateConfig"),
+    "specwire.target.v1.TargetService": ("GetModelInfo",),
+    "grpc.health.v1.Health": ("Check",),
+}
+# gRPC's retry policy (gRFC A6): up to 4 attempts, waits drawn from [0, 0.2 s], [0, 0.4 s], [0, 0.8 s],
+# so about 1.4 s at most in all: enough to ride through a refused connection while a pod restarts or a
+# Service moves to another replica, short next to any call's deadline (which still bounds every
+# attempt and wait). UNAVAILABLE only: DEADLINE_EXCEEDED means the time is spent, and every other
+# code is the server's answer.
+READ_RETRY_POLICY: dict[str, Any] = {
+    "maxAttempts": 4,
+    "initialBackoff": "0.2s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+
+
+def retry_service_config() -> str:
+    """The channels' service config (JSON): `READ_RETRY_POLICY` on each of `IDEMPOTENT_READS`."""
+    names = [
+        {"service": service, "method": method} for service, methods in IDEMPOTENT_READS.items() for method in methods
+    ]
+    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": READ_RETRY_POLICY}]})
+
 
 def client_channel_options(
     options: list[tuple[str, Any]] | None = None, max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES
 ) -> list[tuple[str, Any]]:
-    """Keepalive and message-size limits of every client channel, then `options` (which win, key by key)."""
+    """Keepalive, message-size limits and the read retry policy of every client channel, then `options`
+    (which win, key by key)."""
     merged = dict(
         [
             *KEEPALIVE_CLIENT_OPTIONS,
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", retry_service_config()),
         ]
     )
     merged.update(options or [])
@@ -62,7 +97,8 @@ def secure_channel(
         env (`Mapping`): where the TLS and token settings are read.
         max_message_bytes (`int`, defaults to 16 MiB): largest message sent or received.
 
-    Every channel has keepalive (`KEEPALIVE_CLIENT_OPTIONS`).
+    Every channel has keepalive (`KEEPALIVE_CLIENT_OPTIONS`) and retries the reads of `IDEMPOTENT_READS`
+    on UNAVAILABLE (`READ_RETRY_POLICY`).
     """
     options = client_channel_options(options, max_message_bytes)
     if address.startswith("dns:///"):

@@ -23,7 +23,7 @@ from specwire.serving import (
 )
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.target_service.admission import DEFAULT_MAX_PREPARING, DEFAULT_PREPARE_WORKERS, PreparationPool
-from specwire.target_service.config_resolver import ConfigResolver
+from specwire.target_service.config_resolver import DEFAULT_STALE_MAX_S, ConfigResolver
 from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.limits import RequestLimits, default_output_bytes
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
@@ -55,6 +55,7 @@ def build_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
     stuck_after: float = 60.0,
+    config_stale_max: float = DEFAULT_STALE_MAX_S,
 ) -> GrpcServer:
     """A ready-to-start target server over an already loaded model.
 
@@ -63,7 +64,8 @@ def build_server(
     request may ask (default `RequestLimits.for_model`, its output budget fitted to
     `max_message_bytes`); `pool` prepares requests off the event loop (see `specwire.target_service.admission`).
     Health follows the engine's liveness (`stuck_after`: seconds without progress while work waits
-    before it counts as stuck).
+    before it counts as stuck). `config_stale_max` is the oldest a registry config may be when it is
+    served from cache because the registry is unreachable (0: never; see `ConfigResolver`).
     """
     if limits is None:
         limits = RequestLimits.for_model(
@@ -71,7 +73,7 @@ def build_server(
         )
     servicer = TargetServicer(
         loaded,
-        ConfigResolver(config_address),
+        ConfigResolver(config_address, stale_max_s=config_stale_max),
         drafting,
         scheduler,
         scheduler_options,
@@ -101,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="'default' (embedded SmolLM2-135M-Instruct), a folder, a .gguf file or a Hub repo id",
     )
     parser.add_argument("--config-address", default=None, help="host:port of the config service (for config_ref)")
+    parser.add_argument(
+        "--config-stale-max",
+        type=float,
+        default=DEFAULT_STALE_MAX_S,
+        help="seconds a registry config (name or name:tag) may be served from cache, with a warning in the "
+        "response, while the config service is unreachable; 0 fails such requests at once "
+        f"(default {DEFAULT_STALE_MAX_S:g})",
+    )
     parser.add_argument(
         "--draft-address",
         default=None,
@@ -301,6 +311,11 @@ def limits_from_args(args: argparse.Namespace, max_position_embeddings: int | No
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.config_stale_max < 0:  # before the model loads: a typo should not cost minutes
+        raise SystemExit(
+            f"target-service: --config-stale-max {args.config_stale_max:g} is negative: give the seconds a cached "
+            "config may be served while the registry is down, or 0 to never serve one"
+        )
     setup_logging(args.log_level)
     check_transport_security("target-service")  # TLS settings that fail closed, before any model loads
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
@@ -340,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         max_message_bytes=args.max_message_bytes,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         stuck_after=args.stuck_after,
+        config_stale_max=args.config_stale_max,
     )
     run_until_signal(server, "target-service")
 

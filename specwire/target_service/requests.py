@@ -260,7 +260,8 @@ def prepare_job(
         negative_prompt_attention_mask=negative_mask,
         proposer=request.proposer,
         request_id=request.request_id,
-        warnings=warnings,
+        # A config served from the target's cache during a registry outage says so first.
+        warnings=[*(resolved.warnings if resolved is not None else ()), *warnings],
     )
 
 

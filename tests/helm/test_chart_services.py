@@ -55,7 +55,8 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
         expected += ["--model"] if "SPECWIRE_MODEL" in data else []
         expected += ["--max-sessions", "--session-idle-timeout"] if c == "draft" else []
         if c == "target":
-            expected += ["--device", "--dtype", "--config-address", "--draft-address", "--scheduler"]
+            expected += ["--device", "--dtype", "--config-address", "--config-stale-max", "--draft-address"]
+            expected += ["--scheduler"]
             expected += ["--max-batch-rows", "--max-tokens-per-step", "--max-queued", "--max-lane-requests"]
             expected += ["--kv-cache-mb"]
             expected += ["--slot-tokens"] if "SPECWIRE_SLOT_TOKENS" in data else []
@@ -353,3 +354,21 @@ def test_the_rendered_health_check_script_works(renders, tmp_path):
     finally:
         server.stdin.close()
         server.wait(timeout=10)
+
+
+def test_config_stale_max_reaches_the_target(tools, renders, tmp_path):
+    """target.configStaleMaxSeconds becomes the target's --config-stale-max, with the server's default; 0
+    (no stale serving) is passed through, not dropped."""
+    from specwire.target_service.__main__ import build_parser
+
+    target = expanded_args(renders["default"], "target")
+    assert build_parser().parse_args(target).config_stale_max == build_parser().parse_args([]).config_stale_max == 300
+    values = tmp_path / "stale.yaml"  # a values file: fractional seconds stay numbers there
+    values.write_text("target:\n  configStaleMaxSeconds: 12.5\n")
+    for args in (["--set", "target.configStaleMaxSeconds=0"], ["-f", str(values)]):
+        custom = Rendered(template(tools, *args).stdout)
+        assert build_parser().parse_args(expanded_args(custom, "target")).config_stale_max == (
+            0 if "--set" in args else 12.5
+        )
+    failed = template(tools, "--set", "target.configStaleMaxSeconds=-1", check=False)
+    assert failed.returncode != 0 and "configStaleMaxSeconds" in failed.stderr

@@ -183,6 +183,7 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $_ := set $s "SPECWIRE_DTYPE" ($v.dtype | default (ternary "bfloat16" "float32" (eq $gpu "true"))) -}}
 {{- with include "specwire.configAddress" $root -}}
 {{- $_ := set $s "SPECWIRE_CONFIG_ADDRESS" . -}}
+{{- $_ := set $s "SPECWIRE_CONFIG_STALE_MAX" (toString $v.configStaleMaxSeconds) -}}
 {{- end -}}
 {{- with include "specwire.draftAddress" $root -}}
 {{- $_ := set $s "SPECWIRE_DRAFT_ADDRESS" . -}}
@@ -260,7 +261,7 @@ the password never shows on the command line. */ -}}
 {{- if eq .component "target" -}}
 {{- $args = concat $args (list "--device" "$(SPECWIRE_DEVICE)" "--dtype" "$(SPECWIRE_DTYPE)") -}}
 {{- if hasKey $settings "SPECWIRE_CONFIG_ADDRESS" -}}
-{{- $args = concat $args (list "--config-address" "$(SPECWIRE_CONFIG_ADDRESS)") -}}
+{{- $args = concat $args (list "--config-address" "$(SPECWIRE_CONFIG_ADDRESS)" "--config-stale-max" "$(SPECWIRE_CONFIG_STALE_MAX)") -}}
 {{- end -}}
 {{- if hasKey $settings "SPECWIRE_DRAFT_ADDRESS" -}}
 {{- $args = concat $args (list "--draft-address" "$(SPECWIRE_DRAFT_ADDRESS)") -}}
