@@ -17,7 +17,7 @@ from pathlib import Path
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.config_service.backup import backup, restore
 from specwire.config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_EXTRA_BYTES, ConfigServicer
-from specwire.config_service.storage import ConfigStore
+from specwire.config_service.storage import open_store
 from specwire.errors import SpecwireError
 from specwire.paths import default_registry
 from specwire.serving import (
@@ -45,8 +45,9 @@ def build_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
 ) -> GrpcServer:
-    """A ready-to-start config server over the SQLite file `db` (size caps: see `ConfigServicer`)."""
-    store = ConfigStore(db)
+    """A ready-to-start config server over `db`, a SQLite file or a `postgresql://` URL (size caps: see
+    `ConfigServicer`)."""
+    store = open_store(db)
     servicer = ConfigServicer(store, max_config_bytes, max_extra_bytes)
     binding = ServiceBinding(pb_grpc.add_ConfigServiceServicer_to_server, servicer, SERVICE_NAME)
     return GrpcServer(

@@ -147,8 +147,9 @@ def test_delete(registry):
     assert registry.delete("gone", expected_version=2) == 2
     expect_code(grpc.StatusCode.NOT_FOUND, registry.get, "gone")
     expect_code(grpc.StatusCode.NOT_FOUND, registry.delete, "gone")
-    registry.create("gone", {})  # the name is free again, starting at version 1
-    assert registry.get("gone:latest").version == 1
+    # The name is free again, but its numbers are not: `gone@1` and `gone@2` stay the deleted configs.
+    assert registry.create("gone", {}).version == 3
+    assert registry.get("gone:latest").version == 3
     expect_code(grpc.StatusCode.NOT_FOUND, registry.get, "gone:prod")
 
 
