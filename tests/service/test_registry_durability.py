@@ -189,9 +189,11 @@ class Writer(threading.Thread):
             self.versions[name][version] = n
 
 
-def test_kill_9_during_a_write_storm_loses_no_acknowledged_write(tmp_path):
-    db, port = tmp_path / "registry.db", free_port()
-    args = ["specwire.config_service", "--port", str(port), "--db", str(db)]
+def test_kill_9_during_a_write_storm_loses_no_acknowledged_write(registry_db):
+    # On both backends: on PostgreSQL the registry process dies with transactions open on its connections.
+    db, port = registry_db, free_port()
+    sqlite = not db.startswith("postgresql://")
+    args = ["specwire.config_service", "--port", str(port), "--db", db]
     with subprocess_server(args, port, "specwire.config.v1.ConfigService") as process:
         writers = [Writer(f"127.0.0.1:{port}", i) for i in range(4)]
         for writer in writers:
@@ -203,7 +205,7 @@ def test_kill_9_during_a_write_storm_loses_no_acknowledged_write(tmp_path):
             writer.join(15)
             assert not writer.is_alive()
     assert sum(w.count for w in writers) > 20, "the storm wrote too little to mean anything"
-    assert integrity(db) == ["ok"]
+    assert not sqlite or integrity(db) == ["ok"]
     with subprocess_server(args, port, "specwire.config.v1.ConfigService"):
         with ConfigClient(f"127.0.0.1:{port}") as client:
             for writer in writers:
@@ -214,4 +216,4 @@ def test_kill_9_during_a_write_storm_loses_no_acknowledged_write(tmp_path):
                         assert client.get(f"{name}@{version}").config.max_new_tokens == n
                 for name, allowed in writer.tags.items():
                     assert client.get(f"{name}:prod").version in allowed
-    assert integrity(db) == ["ok"]
+    assert not sqlite or integrity(db) == ["ok"]

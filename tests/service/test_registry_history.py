@@ -38,11 +38,6 @@ class _CallerFromMetadata(grpc.aio.ServerInterceptor):
 
 
 @pytest.fixture
-def registry_db(tmp_path):
-    return str(tmp_path / "registry.db")
-
-
-@pytest.fixture
 def registry_server(registry_db):
     def build():
         server = build_server(registry_db)

@@ -30,7 +30,13 @@ def is_postgres_url(db: str) -> bool:
 def open_store(db: str) -> RegistryStore:
     """The registry store `--db` names: PostgreSQL for a `postgresql://` URL, else the SQLite file."""
     if is_postgres_url(db):
-        raise FailedPrecondition(f"--db {db.split('://')[0]}://...: PostgreSQL is not supported by this release")
+        try:
+            from specwire.config_service.storage.postgres import PostgresStore
+        except ImportError as exc:
+            raise FailedPrecondition(
+                f"--db is a PostgreSQL URL but psycopg is not installed ({exc}): pip install 'specwire[postgres]'"
+            ) from exc
+        return PostgresStore(db)
     return SQLiteStore(db)
 
 

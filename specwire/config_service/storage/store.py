@@ -92,20 +92,20 @@ def when(at: float, by: str | None) -> str:
     return f"at {stamp} by {by or 'unknown'}"
 
 
-# History rows from both tables in one shape, newest first. `kind` orders a version before a tag move
-# written in the same instant; `key` is the version number or the tag move's id.
+# History rows from both tables in one shape, newest first. `event_kind` orders a version before a tag move
+# written in the same instant; `event_key` is the version number or the tag move's id.
 _HISTORY = """
 SELECT * FROM (
-    SELECT 1 AS kind, version AS key, created_at AS at, author, version, deleted_at, deleted_by,
-           '' AS tag, NULL AS old_version, NULL AS new_version
+    SELECT 1 AS event_kind, version AS event_key, created_at AS event_at, author, version, deleted_at,
+           deleted_by, '' AS tag, NULL AS old_version, NULL AS new_version
     FROM versions WHERE name = ?
     UNION ALL
-    SELECT 0 AS kind, id AS key, moved_at AS at, author, NULL AS version, NULL AS deleted_at,
+    SELECT 0 AS event_kind, id AS event_key, moved_at AS event_at, author, NULL AS version, NULL AS deleted_at,
            NULL AS deleted_by, tag, old_version, new_version
     FROM tag_moves WHERE name = ?
 ) AS history
-WHERE at < ? OR (at = ? AND (kind < ? OR (kind = ? AND key < ?)))
-ORDER BY at DESC, kind DESC, key DESC
+WHERE event_at < ? OR (event_at = ? AND (event_kind < ? OR (event_kind = ? AND event_key < ?)))
+ORDER BY event_at DESC, event_kind DESC, event_key DESC
 LIMIT ?
 """
 
@@ -236,8 +236,8 @@ class RegistryStore:
             rows = self._q(db, _HISTORY, (name, name, at, at, kind, kind, key, page_size + 1)).fetchall()
         entries = [
             HistoryEntry(
-                kind="version" if r["kind"] == 1 else "tag",
-                at=r["at"],
+                kind="version" if r["event_kind"] == 1 else "tag",
+                at=r["event_at"],
                 author=r["author"],
                 version=r["version"],
                 deleted_at=r["deleted_at"],
@@ -251,7 +251,7 @@ class RegistryStore:
         next_token = ""
         if len(rows) > page_size:
             last = rows[page_size - 1]
-            next_token = encode_page_token(json.dumps([last["at"], last["kind"], last["key"]]))
+            next_token = encode_page_token(json.dumps([last["event_at"], last["event_kind"], last["event_key"]]))
         return entries, next_token
 
     # --- writes --------------------------------------------------------------------------------
@@ -265,9 +265,9 @@ class RegistryStore:
         author: str = "",
     ) -> StoredConfig:
         """Store the first version of a new name: 1, or N + 1 for a name deleted at version N."""
-        now = time.time()
         with self._write() as db:
             row = self._config_row(db, name, lock=True)
+            now = self._now(db, name)
             if row is not None and row["deleted_at"] is None:
                 raise AlreadyExists(
                     f"config {name!r} already exists; add a version with `specwire config update` (UpdateConfig)"
@@ -304,10 +304,10 @@ class RegistryStore:
         author: str = "",
     ) -> StoredConfig:
         """Store the next version of a live name (optimistic concurrency on `expected_version`)."""
-        now = time.time()
         with self._write() as db:
             row = self._config_row(db, name, lock=True)  # the lock serializes version numbering across replicas
             self._live(name, row, "create it with `specwire config create` (CreateConfig)")
+            now = self._now(db, name)
             latest = row["latest_version"]
             if expected_version is not None and expected_version != latest:
                 raise Aborted(
@@ -322,6 +322,20 @@ class RegistryStore:
             self._insert_version(db, name, latest + 1, config, labels, warnings, author, now)
             self._q(db, "UPDATE configs SET latest_version = ? WHERE name = ?", (latest + 1, name))
         return self.get(name, latest + 1)
+
+    def _now(self, db: Any, name: str) -> float:
+        """The time of a write to `name`, taken under its row lock: later than every event already in its
+        history, so the history's order is the order of the writes even when replicas' clocks differ."""
+        row = self._q(
+            db,
+            "SELECT MAX(t) AS t FROM ("
+            "SELECT MAX(created_at) AS t FROM versions WHERE name = ? "
+            "UNION ALL SELECT MAX(deleted_at) AS t FROM versions WHERE name = ? "
+            "UNION ALL SELECT MAX(moved_at) AS t FROM tag_moves WHERE name = ?) AS times",
+            (name, name, name),
+        ).fetchone()
+        now = time.time()
+        return now if row["t"] is None else max(now, row["t"] + 1e-6)
 
     def _insert_version(self, db, name, version, config, labels, warnings, author, now) -> None:
         self._q(
@@ -342,10 +356,10 @@ class RegistryStore:
     def delete(self, name: str, expected_version: int | None = None, author: str = "") -> int:
         """Delete a name: its versions become tombstones, its tags go (each removal kept in the tag
         history), its version counter stays. Returns how many live versions were deleted."""
-        now = time.time()
         with self._write() as db:
             row = self._config_row(db, name, lock=True)
             self._live(name, row, "list the registry with `specwire config list` (ListConfigs)")
+            now = self._now(db, name)
             if expected_version is not None and expected_version != row["latest_version"]:
                 raise Aborted(
                     f"config {name!r} is at version {row['latest_version']}, not the expected {expected_version}"
@@ -366,10 +380,10 @@ class RegistryStore:
 
     def set_tag(self, name: str, tag: str, version: int, author: str = "") -> StoredConfig:
         """Point `tag` at a live `version`, moving it if it exists; the move is kept in the history."""
-        now = time.time()
         with self._write() as db:
             row = self._config_row(db, name, lock=True)
             self._live(name, row, "list the registry with `specwire config list` (ListConfigs)")
+            now = self._now(db, name)
             self._version_row(db, name, version, row["latest_version"])
             old = self._q(db, "SELECT version FROM tags WHERE name = ? AND tag = ?", (name, tag)).fetchone()
             old_version = None if old is None else old["version"]
