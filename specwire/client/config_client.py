@@ -259,6 +259,12 @@ class ConfigClient:
         return ConfigRecord.from_proto(self.stub.SetTag(request, timeout=self.timeout).record)
 
     @raises_rpc_errors
+    def delete_tag(self, name: str, tag: str) -> int:
+        """Remove `name:tag`; returns the version it pointed at (the removal stays in the history)."""
+        request = pb.DeleteTagRequest(name=name, tag=tag)
+        return self.stub.DeleteTag(request, timeout=self.timeout).version
+
+    @raises_rpc_errors
     def validate(self, config: Any, strict: bool = False, *, allow_custom: bool = False) -> ValidationResult:
         """Check a config without storing it."""
         request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict, allow_custom=allow_custom)
@@ -385,6 +391,11 @@ class AsyncConfigClient:
     async def set_tag(self, name: str, tag: str, version: int) -> ConfigRecord:
         request = pb.SetTagRequest(name=name, tag=tag, version=version)
         return ConfigRecord.from_proto((await self.stub.SetTag(request, timeout=self.timeout)).record)
+
+    @raises_rpc_errors
+    async def delete_tag(self, name: str, tag: str) -> int:
+        request = pb.DeleteTagRequest(name=name, tag=tag)
+        return (await self.stub.DeleteTag(request, timeout=self.timeout)).version
 
     @raises_rpc_errors
     async def validate(self, config: Any, strict: bool = False, *, allow_custom: bool = False) -> ValidationResult:

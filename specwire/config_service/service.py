@@ -278,6 +278,15 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         return pb.SetTagResponse(record=record_to_proto(record))
 
     @handles_errors
+    async def DeleteTag(self, request: pb.DeleteTagRequest, context) -> pb.DeleteTagResponse:
+        name = check_name(request.name)
+        tag = check_tag(request.tag)
+        author = current_caller()
+        version = await self._run(self.store.delete_tag, name, tag, author)
+        log.info("untagged %s:%s (was version %d, by %s)", name, tag, version, author)
+        return pb.DeleteTagResponse(version=version)
+
+    @handles_errors
     async def ValidateConfig(self, request: pb.ValidateConfigRequest, context) -> pb.ValidateConfigResponse:
         self._check_size(request.config)
         violations = await self._check(self._validated, request.config, request.strict, request.allow_custom)

@@ -307,6 +307,8 @@ def test_grpcurl_lists_describes_and_calls_through_reflection(tmp_path, grpcurl)
             "ValidateConfig",
             "ImportConfig",
             "ExportConfig",
+            "DeleteTag",
+            "ListConfigHistory",
         ]:
             assert f"specwire.config.v1.ConfigService.{rpc}" in methods
         assert "temperature" in run(server.address, "describe", "specwire.config.v1.GenerationConfig")

@@ -133,6 +133,23 @@ def test_history_lists_versions_tag_moves_and_tombstones_newest_first(registry):
     expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.history_page, "chat", page_token="bm90LWpzb24=")
 
 
+def test_delete_tag_removes_a_tag_and_keeps_the_removal(registry):
+    registry.create("chat", {"max_new_tokens": 1})
+    registry.set_tag("chat", "prod", 1)
+    assert registry.delete_tag("chat", "prod") == 1
+    err = expect_code(grpc.StatusCode.NOT_FOUND, registry.get, "chat:prod")
+    assert "no tag 'prod'" in err.message
+    assert registry.get("chat@1").tags == []
+    moves = registry.history("chat").tag_moves
+    assert [(m.tag, m.old_version, m.new_version) for m in moves] == [("prod", 1, None), ("prod", None, 1)]
+    expect_code(grpc.StatusCode.NOT_FOUND, registry.delete_tag, "chat", "prod")
+    expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.delete_tag, "chat", "latest")
+    expect_code(grpc.StatusCode.NOT_FOUND, registry.delete_tag, "ghost", "prod")
+    registry.set_tag("chat", "prod", 1)
+    registry.delete("chat")
+    assert "deleted" in expect_code(grpc.StatusCode.NOT_FOUND, registry.delete_tag, "chat", "prod").message
+
+
 def test_every_write_records_its_author(registry_server):
     with ConfigClient(registry_server.address) as client:
         stub, meta = client.stub, (("x-test-caller", "admin:alice"),)
@@ -190,6 +207,13 @@ def test_cli_history_table_and_json(registry_server, capsys):
 
     assert cli_main(["config", "--address", address, "get", "chat", "--as-json"]) == 0
     assert json.loads(capsys.readouterr().out)["author"] == "anonymous"
+
+    assert cli_main(["config", "--address", address, "tag", "chat", "canary", "3"]) == 0
+    capsys.readouterr()
+    assert cli_main(["config", "--address", address, "untag", "chat", "canary"]) == 0
+    assert capsys.readouterr().out.strip() == "removed chat:canary (it pointed at version 3)"
+    assert cli_main(["config", "--address", address, "history", "chat"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].endswith("tag canary: 3 -> removed")
 
 
 def _write_schema_1_database(path) -> None:

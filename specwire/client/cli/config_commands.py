@@ -1,5 +1,5 @@
 """`specwire config ...`: the config registry's commands (create, get, list, update, delete, tag, validate,
-import, export, history) and their parsers."""
+import, export, history, untag) and their parsers."""
 
 from __future__ import annotations
 
@@ -130,6 +130,9 @@ def config_command(args) -> int:
             print(f"deleted {client.delete(args.name, args.expected_version)} version(s) of {args.name}")
         elif cmd == "tag":
             _print_record(client.set_tag(args.name, args.tag, args.version), args.as_json)
+        elif cmd == "untag":
+            version = client.delete_tag(args.name, args.tag)
+            print(f"removed {args.name}:{args.tag} (it pointed at version {version})")
         elif cmd == "validate":
             result = client.validate(_config_from_args(args), strict=args.strict, allow_custom=args.allow_custom)
             for v in result.violations:
@@ -191,6 +194,9 @@ def add_config_parser(sub: Any) -> None:
     p.add_argument("tag")
     p.add_argument("version", type=int)
     _json_flag(p)
+    p = add_command(cfg_sub, "untag", help="remove NAME:TAG (kept in the history)")
+    p.add_argument("name")
+    p.add_argument("tag")
     p = add_command(cfg_sub, "validate", help="check a config without storing it")
     _config_source(p)
     _checks(p)

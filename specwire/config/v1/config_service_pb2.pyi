@@ -157,6 +157,20 @@ class SetTagResponse(_message.Message):
     record: ConfigRecord
     def __init__(self, record: _Optional[_Union[ConfigRecord, _Mapping]] = ...) -> None: ...
 
+class DeleteTagRequest(_message.Message):
+    __slots__ = ("name", "tag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tag: str
+    def __init__(self, name: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
+
+class DeleteTagResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
 class ValidateConfigRequest(_message.Message):
     __slots__ = ("config", "strict", "allow_custom")
     CONFIG_FIELD_NUMBER: _ClassVar[int]

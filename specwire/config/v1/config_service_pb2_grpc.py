@@ -69,6 +69,11 @@ class ConfigServiceStub:
                 request_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.SetTagRequest.SerializeToString,
                 response_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.SetTagResponse.FromString,
                 _registered_method=True)
+        self.DeleteTag = channel.unary_unary(
+                '/specwire.config.v1.ConfigService/DeleteTag',
+                request_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagRequest.SerializeToString,
+                response_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagResponse.FromString,
+                _registered_method=True)
         self.ValidateConfig = channel.unary_unary(
                 '/specwire.config.v1.ConfigService/ValidateConfig',
                 request_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ValidateConfigRequest.SerializeToString,
@@ -138,7 +143,14 @@ class ConfigServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetTag(self, request, context):
-        """Points a tag at a version (moving it if it exists).
+        """Points a tag at a version (moving it if it exists); the move is kept in the history.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTag(self, request, context):
+        """Removes a tag (`name:TAG` is NOT_FOUND afterwards); the removal is kept in the history.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,6 +217,11 @@ def add_ConfigServiceServicer_to_server(servicer, server):
                     servicer.SetTag,
                     request_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.SetTagRequest.FromString,
                     response_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.SetTagResponse.SerializeToString,
+            ),
+            'DeleteTag': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTag,
+                    request_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagRequest.FromString,
+                    response_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagResponse.SerializeToString,
             ),
             'ValidateConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.ValidateConfig,
@@ -393,6 +410,33 @@ class ConfigService:
             '/specwire.config.v1.ConfigService/SetTag',
             specwire_dot_config_dot_v1_dot_config__service__pb2.SetTagRequest.SerializeToString,
             specwire_dot_config_dot_v1_dot_config__service__pb2.SetTagResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTag(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specwire.config.v1.ConfigService/DeleteTag',
+            specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagRequest.SerializeToString,
+            specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -397,6 +397,19 @@ class RegistryStore:
                 self._tag_moved(db, name, tag, old_version, version, author, now)
         return self.get(name, version)
 
+    def delete_tag(self, name: str, tag: str, author: str = "") -> int:
+        """Remove `tag` of a live config; the removal is kept in the history. Returns the version it named."""
+        with self._write() as db:
+            row = self._config_row(db, name, lock=True)
+            self._live(name, row, "list the registry with `specwire config list` (ListConfigs)")
+            now = self._now(db, name)
+            old = self._q(db, "SELECT version FROM tags WHERE name = ? AND tag = ?", (name, tag)).fetchone()
+            if old is None:
+                raise NotFound(f"config {name!r} has no tag {tag!r}; its history: `specwire config history {name}`")
+            self._q(db, "DELETE FROM tags WHERE name = ? AND tag = ?", (name, tag))
+            self._tag_moved(db, name, tag, old["version"], None, author, now)
+        return old["version"]
+
     def _tag_moved(self, db, name, tag, old_version, new_version, author, now) -> None:
         self._q(
             db,
