@@ -134,6 +134,7 @@ def test_list_prefix_and_pagination(registry):
     assert registry.list(prefix="zzz") == []
     # LIKE wildcards in a prefix are literal.
     assert registry.list(prefix="a_") == [] and registry.list(prefix="%") == []
+    assert registry.list(prefix="A-") == []  # names are case-sensitive, on every backend
     expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.list_page, page_size=-1)
     expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.list_page, page_size=5000)
     expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.list_page, page_token="%%%not-base64")

@@ -128,7 +128,8 @@ class ConfigServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListConfigs(self, request, context):
-        """Lists the latest version of each config whose name starts with `prefix`, by name.
+        """Lists the latest version of each live (not deleted) config whose name starts with `prefix`, by name
+        (byte order, case-sensitive).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
