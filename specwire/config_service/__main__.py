@@ -1,7 +1,8 @@
 """`config-service`: the GenerationConfig registry server.
 
 Usage:
-    config-service --host 127.0.0.1 --port 50051 --db registry.db   # serve
+    config-service --host 127.0.0.1 --port 50051 --db registry.db   # serve (SQLite, the default)
+    SPECWIRE_DB=postgresql://user:pass@db:5432/registry config-service --host 0.0.0.0   # PostgreSQL
     config-service backup PATH --db registry.db                     # safe while serving
     config-service restore PATH --db registry.db [--force]          # with the service stopped
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sqlite3
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.config_service.backup import backup, restore
 from specwire.config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_EXTRA_BYTES, ConfigServicer
-from specwire.config_service.storage import ConfigStore
+from specwire.config_service.storage import RegistryStore, is_postgres_url, open_store
 from specwire.errors import SpecwireError
 from specwire.paths import default_registry
 from specwire.serving import (
@@ -32,8 +34,36 @@ from specwire.serving import (
 from specwire.telemetry import setup_telemetry
 
 SERVICE_NAME = "specwire.config.v1.ConfigService"
+# `--db` when the flag is not given: a URL with a password then comes from a secret, not the command line.
+DB_ENV = "SPECWIRE_DB"
 # Registry calls are short; this bounds the memory of a burst (every call holds its request).
 DEFAULT_MAX_CONCURRENT_RPCS = 256
+
+
+class RegistryServer(GrpcServer):
+    """A `GrpcServer` that closes the registry's database once stopped (PostgreSQL: its connection pool).
+
+    Args:
+        store (`RegistryStore`): the database the servicer uses.
+        *args, **kwargs: those of `GrpcServer`.
+    """
+
+    def __init__(self, store: RegistryStore, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.store = store
+
+    async def stop(self, grace: float | None = None) -> None:
+        await super().stop(grace)
+        self.store.close()
+
+
+def describe_db(db: str) -> str:
+    """`--db` as logs may show it: a PostgreSQL URL without its password."""
+    if is_postgres_url(db):
+        from specwire.config_service.storage.postgres import redacted
+
+        return redacted(db)
+    return db
 
 
 def build_server(
@@ -46,11 +76,13 @@ def build_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
 ) -> GrpcServer:
-    """A ready-to-start config server over the SQLite file `db` (size caps: see `ConfigServicer`)."""
-    store = ConfigStore(db)
+    """A ready-to-start config server over `db`, a SQLite file or a `postgresql://` URL (size caps: see
+    `ConfigServicer`)."""
+    store = open_store(db)
     servicer = ConfigServicer(store, max_config_bytes, max_extra_bytes)
     binding = ServiceBinding(pb_grpc.add_ConfigServiceServicer_to_server, servicer, SERVICE_NAME)
-    return GrpcServer(
+    return RegistryServer(
+        store,
         [binding],
         host=host,
         port=port,
@@ -63,8 +95,11 @@ def build_server(
 def _db_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--db",
-        default=str(default_registry()),
-        help="SQLite file, created if missing (default: %(default)s; SPECWIRE_HOME moves it)",
+        default=os.environ.get(DB_ENV) or str(default_registry()),
+        help="the registry database: a SQLite file, created if missing, or a PostgreSQL URL "
+        "postgresql://USER:PASSWORD@HOST:PORT/DATABASE (needs the `postgres` extra) for several replicas "
+        f"(env {DB_ENV}, which keeps a password off the command line; default: {default_registry()}; "
+        "SPECWIRE_HOME moves it)",
     )
 
 
@@ -80,6 +115,15 @@ def copy_main(command: str, argv: list[str]) -> None:
     _db_argument(parser)
     parser.add_argument("--force", action="store_true", help="replace the file written to if it exists")
     args = parser.parse_args(argv)
+    if is_postgres_url(args.db):
+        sys.exit(
+            f"config-service {command}: the registry is in PostgreSQL ({describe_db(args.db)}): "
+            + (
+                "back it up with pg_dump, e.g. `pg_dump --format=custom --file PATH DATABASE_URL`"
+                if command == "backup"
+                else "restore it with pg_restore, e.g. `pg_restore --clean --dbname DATABASE_URL PATH`"
+            )
+        )
     try:
         if command == "backup":
             backup(args.db, args.path, force=args.force)
@@ -123,18 +167,22 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     check_transport_security("config-service")  # TLS settings that fail closed, before the registry opens
     setup_telemetry("specwire-config")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
-    Path(args.db).parent.mkdir(parents=True, exist_ok=True)
-    server = build_server(
-        args.db,
-        args.host,
-        args.port,
-        args.grace,
-        args.max_config_bytes,
-        args.max_extra_bytes,
-        args.max_message_bytes,
-        args.max_concurrent_rpcs,
-    )
-    logging.getLogger("specwire.config_service").info("registry database: %s", args.db)
+    if not is_postgres_url(args.db):
+        Path(args.db).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        server = build_server(
+            args.db,
+            args.host,
+            args.port,
+            args.grace,
+            args.max_config_bytes,
+            args.max_extra_bytes,
+            args.max_message_bytes,
+            args.max_concurrent_rpcs,
+        )
+    except SpecwireError as exc:  # an unreachable database, a newer schema: one line, not a traceback
+        sys.exit(f"config-service: {exc}")
+    logging.getLogger("specwire.config_service").info("registry database: %s", describe_db(args.db))
     run_until_signal(server, "config-service")
 
 

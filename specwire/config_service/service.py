@@ -17,10 +17,17 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from specwire.config.v1 import config_service_pb2 as pb
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.config_service.refs import ConfigRef, check_name, check_tag
-from specwire.config_service.storage import ConfigStore, StoredConfig, decode_page_token
+from specwire.config_service.storage import (
+    HistoryEntry,
+    RegistryStore,
+    StoredConfig,
+    decode_history_token,
+    decode_page_token,
+)
 from specwire.errors import FieldProblem, InvalidArgument, NotFound, Unavailable
 from specwire.generation.config import GenerationConfig, raise_for_errors, unknown_keys
 from specwire.pools import eager_thread_pool
+from specwire.security.identity import current_caller
 from specwire.serving import handles_errors
 from specwire.wire.common import violation_to_proto
 from specwire.wire.generation_config import (
@@ -77,9 +84,14 @@ def _config_from_request(message: Any, field: str = "config") -> GenerationConfi
         raise InvalidArgument.for_field(f"{field}.{exc.field}", exc.value, exc.message) from exc
 
 
+def _timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
 def record_to_proto(record: StoredConfig) -> pb.ConfigRecord:
-    created = Timestamp()
-    created.FromNanoseconds(int(record.created_at * 1e9))
+    created = _timestamp(record.created_at)
     warnings = [violation_to_proto(FieldProblem(**w)) for w in record.warnings]
     return pb.ConfigRecord(
         name=record.name,
@@ -90,7 +102,31 @@ def record_to_proto(record: StoredConfig) -> pb.ConfigRecord:
         warnings=warnings,
         create_time=created,
         latest_version=record.latest_version,
+        author=record.author,
     )
+
+
+def history_entry_to_proto(entry: HistoryEntry) -> pb.ConfigHistoryEntry:
+    message = pb.ConfigHistoryEntry(time=_timestamp(entry.at), author=entry.author)
+    if entry.kind == "version":
+        message.version.version = entry.version or 0
+        if entry.deleted_at is not None:
+            message.version.deleted = True
+            message.version.delete_time.CopyFrom(_timestamp(entry.deleted_at))
+            message.version.deleted_by = entry.deleted_by or ""
+    else:
+        message.tag_move.tag = entry.tag
+        if entry.old_version is not None:
+            message.tag_move.old_version = entry.old_version
+        if entry.new_version is not None:
+            message.tag_move.new_version = entry.new_version
+    return message
+
+
+def _page_size(page_size: int) -> int:
+    if page_size < 0 or page_size > MAX_PAGE_SIZE:
+        raise InvalidArgument.for_field("page_size", page_size, f"use 1-{MAX_PAGE_SIZE}, or 0 for {DEFAULT_PAGE_SIZE}")
+    return page_size or DEFAULT_PAGE_SIZE
 
 
 def _check_labels(labels: dict[str, str]) -> dict[str, str]:
@@ -101,10 +137,13 @@ def _check_labels(labels: dict[str, str]) -> dict[str, str]:
 
 
 class ConfigServicer(pb_grpc.ConfigServiceServicer):
-    """The ConfigService RPCs over a `ConfigStore`.
+    """The ConfigService RPCs over a registry store.
+
+    Every write records its author: `current_caller()` is read in the RPC's coroutine, where the
+    server's authorization set it (a context variable does not reach the storage threads).
 
     Args:
-        store (`ConfigStore`): the SQLite registry.
+        store (`RegistryStore`): the registry's database (SQLite or PostgreSQL).
         max_config_bytes (`int`, defaults to 256 KiB): size of one config (its wire form, or the JSON text
             of ImportConfig); a bigger one is refused with INVALID_ARGUMENT before it is parsed
             (`--max-config-bytes`).
@@ -115,7 +154,7 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
 
     def __init__(
         self,
-        store: ConfigStore,
+        store: RegistryStore,
         max_config_bytes: int = DEFAULT_MAX_CONFIG_BYTES,
         max_extra_bytes: int = DEFAULT_MAX_EXTRA_BYTES,
         workers: int = 2,
@@ -184,8 +223,11 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         config, warnings = await self._check(
             self._parsed, request.config, "config", request.strict, request.allow_custom
         )
-        record = await self._run(self.store.create, name, config.to_dict(), _check_labels(request.labels), warnings)
-        log.info("created %s@1", name)
+        author = current_caller()
+        record = await self._run(
+            self.store.create, name, config.to_dict(), _check_labels(request.labels), warnings, author
+        )
+        log.info("created %s@%d (by %s)", name, record.version, author)
         return pb.CreateConfigResponse(record=record_to_proto(record))
 
     @handles_errors
@@ -203,28 +245,25 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         )
         expected = request.expected_version if request.HasField("expected_version") else None
         labels = _check_labels(request.labels) if request.labels else None
-        record = await self._run(self.store.add_version, name, config.to_dict(), labels, warnings, expected)
-        log.info("updated %s -> version %d", name, record.version)
+        author = current_caller()
+        record = await self._run(self.store.add_version, name, config.to_dict(), labels, warnings, expected, author)
+        log.info("updated %s -> version %d (by %s)", name, record.version, author)
         return pb.UpdateConfigResponse(record=record_to_proto(record))
 
     @handles_errors
     async def ListConfigs(self, request: pb.ListConfigsRequest, context) -> pb.ListConfigsResponse:
-        if request.page_size < 0 or request.page_size > MAX_PAGE_SIZE:
-            raise InvalidArgument.for_field(
-                "page_size", request.page_size, f"use 1-{MAX_PAGE_SIZE}, or 0 for {DEFAULT_PAGE_SIZE}"
-            )
+        page_size = _page_size(request.page_size)
         after = decode_page_token(request.page_token) if request.page_token else ""
-        records, next_token = await self._run(
-            self.store.list, request.prefix, request.page_size or DEFAULT_PAGE_SIZE, after
-        )
+        records, next_token = await self._run(self.store.list, request.prefix, page_size, after)
         return pb.ListConfigsResponse(records=[record_to_proto(r) for r in records], next_page_token=next_token)
 
     @handles_errors
     async def DeleteConfig(self, request: pb.DeleteConfigRequest, context) -> pb.DeleteConfigResponse:
         name = check_name(request.name)
         expected = request.expected_version if request.HasField("expected_version") else None
-        count = await self._run(self.store.delete, name, expected)
-        log.info("deleted %s (%d versions)", name, count)
+        author = current_caller()
+        count = await self._run(self.store.delete, name, expected, author)
+        log.info("deleted %s (%d versions, by %s)", name, count, author)
         return pb.DeleteConfigResponse(deleted_versions=count)
 
     @handles_errors
@@ -233,8 +272,19 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         tag = check_tag(request.tag)
         if request.version < 1:
             raise InvalidArgument.for_field("version", request.version, "versions start at 1")
-        record = await self._run(self.store.set_tag, name, tag, request.version)
+        author = current_caller()
+        record = await self._run(self.store.set_tag, name, tag, request.version, author)
+        log.info("tagged %s:%s -> version %d (by %s)", name, tag, request.version, author)
         return pb.SetTagResponse(record=record_to_proto(record))
+
+    @handles_errors
+    async def DeleteTag(self, request: pb.DeleteTagRequest, context) -> pb.DeleteTagResponse:
+        name = check_name(request.name)
+        tag = check_tag(request.tag)
+        author = current_caller()
+        version = await self._run(self.store.delete_tag, name, tag, author)
+        log.info("untagged %s:%s (was version %d, by %s)", name, tag, version, author)
+        return pb.DeleteTagResponse(version=version)
 
     @handles_errors
     async def ValidateConfig(self, request: pb.ValidateConfigRequest, context) -> pb.ValidateConfigResponse:
@@ -268,10 +318,14 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         config, warnings = await self._check(self._parsed_values, values)
         config_to_proto_or_invalid(config, source)  # stored configs must be readable over the wire
         labels = _check_labels(request.labels)
+        author = current_caller()
+        # A new version of a live name; else a new config (after a delete, its numbering continues).
         try:
-            record = await self._run(self.store.add_version, name, config.to_dict(), labels or None, warnings)
+            record = await self._run(
+                self.store.add_version, name, config.to_dict(), labels or None, warnings, None, author
+            )
         except NotFound:
-            record = await self._run(self.store.create, name, config.to_dict(), labels, warnings)
+            record = await self._run(self.store.create, name, config.to_dict(), labels, warnings, author)
         log.info("imported %s@%d from %s", name, record.version, source)
         return pb.ImportConfigResponse(record=record_to_proto(record))
 
@@ -281,6 +335,16 @@ class ConfigServicer(pb_grpc.ConfigServiceServicer):
         record = await self._run(self.store.get, ref.name, ref.version, ref.tag)
         text = GenerationConfig.from_dict(record.config).to_json_string()
         return pb.ExportConfigResponse(json=text, name=record.name, version=record.version)
+
+    @handles_errors
+    async def ListConfigHistory(self, request: pb.ListConfigHistoryRequest, context) -> pb.ListConfigHistoryResponse:
+        name = check_name(request.name)
+        page_size = _page_size(request.page_size)
+        after = decode_history_token(request.page_token) if request.page_token else None
+        entries, next_token = await self._run(self.store.history, name, page_size, after)
+        return pb.ListConfigHistoryResponse(
+            entries=[history_entry_to_proto(e) for e in entries], next_page_token=next_token
+        )
 
 
 def read_hub_file(repo_id: str, revision: str = "", filename: str = "") -> str:

@@ -36,7 +36,13 @@ DEFAULT_CLIENT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # broke, generation costs model time and is not repeatable for sampled outputs, and a stream cannot be
 # retried once its first message is out. A method named here that a server lacks is never called.
 IDEMPOTENT_READS: dict[str, tuple[str, ...]] = {
-    "specwire.config.v1.ConfigService": ("GetConfig", "ListConfigs", "ExportConfig", "ValidateConfig"),
+    "specwire.config.v1.ConfigService": (
+        "GetConfig",
+        "ListConfigs",
+        "ListConfigHistory",
+        "ExportConfig",
+        "ValidateConfig",
+    ),
     "specwire.target.v1.TargetService": ("GetModelInfo",),
     "grpc.health.v1.Health": ("Check",),
 }

@@ -1,5 +1,6 @@
-"""ConfigService against a real grpc.aio server on loopback with a real SQLite file: every RPC and
-its error codes, restart persistence, concurrency, Hub import offline, export through transformers."""
+"""ConfigService against a real grpc.aio server on loopback, once on a real SQLite file and once on a
+real PostgreSQL database (the `registry_db` fixture): every RPC and its error codes, restart
+persistence, concurrency, Hub import offline, export through transformers."""
 
 from __future__ import annotations
 
@@ -22,9 +23,8 @@ from tests.servers import free_port, subprocess_server, threaded_server
 
 
 @pytest.fixture
-def registry(tmp_path):
-    db = tmp_path / "registry.db"
-    with threaded_server(lambda: build_server(str(db))) as server:
+def registry(registry_db):
+    with threaded_server(lambda: build_server(registry_db)) as server:
         with ConfigClient(server.address) as client:
             yield client
 
@@ -134,6 +134,7 @@ def test_list_prefix_and_pagination(registry):
     assert registry.list(prefix="zzz") == []
     # LIKE wildcards in a prefix are literal.
     assert registry.list(prefix="a_") == [] and registry.list(prefix="%") == []
+    assert registry.list(prefix="A-") == []  # names are case-sensitive, on every backend
     expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.list_page, page_size=-1)
     expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.list_page, page_size=5000)
     expect_code(grpc.StatusCode.INVALID_ARGUMENT, registry.list_page, page_token="%%%not-base64")
@@ -147,8 +148,9 @@ def test_delete(registry):
     assert registry.delete("gone", expected_version=2) == 2
     expect_code(grpc.StatusCode.NOT_FOUND, registry.get, "gone")
     expect_code(grpc.StatusCode.NOT_FOUND, registry.delete, "gone")
-    registry.create("gone", {})  # the name is free again, starting at version 1
-    assert registry.get("gone:latest").version == 1
+    # The name is free again, but its numbers are not: `gone@1` and `gone@2` stay the deleted configs.
+    assert registry.create("gone", {}).version == 3
+    assert registry.get("gone:latest").version == 3
     expect_code(grpc.StatusCode.NOT_FOUND, registry.get, "gone:prod")
 
 
@@ -218,17 +220,17 @@ def test_import_from_hub_offline_cache(tmp_path):
             expect_code(grpc.StatusCode.INVALID_ARGUMENT, client.import_from_hub, "not a valid//repo")
 
 
-def test_survives_restart_and_sigterm(tmp_path):
-    db = tmp_path / "persist.db"
+def test_survives_restart_and_sigterm(registry_db):
     port = free_port()
-    args = ["specwire.config_service", "--port", str(port), "--db", str(db)]
-    with subprocess_server(args, port) as process:
+    # The database comes from SPECWIRE_DB, as a deployment passes a URL with a password.
+    args, env = ["specwire.config_service", "--port", str(port)], {"SPECWIRE_DB": registry_db}
+    with subprocess_server(args, port, env=env) as process:
         with ConfigClient(f"127.0.0.1:{port}") as client:
             client.create("keep", {"max_new_tokens": 11})
             client.update("keep", {"max_new_tokens": 12})
             client.set_tag("keep", "prod", 1)
     assert process.returncode == 0  # SIGTERM -> graceful stop, clean exit
-    with subprocess_server(args, port):
+    with subprocess_server(args, port, env=env):
         with ConfigClient(f"127.0.0.1:{port}") as client:
             assert client.get("keep").config.max_new_tokens == 12
             assert client.get("keep:prod").config.max_new_tokens == 11
@@ -259,8 +261,7 @@ def test_concurrent_updates_never_lose_or_duplicate_versions(registry):
     assert [registry.get(f"race@{v}").version for v in range(1, final.version + 1)] == list(range(1, final.version + 1))
 
 
-def test_async_client(tmp_path):
-    db = tmp_path / "async.db"
+def test_async_client(registry_db):
 
     async def scenario(address: str) -> None:
         async with AsyncConfigClient(address) as client:
@@ -274,7 +275,7 @@ def test_async_client(tmp_path):
             assert (await client.validate({"num_beams": 0})).valid is False
             assert json.loads(await client.export("a"))["max_new_tokens"] == 4
 
-    with threaded_server(lambda: build_server(str(db))) as server:
+    with threaded_server(lambda: build_server(registry_db)) as server:
         asyncio.run(scenario(server.address))
 
 
@@ -307,6 +308,8 @@ def test_grpcurl_lists_describes_and_calls_through_reflection(tmp_path, grpcurl)
             "ValidateConfig",
             "ImportConfig",
             "ExportConfig",
+            "DeleteTag",
+            "ListConfigHistory",
         ]:
             assert f"specwire.config.v1.ConfigService.{rpc}" in methods
         assert "temperature" in run(server.address, "describe", "specwire.config.v1.GenerationConfig")

@@ -1,11 +1,12 @@
 """`specwire config ...`: the config registry's commands (create, get, list, update, delete, tag, validate,
-import, export) and their parsers."""
+import, export, history, untag) and their parsers."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 from .common import (
@@ -38,6 +39,8 @@ def _print_record(record, as_json: bool = False) -> None:
                     "name": record.name,
                     "version": record.version,
                     "latest_version": record.latest_version,
+                    "author": record.author,
+                    "created_at": _iso(record.created_at),
                     "tags": record.tags,
                     "labels": record.labels,
                     "config": record.config.to_dict(),
@@ -48,10 +51,49 @@ def _print_record(record, as_json: bool = False) -> None:
         )
         return
     tags = f"  tags: {', '.join(record.tags)}" if record.tags else ""
-    print(f"{record.name}@{record.version} (latest {record.latest_version}){tags}")
+    author = f"  by {record.author}" if record.author else ""
+    print(f"{record.name}@{record.version} (latest {record.latest_version}){tags}{author}")
     print(json.dumps(record.config.to_dict(), indent=2, sort_keys=True))
     for w in record.warnings:
         print(f"warning: {w.field}: {w.message}", file=sys.stderr)
+
+
+def _iso(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _print_history(history, as_json: bool = False) -> None:
+    """A config's history newest first: a table (TIME, AUTHOR, EVENT), or JSON with `--as-json`."""
+    if as_json:
+        entries = []
+        for e in history.entries:
+            entry = {"kind": e.kind, "time": _iso(e.time), "author": e.author}
+            if e.kind == "version":
+                entry.update(
+                    version=e.version, deleted=e.deleted, deleted_at=_iso(e.deleted_at), deleted_by=e.deleted_by
+                )
+            else:
+                entry.update(tag=e.tag, old_version=e.old_version, new_version=e.new_version)
+            entries.append(entry)
+        print(json.dumps({"name": history.name, "entries": entries}, indent=2))
+        return
+    rows = []
+    for e in history.entries:
+        if e.kind == "version":
+            event = f"version {e.version}"
+            if e.deleted:
+                event += f" (deleted {_iso(e.deleted_at)} by {e.deleted_by})"
+        else:
+            old = "-" if e.old_version is None else e.old_version
+            new = "removed" if e.new_version is None else e.new_version
+            event = f"tag {e.tag}: {old} -> {new}"
+        rows.append((_iso(e.time) or "", e.author, event))
+    width = max([len("AUTHOR")] + [len(r[1]) for r in rows])
+    print(f"{'TIME':<20}  {'AUTHOR':<{width}}  EVENT")
+    for time, author, event in rows:
+        print(f"{time:<20}  {author:<{width}}  {event}")
 
 
 def config_command(args) -> int:
@@ -88,6 +130,9 @@ def config_command(args) -> int:
             print(f"deleted {client.delete(args.name, args.expected_version)} version(s) of {args.name}")
         elif cmd == "tag":
             _print_record(client.set_tag(args.name, args.tag, args.version), args.as_json)
+        elif cmd == "untag":
+            version = client.delete_tag(args.name, args.tag)
+            print(f"removed {args.name}:{args.tag} (it pointed at version {version})")
         elif cmd == "validate":
             result = client.validate(_config_from_args(args), strict=args.strict, allow_custom=args.allow_custom)
             for v in result.violations:
@@ -104,6 +149,8 @@ def config_command(args) -> int:
             _print_record(record, args.as_json)
         elif cmd == "export":
             print(client.export(args.ref))
+        elif cmd == "history":
+            _print_history(client.history(args.name), args.as_json)
     return EXIT_OK
 
 
@@ -135,7 +182,11 @@ def add_config_parser(sub: Any) -> None:
     p.add_argument("--expected-version", type=int, default=None, help="fail unless the latest version is this one")
     _checks(p)
     _json_flag(p)
-    p = add_command(cfg_sub, "delete", help="delete a config and all its versions")
+    p = add_command(
+        cfg_sub,
+        "delete",
+        help="delete a config: its versions become tombstones, their numbers are never reused",
+    )
     p.add_argument("name")
     p.add_argument("--expected-version", type=int, default=None, help="fail unless the latest version is this one")
     p = add_command(cfg_sub, "tag", help="point NAME:TAG at VERSION")
@@ -143,6 +194,9 @@ def add_config_parser(sub: Any) -> None:
     p.add_argument("tag")
     p.add_argument("version", type=int)
     _json_flag(p)
+    p = add_command(cfg_sub, "untag", help="remove NAME:TAG (kept in the history)")
+    p.add_argument("name")
+    p.add_argument("tag")
     p = add_command(cfg_sub, "validate", help="check a config without storing it")
     _config_source(p)
     _checks(p)
@@ -156,6 +210,11 @@ def add_config_parser(sub: Any) -> None:
     _json_flag(p)
     p = add_command(cfg_sub, "export", help="print a version as generation_config.json")
     p.add_argument("ref")
+    p = add_command(
+        cfg_sub, "history", help="versions (deleted ones too) and tag moves of NAME, with who and when, newest first"
+    )
+    p.add_argument("name")
+    _json_flag(p)
 
 
 def _config_source(p: argparse.ArgumentParser) -> None:

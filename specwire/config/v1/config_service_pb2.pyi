@@ -13,7 +13,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ConfigRecord(_message.Message):
-    __slots__ = ("name", "version", "config", "labels", "tags", "warnings", "create_time", "latest_version")
+    __slots__ = ("name", "version", "config", "labels", "tags", "warnings", "create_time", "latest_version", "author")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class ConfigRecord(_message.Message):
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    AUTHOR_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     config: _generation_config_pb2.GenerationConfig
@@ -37,7 +38,8 @@ class ConfigRecord(_message.Message):
     warnings: _containers.RepeatedCompositeFieldContainer[_common_pb2.FieldViolation]
     create_time: _timestamp_pb2.Timestamp
     latest_version: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tags: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., latest_version: _Optional[int] = ...) -> None: ...
+    author: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tags: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., latest_version: _Optional[int] = ..., author: _Optional[str] = ...) -> None: ...
 
 class CreateConfigRequest(_message.Message):
     __slots__ = ("name", "config", "labels", "strict", "allow_custom")
@@ -155,6 +157,20 @@ class SetTagResponse(_message.Message):
     record: ConfigRecord
     def __init__(self, record: _Optional[_Union[ConfigRecord, _Mapping]] = ...) -> None: ...
 
+class DeleteTagRequest(_message.Message):
+    __slots__ = ("name", "tag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tag: str
+    def __init__(self, name: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
+
+class DeleteTagResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
 class ValidateConfigRequest(_message.Message):
     __slots__ = ("config", "strict", "allow_custom")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -223,3 +239,55 @@ class ExportConfigResponse(_message.Message):
     name: str
     version: int
     def __init__(self, json: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ListConfigHistoryRequest(_message.Message):
+    __slots__ = ("name", "page_size", "page_token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    page_size: int
+    page_token: str
+    def __init__(self, name: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListConfigHistoryResponse(_message.Message):
+    __slots__ = ("entries", "next_page_token")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[ConfigHistoryEntry]
+    next_page_token: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[ConfigHistoryEntry, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class ConfigHistoryEntry(_message.Message):
+    __slots__ = ("time", "author", "version", "tag_move")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    AUTHOR_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TAG_MOVE_FIELD_NUMBER: _ClassVar[int]
+    time: _timestamp_pb2.Timestamp
+    author: str
+    version: VersionWritten
+    tag_move: TagMoved
+    def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., author: _Optional[str] = ..., version: _Optional[_Union[VersionWritten, _Mapping]] = ..., tag_move: _Optional[_Union[TagMoved, _Mapping]] = ...) -> None: ...
+
+class VersionWritten(_message.Message):
+    __slots__ = ("version", "deleted", "delete_time", "deleted_by")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    DELETE_TIME_FIELD_NUMBER: _ClassVar[int]
+    DELETED_BY_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    deleted: bool
+    delete_time: _timestamp_pb2.Timestamp
+    deleted_by: str
+    def __init__(self, version: _Optional[int] = ..., deleted: _Optional[bool] = ..., delete_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., deleted_by: _Optional[str] = ...) -> None: ...
+
+class TagMoved(_message.Message):
+    __slots__ = ("tag", "old_version", "new_version")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    OLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    tag: str
+    old_version: int
+    new_version: int
+    def __init__(self, tag: _Optional[str] = ..., old_version: _Optional[int] = ..., new_version: _Optional[int] = ...) -> None: ...

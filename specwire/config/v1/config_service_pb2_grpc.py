@@ -27,8 +27,10 @@ if _version_not_supported:
 
 
 class ConfigServiceStub:
-    """The registry of named, versioned GenerationConfigs. Versions are immutable; tags (e.g. `prod`)
-    point at versions. A reference is `name` (latest), `name@VERSION` or `name:TAG`.
+    """The registry of named, versioned GenerationConfigs. Versions are immutable and their numbers are
+    never reused: `name@N` means one config forever (a deleted version stays NOT_FOUND, never a newer
+    config). Tags (e.g. `prod`) point at versions and move only by SetTag. A reference is `name`
+    (latest), `name@VERSION` or `name:TAG`. Every version and tag move records who made it and when.
     """
 
     def __init__(self, channel):
@@ -67,6 +69,11 @@ class ConfigServiceStub:
                 request_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.SetTagRequest.SerializeToString,
                 response_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.SetTagResponse.FromString,
                 _registered_method=True)
+        self.DeleteTag = channel.unary_unary(
+                '/specwire.config.v1.ConfigService/DeleteTag',
+                request_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagRequest.SerializeToString,
+                response_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagResponse.FromString,
+                _registered_method=True)
         self.ValidateConfig = channel.unary_unary(
                 '/specwire.config.v1.ConfigService/ValidateConfig',
                 request_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ValidateConfigRequest.SerializeToString,
@@ -82,23 +89,32 @@ class ConfigServiceStub:
                 request_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ExportConfigRequest.SerializeToString,
                 response_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ExportConfigResponse.FromString,
                 _registered_method=True)
+        self.ListConfigHistory = channel.unary_unary(
+                '/specwire.config.v1.ConfigService/ListConfigHistory',
+                request_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ListConfigHistoryRequest.SerializeToString,
+                response_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ListConfigHistoryResponse.FromString,
+                _registered_method=True)
 
 
 class ConfigServiceServicer:
-    """The registry of named, versioned GenerationConfigs. Versions are immutable; tags (e.g. `prod`)
-    point at versions. A reference is `name` (latest), `name@VERSION` or `name:TAG`.
+    """The registry of named, versioned GenerationConfigs. Versions are immutable and their numbers are
+    never reused: `name@N` means one config forever (a deleted version stays NOT_FOUND, never a newer
+    config). Tags (e.g. `prod`) point at versions and move only by SetTag. A reference is `name`
+    (latest), `name@VERSION` or `name:TAG`. Every version and tag move records who made it and when.
     """
 
     def CreateConfig(self, request, context):
-        """Stores a new named config as version 1. ALREADY_EXISTS if the name is taken,
-        INVALID_ARGUMENT with field violations if transformers would refuse the config.
+        """Stores a new named config: version 1, or N + 1 for a name deleted at version N (numbers are
+        never reused). ALREADY_EXISTS if the name is taken, INVALID_ARGUMENT with field violations if
+        transformers would refuse the config.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetConfig(self, request, context):
-        """Reads one version by reference. NOT_FOUND if the name, version or tag does not exist.
+        """Reads one version by reference. NOT_FOUND if the name, version or tag does not exist, or was
+        deleted (the message says when and by whom).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,21 +128,30 @@ class ConfigServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListConfigs(self, request, context):
-        """Lists the latest version of each config whose name starts with `prefix`, by name.
+        """Lists the latest version of each live (not deleted) config whose name starts with `prefix`, by name
+        (byte order, case-sensitive).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteConfig(self, request, context):
-        """Deletes a config with all its versions and tags.
+        """Deletes a config: its versions become tombstones (NOT_FOUND "deleted" by `name@N`, still listed
+        by ListConfigHistory), its tags are removed, and its version numbers are never given out again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SetTag(self, request, context):
-        """Points a tag at a version (moving it if it exists).
+        """Points a tag at a version (moving it if it exists); the move is kept in the history.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTag(self, request, context):
+        """Removes a tag (`name:TAG` is NOT_FOUND afterwards); the removal is kept in the history.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,6 +173,14 @@ class ConfigServiceServicer:
 
     def ExportConfig(self, request, context):
         """Renders one version as `generation_config.json` text that transformers loads.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListConfigHistory(self, request, context):
+        """Lists a config's versions (deleted ones included) and tag moves with who made them and when,
+        newest first. Works for a deleted config too; NOT_FOUND only for a name never stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -186,6 +219,11 @@ def add_ConfigServiceServicer_to_server(servicer, server):
                     request_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.SetTagRequest.FromString,
                     response_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.SetTagResponse.SerializeToString,
             ),
+            'DeleteTag': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTag,
+                    request_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagRequest.FromString,
+                    response_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagResponse.SerializeToString,
+            ),
             'ValidateConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.ValidateConfig,
                     request_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ValidateConfigRequest.FromString,
@@ -201,6 +239,11 @@ def add_ConfigServiceServicer_to_server(servicer, server):
                     request_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ExportConfigRequest.FromString,
                     response_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ExportConfigResponse.SerializeToString,
             ),
+            'ListConfigHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListConfigHistory,
+                    request_deserializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ListConfigHistoryRequest.FromString,
+                    response_serializer=specwire_dot_config_dot_v1_dot_config__service__pb2.ListConfigHistoryResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'specwire.config.v1.ConfigService', rpc_method_handlers)
@@ -210,8 +253,10 @@ def add_ConfigServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ConfigService:
-    """The registry of named, versioned GenerationConfigs. Versions are immutable; tags (e.g. `prod`)
-    point at versions. A reference is `name` (latest), `name@VERSION` or `name:TAG`.
+    """The registry of named, versioned GenerationConfigs. Versions are immutable and their numbers are
+    never reused: `name@N` means one config forever (a deleted version stays NOT_FOUND, never a newer
+    config). Tags (e.g. `prod`) point at versions and move only by SetTag. A reference is `name`
+    (latest), `name@VERSION` or `name:TAG`. Every version and tag move records who made it and when.
     """
 
     @staticmethod
@@ -377,6 +422,33 @@ class ConfigService:
             _registered_method=True)
 
     @staticmethod
+    def DeleteTag(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specwire.config.v1.ConfigService/DeleteTag',
+            specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagRequest.SerializeToString,
+            specwire_dot_config_dot_v1_dot_config__service__pb2.DeleteTagResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ValidateConfig(request,
             target,
             options=(),
@@ -447,6 +519,33 @@ class ConfigService:
             '/specwire.config.v1.ConfigService/ExportConfig',
             specwire_dot_config_dot_v1_dot_config__service__pb2.ExportConfigRequest.SerializeToString,
             specwire_dot_config_dot_v1_dot_config__service__pb2.ExportConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListConfigHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specwire.config.v1.ConfigService/ListConfigHistory',
+            specwire_dot_config_dot_v1_dot_config__service__pb2.ListConfigHistoryRequest.SerializeToString,
+            specwire_dot_config_dot_v1_dot_config__service__pb2.ListConfigHistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
