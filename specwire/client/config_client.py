@@ -113,11 +113,23 @@ class ConfigClient:
         address (`str`): `host:port` of the config service.
         timeout (`float`, defaults to 30.0): per-call deadline in seconds.
         channel (`grpc.Channel`, *optional*): an existing channel to use instead of `address`.
+        token (`str`, *optional*): bearer token sent with every call (the reader token for reads, the admin
+            token for writes); default `SPECWIRE_AUTH_TOKEN`; "" sends none.
+        allow_insecure_token (`bool`, *optional*): send the token in plaintext to a non-loopback address
+            (refused otherwise: set `SPECWIRE_TLS_CA_FILE`); default `SPECWIRE_ALLOW_INSECURE_TOKEN`.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 30.0, channel: grpc.Channel | None = None):
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout: float = 30.0,
+        channel: grpc.Channel | None = None,
+        *,
+        token: str | None = None,
+        allow_insecure_token: bool | None = None,
+    ):
         self._own_channel = channel is None
-        self.channel = channel or secure_channel(address)
+        self.channel = channel or secure_channel(address, token=token, allow_insecure_token=allow_insecure_token)
         self.stub = pb_grpc.ConfigServiceStub(self.channel)
         self.timeout = timeout
 
@@ -241,10 +253,19 @@ class AsyncConfigClient:
     Args:
         address (`str`): `host:port` of the config service.
         timeout (`float`, defaults to 30.0): per-call deadline in seconds.
+        token (`str`, *optional*): bearer token sent with every call; default `SPECWIRE_AUTH_TOKEN`.
+        allow_insecure_token (`bool`, *optional*): see `ConfigClient`.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 30.0):
-        self.channel = secure_channel(address, aio=True)
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout: float = 30.0,
+        *,
+        token: str | None = None,
+        allow_insecure_token: bool | None = None,
+    ):
+        self.channel = secure_channel(address, aio=True, token=token, allow_insecure_token=allow_insecure_token)
         self.stub = pb_grpc.ConfigServiceStub(self.channel)
         self.timeout = timeout
 

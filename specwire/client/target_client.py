@@ -186,6 +186,10 @@ class TargetClient:
             deadline); every method takes `timeout=` to override it for one call.
         max_message_bytes (`int`, defaults to 16 MiB): largest response accepted (scores and logits of
             long generations need more).
+        token (`str`, *optional*): bearer token sent with every call (a reader token is enough to
+            generate); default `SPECWIRE_AUTH_TOKEN`; "" sends none.
+        allow_insecure_token (`bool`, *optional*): send the token in plaintext to a non-loopback address
+            (refused otherwise: set `SPECWIRE_TLS_CA_FILE`); default `SPECWIRE_ALLOW_INSECURE_TOKEN`.
     """
 
     def __init__(
@@ -193,8 +197,13 @@ class TargetClient:
         address: str = "127.0.0.1:50052",
         timeout: float | None = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
+        *,
+        token: str | None = None,
+        allow_insecure_token: bool | None = None,
     ):
-        self.channel = secure_channel(address, max_message_bytes=max_message_bytes)
+        self.channel = secure_channel(
+            address, max_message_bytes=max_message_bytes, token=token, allow_insecure_token=allow_insecure_token
+        )
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout
 
@@ -296,8 +305,17 @@ class AsyncTargetClient:
         address: str = "127.0.0.1:50052",
         timeout: float | None = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
+        *,
+        token: str | None = None,
+        allow_insecure_token: bool | None = None,
     ):
-        self.channel = secure_channel(address, aio=True, max_message_bytes=max_message_bytes)
+        self.channel = secure_channel(
+            address,
+            aio=True,
+            max_message_bytes=max_message_bytes,
+            token=token,
+            allow_insecure_token=allow_insecure_token,
+        )
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout
 

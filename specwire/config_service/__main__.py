@@ -2,6 +2,7 @@
 
 Usage:
     config-service --host 127.0.0.1 --port 50051 --db registry.db   # serve
+    config-service --read-only ...                                  # a read replica: writes refused
     config-service backup PATH --db registry.db                     # safe while serving
     config-service restore PATH --db registry.db [--force]          # with the service stopped
 """
@@ -20,6 +21,7 @@ from specwire.config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MA
 from specwire.config_service.storage import ConfigStore
 from specwire.errors import SpecwireError
 from specwire.paths import default_registry
+from specwire.security.access import ServerAccess, access_from_args, add_access_arguments
 from specwire.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,
     GrpcServer,
@@ -44,8 +46,13 @@ def build_server(
     max_extra_bytes: int = DEFAULT_MAX_EXTRA_BYTES,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
+    access: ServerAccess | None = None,
 ) -> GrpcServer:
-    """A ready-to-start config server over the SQLite file `db` (size caps: see `ConfigServicer`)."""
+    """A ready-to-start config server over the SQLite file `db` (size caps: see `ConfigServicer`).
+
+    `access` holds `--read-only`, `--allow-anonymous-writes` and `--allow-insecure-token` (default: their
+    environment variables); the credentials come from the environment (`specwire.security.access`).
+    """
     store = ConfigStore(db)
     servicer = ConfigServicer(store, max_config_bytes, max_extra_bytes)
     binding = ServiceBinding(pb_grpc.add_ConfigServiceServicer_to_server, servicer, SERVICE_NAME)
@@ -56,6 +63,7 @@ def build_server(
         grace=grace,
         max_message_bytes=max_message_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
+        access=access,
     )
 
 
@@ -117,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         help=f"size of a config's extra (custom) entries (default {DEFAULT_MAX_EXTRA_BYTES})",
     )
     add_capacity_arguments(parser, DEFAULT_MAX_CONCURRENT_RPCS)
+    add_access_arguments(parser, registry=True)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_extra_bytes,
         args.max_message_bytes,
         args.max_concurrent_rpcs,
+        access_from_args(args),
     )
     logging.getLogger("specwire.config_service").info("registry database: %s", args.db)
     run_until_signal(server, "config-service")
