@@ -16,10 +16,10 @@ from specwire import telemetry
 from specwire.security.access import ALLOW_INSECURE_TOKEN_ENV, env_flag, is_loopback
 from specwire.security.tls import channel_credentials
 from specwire.security.tokens import (
-    AioTokenInterceptor,
     SecuritySettingsError,
     TokenInterceptor,
     TokenPlugin,
+    aio_token_interceptors,
     auth_metadata,
 )
 
@@ -152,7 +152,7 @@ def secure_channel(
             return grpc.aio.secure_channel(address, tls, options=options, interceptors=traced or None)
         return telemetry.instrument_channel(grpc.secure_channel(address, tls, options=options))
     if aio:
-        interceptors = [*traced, *([AioTokenInterceptor(metadata)] if metadata else [])]
+        interceptors = [*traced, *(aio_token_interceptors(metadata) if metadata else [])]
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors or None)
     channel = grpc.insecure_channel(address, options=options)
     if metadata:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -101,12 +102,8 @@ class TokenInterceptor(
         return continuation(self._details(details), requests)
 
 
-class AioTokenInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the token to every call on a plaintext grpc.aio channel."""
+class _AioToken:
+    """Adds the token to every call of one kind on a plaintext grpc.aio channel."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]):
         self.metadata = metadata
@@ -115,11 +112,33 @@ class AioTokenInterceptor(
         metadata = grpc.aio.Metadata(*(tuple(details.metadata or ()) + self.metadata))
         return details._replace(metadata=metadata)
 
+
+class _AioUnaryUnaryToken(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _AioUnaryStreamToken(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _AioStreamUnaryToken(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
+class _AioStreamStreamToken(_AioToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
+
+
+def aio_token_interceptors(metadata: tuple[tuple[str, str], ...]) -> list[Any]:
+    """Interceptors adding `metadata` to every call of a plaintext grpc.aio channel.
+
+    One per call kind: grpc.aio files an interceptor under the first kind it implements only (its
+    channel tests `isinstance` in an `elif` chain), so one object implementing all four kinds would
+    only ever see unary-unary calls, and streams (the target's Draft stream) would go without a token.
+    """
+    kinds = (_AioUnaryUnaryToken, _AioUnaryStreamToken, _AioStreamUnaryToken, _AioStreamStreamToken)
+    return [kind(metadata) for kind in kinds]
