@@ -13,6 +13,7 @@ context, so the decision is made inside the wrapped handler.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -92,7 +93,12 @@ def _wrap(handler: grpc.RpcMethodHandler, decide: Callable[[Any], str]) -> grpc.
             token = CALLER.set(await caller_or_abort(context))
             try:
                 results = behavior(request, context)
-                if inspect.isasyncgen(results) or hasattr(results, "__aiter__"):
+                if inspect.isasyncgen(results):
+                    # Closed here when this stream ends early (a cancel): its cleanup runs now, not at GC.
+                    async with contextlib.aclosing(results):
+                        async for item in results:
+                            yield item
+                elif hasattr(results, "__aiter__"):
                     async for item in results:
                         yield item
                 else:

@@ -8,6 +8,7 @@ own clients always pass `token=` explicitly.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
@@ -253,3 +254,10 @@ def test_handlers_see_who_called(monkeypatch):
             with pytest.raises(grpc.RpcError) as info:
                 cpb_grpc.ConfigServiceStub(channel).CreateConfig(cpb.CreateConfigRequest(name="x"), timeout=5)
             assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+        async def aio_stream() -> list[str]:  # grpc.aio channels send the token on streams too
+            async with secure_channel(server.address, aio=True, token=READER) as channel:
+                stream = tpb_grpc.TargetServiceStub(channel).GenerateStream(tpb.GenerateStreamRequest(), timeout=5)
+                return [m.delta.rows[0].text async for m in stream]
+
+        assert asyncio.run(aio_stream()) == ["reader:token"] * 3
