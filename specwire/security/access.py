@@ -277,10 +277,10 @@ class AccessPolicy:
             )
         else:
             lines.append("access: no credentials configured: every call is anonymous")
-        admin_possible = self.admin_token or self.admin_identities or (self.mutual_tls and not self.has_identities)
         if serves_writes and self.access.read_only:
             lines.append("writes refused: read-only (--read-only)")
-        elif serves_writes and self.has_tokens and not admin_possible:
+        elif serves_writes and self.has_tokens and not (self.admin_token or self.admin_identities):
+            # With tokens configured a certificate alone is no credential, so only these can write.
             lines.append(
                 f"writes refused: no admin credentials ({ADMIN_TOKEN_ENV}, {ADMIN_IDENTITIES_ENV}); the reader token "
                 "cannot write"

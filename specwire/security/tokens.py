@@ -14,10 +14,6 @@ from typing import Any
 
 import grpc
 
-from specwire.security.roles import OPEN_SERVICES
-
-__all__ = ["OPEN_SERVICES", "SecuritySettingsError", "auth_metadata", "client_token", "read_token"]
-
 TOKEN_ENV = "SPECWIRE_AUTH_TOKEN"
 ADMIN_TOKEN_ENV = "SPECWIRE_ADMIN_TOKEN"
 

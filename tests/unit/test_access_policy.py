@@ -82,6 +82,17 @@ def test_anonymous_server_refuses_tokens_and_off_loopback_writes():
     assert any("writes refused: bound to 0.0.0.0" in line for line in lan.describe(serves_writes=True))
 
 
+def test_start_up_log_says_when_nobody_can_write():
+    reader_only = AccessPolicy(reader_token="r", mutual_tls=True)
+    assert any("writes refused: no admin credentials" in line for line in reader_only.describe(serves_writes=True))
+    assert not any("writes refused" in line for line in reader_only.describe(serves_writes=False))
+    with_admin = AccessPolicy(reader_token="r", admin_token="a", host="0.0.0.0")
+    assert not any("writes refused" in line for line in with_admin.describe(serves_writes=True))
+    read_only = AccessPolicy(admin_token="a", access=ServerAccess(read_only=True))
+    assert "writes refused: read-only (--read-only)" in read_only.describe(serves_writes=True)
+    assert any("has the admin role" in line for line in AccessPolicy(mutual_tls=True).describe(serves_writes=True))
+
+
 def test_settings_that_cannot_be_honoured_are_refused(tmp_path):
     with pytest.raises(SecuritySettingsError, match="a token has one role"):
         AccessPolicy.from_env("127.0.0.1", env={"SPECWIRE_AUTH_TOKEN": "t", "SPECWIRE_ADMIN_TOKEN": "t"})
