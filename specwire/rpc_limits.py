@@ -14,7 +14,7 @@ import inspect
 import grpc
 
 from specwire.errors import ResourceExhausted
-from specwire.security.tokens import OPEN_SERVICES
+from specwire.security.roles import OPEN_SERVICES
 
 
 class ConcurrencyLimitInterceptor(grpc.aio.ServerInterceptor):

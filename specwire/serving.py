@@ -33,8 +33,11 @@ from specwire.deadline import CALLER_DEADLINE, set_caller_deadline
 from specwire.errors import FieldProblem, InvalidArgument, SpecwireError
 from specwire.ports import PortInUse, port_in_use
 from specwire.rpc_limits import ConcurrencyLimitInterceptor
+from specwire.security.access import AccessPolicy, ServerAccess
+from specwire.security.authorization import AccessInterceptor
+from specwire.security.roles import CONFIG_SERVICE
 from specwire.security.tls import TlsSettingsError, check_server_settings, server_credentials
-from specwire.security.tokens import server_interceptors
+from specwire.security.tokens import SecuritySettingsError
 from specwire.wire.common import violation_to_proto
 
 log = logging.getLogger("specwire.serving")
@@ -266,6 +269,9 @@ class GrpcServer:
             `liveness_interval_s` seconds on the event loop (it must not block): "" when it can serve,
             else why not. Health follows it (NOT_SERVING while it reports a problem).
         liveness_interval_s (`float`, defaults to 1.0): how often `liveness` is polled.
+        access (`ServerAccess`, *optional*): `--read-only`, `--allow-anonymous-writes`,
+            `--allow-insecure-token`; default: their environment variables. The credentials (tokens per
+            role, mutual-TLS identities) come from the environment (`specwire.security.access`).
     """
 
     def __init__(
@@ -280,6 +286,7 @@ class GrpcServer:
         max_concurrent_rpcs: int | None = None,
         liveness: Callable[[], str] | None = None,
         liveness_interval_s: float = 1.0,
+        access: ServerAccess | None = None,
     ):
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
@@ -301,6 +308,8 @@ class GrpcServer:
         self.options = list(dict(self.options).items())
         self.liveness = liveness
         self.liveness_interval_s = liveness_interval_s
+        self.access = access
+        self.policy: AccessPolicy | None = None  # read from the environment by `start`
         self.problem = ""  # what `liveness` last reported
         self._stopping = False
         self._watchdog: asyncio.Task | None = None
@@ -314,13 +323,20 @@ class GrpcServer:
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
-        """Bind, start serving and mark every service SERVING. Returns the bound port."""
+        """Bind, start serving and mark every service SERVING. Returns the bound port.
+
+        Raises:
+            `SecuritySettingsError`: credentials or access flags that cannot be honoured (the reason and fix).
+            `PortInUse`: the address is taken.
+        """
+        credentials = server_credentials()
+        policy = self.policy = AccessPolicy.from_env(self.host, self.access, tls=credentials is not None)
         # Tracing first (outermost), so refused and failed calls are traced too; none when telemetry is off.
         # Decoding innermost: a request that cannot be parsed is still traced, counted and authenticated.
         interceptors = [
             *telemetry.server_interceptors(),
             *self.interceptors,
-            *server_interceptors(),
+            AccessInterceptor(policy),
             UndecodableRequestInterceptor(),
         ]
         server = grpc.aio.server(options=self.options, interceptors=interceptors)
@@ -332,7 +348,6 @@ class GrpcServer:
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,
         )
-        credentials = server_credentials()
         address = f"{self.host}:{self.requested_port}"
         try:
             self.port = (
@@ -349,6 +364,9 @@ class GrpcServer:
         if self.liveness is not None:
             self._watchdog = asyncio.create_task(self._watch(), name="specwire-liveness")
         log.info("serving %s on %s:%d", ", ".join(names), self.host, self.port)
+        serves_writes = any(name == CONFIG_SERVICE for name in names)
+        for line in policy.describe(serves_writes):
+            log.log(logging.WARNING if line.startswith("writes") else logging.INFO, "%s", line)
         return self.port
 
     async def _set_all(self, status: int) -> None:
@@ -440,7 +458,7 @@ def run_until_signal(server: GrpcServer, name: str) -> None:
     check exit with the reason, not a traceback."""
     try:
         asyncio.run(server.serve_until_signal())
-    except (PortInUse, TlsSettingsError) as error:
+    except (PortInUse, SecuritySettingsError) as error:  # TlsSettingsError is one
         raise SystemExit(f"{name}: {error}") from None
 
 

@@ -171,6 +171,10 @@ class ConfigClient:
         retries (`int`, defaults to 0): how many times a call the registry refused for load
             (RESOURCE_EXHAUSTED with a retry hint, before any work) is sent again after the hinted wait,
             within `timeout`. 0: never.
+        token (`str`, *optional*): bearer token sent with every call (the reader token for reads, the admin
+            token for writes); default `SPECWIRE_AUTH_TOKEN`; "" sends none.
+        allow_insecure_token (`bool`, *optional*): send the token in plaintext to a non-loopback address
+            (refused otherwise: set `SPECWIRE_TLS_CA_FILE`); default `SPECWIRE_ALLOW_INSECURE_TOKEN`.
     """
 
     def __init__(
@@ -179,10 +183,13 @@ class ConfigClient:
         timeout: float = 30.0,
         channel: grpc.Channel | None = None,
         retries: int = 0,
+        *,
+        token: str | None = None,
+        allow_insecure_token: bool | None = None,
     ):
         self.retries = check_retries(retries)
         self._own_channel = channel is None
-        self.channel = channel or secure_channel(address)
+        self.channel = channel or secure_channel(address, token=token, allow_insecure_token=allow_insecure_token)
         self.stub = pb_grpc.ConfigServiceStub(self.channel)
         self.timeout = timeout
 
@@ -333,11 +340,21 @@ class AsyncConfigClient:
         address (`str`): `host:port` of the config service.
         timeout (`float`, defaults to 30.0): per-call deadline in seconds.
         retries (`int`, defaults to 0): as `ConfigClient`'s.
+        token (`str`, *optional*): bearer token sent with every call; default `SPECWIRE_AUTH_TOKEN`.
+        allow_insecure_token (`bool`, *optional*): see `ConfigClient`.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 30.0, retries: int = 0):
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout: float = 30.0,
+        retries: int = 0,
+        *,
+        token: str | None = None,
+        allow_insecure_token: bool | None = None,
+    ):
         self.retries = check_retries(retries)
-        self.channel = secure_channel(address, aio=True)
+        self.channel = secure_channel(address, aio=True, token=token, allow_insecure_token=allow_insecure_token)
         self.stub = pb_grpc.ConfigServiceStub(self.channel)
         self.timeout = timeout
 

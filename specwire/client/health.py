@@ -21,7 +21,7 @@ def wait_healthy(
     """Poll the health service at `address` until `service` ("" = the server) is SERVING.
 
     Args:
-        address (`str`): `host:port`; TLS and the token follow the environment (`specwire.security`).
+        address (`str`): `host:port`; TLS follows the environment (`specwire.security`); no token is sent.
         service (`str`, defaults to `""`): the health service name to check.
         timeout (`float`, defaults to 120.0): seconds before giving up.
         process (`subprocess.Popen`, *optional*): the server's process: its exit fails the wait at once.
@@ -30,7 +30,8 @@ def wait_healthy(
         `NotHealthy`: the process exited, or the service was not SERVING after `timeout` seconds.
     """
     deadline = time.monotonic() + timeout
-    with secure_channel(address) as channel:
+    # No token: health checks need none, and one must not travel in plaintext to wait for a server.
+    with secure_channel(address, token="") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:

@@ -192,6 +192,10 @@ class TargetClient:
         retries (`int`, defaults to 0): how many times a call the target refused for load
             (RESOURCE_EXHAUSTED with a retry hint, before any work) is sent again after the hinted wait,
             within the call's timeout; a stream only before its first message. 0: never.
+        token (`str`, *optional*): bearer token sent with every call (a reader token is enough to
+            generate); default `SPECWIRE_AUTH_TOKEN`; "" sends none.
+        allow_insecure_token (`bool`, *optional*): send the token in plaintext to a non-loopback address
+            (refused otherwise: set `SPECWIRE_TLS_CA_FILE`); default `SPECWIRE_ALLOW_INSECURE_TOKEN`.
     """
 
     def __init__(
@@ -200,9 +204,14 @@ class TargetClient:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
         retries: int = 0,
+        *,
+        token: str | None = None,
+        allow_insecure_token: bool | None = None,
     ):
         self.retries = check_retries(retries)
-        self.channel = secure_channel(address, max_message_bytes=max_message_bytes)
+        self.channel = secure_channel(
+            address, max_message_bytes=max_message_bytes, token=token, allow_insecure_token=allow_insecure_token
+        )
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout
 
@@ -321,9 +330,18 @@ class AsyncTargetClient:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
         retries: int = 0,
+        *,
+        token: str | None = None,
+        allow_insecure_token: bool | None = None,
     ):
         self.retries = check_retries(retries)
-        self.channel = secure_channel(address, aio=True, max_message_bytes=max_message_bytes)
+        self.channel = secure_channel(
+            address,
+            aio=True,
+            max_message_bytes=max_message_bytes,
+            token=token,
+            allow_insecure_token=allow_insecure_token,
+        )
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout
 

@@ -3,6 +3,7 @@
 Usage:
     config-service --host 127.0.0.1 --port 50051 --db registry.db   # serve (SQLite, the default)
     SPECWIRE_DB=postgresql://user:pass@db:5432/registry config-service --host 0.0.0.0   # PostgreSQL
+    config-service --read-only ...                                  # a read replica: writes refused
     config-service backup PATH --db registry.db                     # safe while serving
     config-service restore PATH --db registry.db [--force]          # with the service stopped
 """
@@ -22,6 +23,7 @@ from specwire.config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MA
 from specwire.config_service.storage import RegistryStore, is_postgres_url, open_store
 from specwire.errors import SpecwireError
 from specwire.paths import default_registry
+from specwire.security.access import ServerAccess, access_from_args, add_access_arguments
 from specwire.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,
     GrpcServer,
@@ -75,9 +77,14 @@ def build_server(
     max_extra_bytes: int = DEFAULT_MAX_EXTRA_BYTES,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
+    access: ServerAccess | None = None,
 ) -> GrpcServer:
     """A ready-to-start config server over `db`, a SQLite file or a `postgresql://` URL (size caps: see
-    `ConfigServicer`)."""
+    `ConfigServicer`).
+
+    `access` holds `--read-only`, `--allow-anonymous-writes` and `--allow-insecure-token` (default: their
+    environment variables); the credentials come from the environment (`specwire.security.access`).
+    """
     store = open_store(db)
     servicer = ConfigServicer(store, max_config_bytes, max_extra_bytes)
     binding = ServiceBinding(pb_grpc.add_ConfigServiceServicer_to_server, servicer, SERVICE_NAME)
@@ -89,6 +96,7 @@ def build_server(
         grace=grace,
         max_message_bytes=max_message_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
+        access=access,
     )
 
 
@@ -162,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         help=f"size of a config's extra (custom) entries (default {DEFAULT_MAX_EXTRA_BYTES})",
     )
     add_capacity_arguments(parser, DEFAULT_MAX_CONCURRENT_RPCS)
+    add_access_arguments(parser, registry=True)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
@@ -179,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
             args.max_extra_bytes,
             args.max_message_bytes,
             args.max_concurrent_rpcs,
+            access_from_args(args),
         )
     except SpecwireError as exc:  # an unreachable database, a newer schema: one line, not a traceback
         sys.exit(f"config-service: {exc}")

@@ -17,6 +17,8 @@ from specwire.draft_service.service import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION
 from specwire.generation.speculation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
+from specwire.security.access import AccessPolicy, ServerAccess, access_from_args, add_access_arguments
+from specwire.security.tokens import SecuritySettingsError
 from specwire.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,
     GrpcServer,
@@ -43,10 +45,12 @@ def build_server(
     max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
     max_sessions: int = DEFAULT_MAX_SESSIONS,
     session_idle_timeout_s: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S,
+    access: ServerAccess | None = None,
 ) -> GrpcServer:
     """A ready-to-start draft server (prompt lookup, plus `draft_model` if given).
 
-    `max_sessions` and `session_idle_timeout_s` bound the open sessions (see `DraftServicer`).
+    `max_sessions` and `session_idle_timeout_s` bound the open sessions (see `DraftServicer`); `access`
+    holds `--allow-insecure-token` (default: its environment variable).
     """
     servicer = DraftServicer(draft_model, prompt_lookup_rule, max_sessions, session_idle_timeout_s)
     # Streams are long-lived: a bounded connection age lets targets find replicas added by a scale-up.
@@ -59,6 +63,7 @@ def build_server(
         options=options,
         max_message_bytes=max_message_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
+        access=access,
     )
 
 
@@ -111,12 +116,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds open streams get on SIGTERM")
     add_capacity_arguments(parser, DEFAULT_MAX_CONCURRENT_RPCS, "draft streams")
+    add_access_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     check_transport_security("draft-service")  # TLS settings that fail closed, before any model loads
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-draft")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
+    access = access_from_args(args)
+    try:  # the credentials checked before the model loads (the server checks them again at start)
+        AccessPolicy.from_env(args.host, access)
+    except SecuritySettingsError as error:
+        raise SystemExit(f"draft-service: {error}") from None
     try:
         draft_model = load_model(args.model, device=args.device, dtype=args.dtype) if args.model else None
     except ModelLoadError as error:  # what was tried and the fix, without a traceback
@@ -131,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_concurrent_rpcs,
         args.max_sessions,
         args.session_idle_timeout,
+        access,
     )
     run_until_signal(server, "draft-service")
 

@@ -1,4 +1,8 @@
-"""Every client channel: keepalive, message-size limits, TLS, the bearer token and tracing."""
+"""Every client channel: keepalive, message-size limits, TLS, the bearer token and tracing.
+
+A channel that would send a bearer token in plaintext to another machine is refused at creation
+(`check_token_transport`) unless allowed explicitly.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,15 @@ from typing import Any
 import grpc
 
 from specwire import telemetry
+from specwire.security.access import ALLOW_INSECURE_TOKEN_ENV, env_flag, is_loopback
 from specwire.security.tls import channel_credentials
-from specwire.security.tokens import AioTokenInterceptor, TokenInterceptor, TokenPlugin, auth_metadata
+from specwire.security.tokens import (
+    SecuritySettingsError,
+    TokenInterceptor,
+    TokenPlugin,
+    aio_token_interceptors,
+    auth_metadata,
+)
 
 # Every client channel pings its server after 30 s without traffic and drops the connection when no
 # answer comes within 10 s: a hung peer (SIGSTOPped, partitioned, no TCP reset) fails its calls with
@@ -86,6 +97,58 @@ def client_channel_options(
     return list(merged.items())
 
 
+def address_host(address: str) -> str | None:
+    """The host a gRPC target names (`host:port`, `[v6]:port`, `dns:///name:port`, `ipv4:a.b.c.d:port`);
+    None for Unix sockets (local by nature)."""
+    target = address.strip()
+    if target.startswith(("unix:", "unix-abstract:", "vsock:")):
+        return None
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme) :]
+            break
+    if target.startswith("//"):  # dns://authority/host:port: the authority is the DNS server
+        target = target[2:].partition("/")[2]
+    target = target.split(",", 1)[0]  # ipv4:a:p,b:p lists several addresses: the first tells the kind
+    if target.startswith("["):
+        return target[1 : target.find("]")]
+    if target.count(":") == 1:
+        return target.rsplit(":", 1)[0]
+    return target  # a bare host, or a bare IPv6 address
+
+
+def check_token_transport(
+    address: str,
+    *,
+    env: Mapping[str, str] = os.environ,
+    token: str | None = None,
+    allow_insecure_token: bool | None = None,
+) -> None:
+    """Refuse to send a bearer token in plaintext to a non-loopback `address`.
+
+    Args:
+        address (`str`): the channel's target.
+        env (`Mapping`): where the TLS and token settings are read.
+        token (`str`, *optional*): the token to send; default `SPECWIRE_AUTH_TOKEN` ("" for none).
+        allow_insecure_token (`bool`, *optional*): allow it anyway; default `SPECWIRE_ALLOW_INSECURE_TOKEN`.
+
+    Raises:
+        `SecuritySettingsError` (a `ValueError`): the token would travel unencrypted off this machine.
+    """
+    if not auth_metadata(env, token) or channel_credentials(env) is not None:
+        return
+    host = address_host(address)
+    if host is None or is_loopback(host):
+        return
+    if env_flag(ALLOW_INSECURE_TOKEN_ENV, env) if allow_insecure_token is None else allow_insecure_token:
+        return
+    raise SecuritySettingsError(
+        f"refusing to send the bearer token in plaintext to {address}: anyone on the path could read it. Set "
+        "SPECWIRE_TLS_CA_FILE (the CA of the server's certificate) to use TLS, or, on a network you trust, pass "
+        f"allow_insecure_token=True (CLI and servers: --allow-insecure-token, env {ALLOW_INSECURE_TOKEN_ENV}=true)"
+    )
+
+
 def secure_channel(
     address: str,
     options: list[tuple[str, Any]] | None = None,
@@ -93,6 +156,8 @@ def secure_channel(
     aio: bool = False,
     env: Mapping[str, str] = os.environ,
     max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
+    token: str | None = None,
+    allow_insecure_token: bool | None = None,
 ):
     """A client channel to `address` honouring the TLS and token settings (sync or grpc.aio).
 
@@ -102,16 +167,24 @@ def secure_channel(
         aio (`bool`, defaults to `False`): a `grpc.aio` channel instead of a blocking one.
         env (`Mapping`): where the TLS and token settings are read.
         max_message_bytes (`int`, defaults to 16 MiB): largest message sent or received.
+        token (`str`, *optional*): the bearer token every call sends, whatever its role; default
+            `SPECWIRE_AUTH_TOKEN`; "" sends none.
+        allow_insecure_token (`bool`, *optional*): send the token in plaintext to a non-loopback address;
+            default `SPECWIRE_ALLOW_INSECURE_TOKEN`. Without it such a channel is refused.
 
     Every channel has keepalive (`KEEPALIVE_CLIENT_OPTIONS`) and retries the reads of `IDEMPOTENT_READS`
     on UNAVAILABLE (`READ_RETRY_POLICY`).
+
+    Raises:
+        `SecuritySettingsError` (a `ValueError`): a token without TLS to a non-loopback address, not allowed.
     """
+    check_token_transport(address, env=env, token=token, allow_insecure_token=allow_insecure_token)
     options = client_channel_options(options, max_message_bytes)
     if address.startswith("dns:///"):
         # Spread per-request streams over every replica behind a headless Service.
         options.append(("grpc.lb_policy_name", "round_robin"))
     tls = channel_credentials(env)
-    metadata = auth_metadata(env)
+    metadata = auth_metadata(env, token)
     # OpenTelemetry's client interceptors (client spans, W3C trace context) when telemetry is set up.
     traced = telemetry.aio_client_interceptors() if aio else []
     if tls is not None:
@@ -121,7 +194,7 @@ def secure_channel(
             return grpc.aio.secure_channel(address, tls, options=options, interceptors=traced or None)
         return telemetry.instrument_channel(grpc.secure_channel(address, tls, options=options))
     if aio:
-        interceptors = [*traced, *([AioTokenInterceptor(metadata)] if metadata else [])]
+        interceptors = [*traced, *(aio_token_interceptors(metadata) if metadata else [])]
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors or None)
     channel = grpc.insecure_channel(address, options=options)
     if metadata:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import grpc
 
+from specwire.security.tokens import SecuritySettingsError
+
 log = logging.getLogger("specwire.security.tls")
 
 CERT_ENV, KEY_ENV, CA_ENV = "SPECWIRE_TLS_CERT_FILE", "SPECWIRE_TLS_KEY_FILE", "SPECWIRE_TLS_CA_FILE"
@@ -34,7 +36,7 @@ CERT_ENV, KEY_ENV, CA_ENV = "SPECWIRE_TLS_CERT_FILE", "SPECWIRE_TLS_KEY_FILE", "
 RELOAD_INTERVAL_S = 1.0
 
 
-class TlsSettingsError(ValueError):
+class TlsSettingsError(SecuritySettingsError):
     """`SPECWIRE_TLS_*` settings that cannot give the transport security they ask for (message ends with the fix)."""
 
 

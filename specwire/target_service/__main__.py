@@ -12,6 +12,15 @@ import os
 from specwire.generation.speculation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
+from specwire.security.access import (
+    ALLOW_INSECURE_TOKEN_ENV,
+    AccessPolicy,
+    ServerAccess,
+    access_from_args,
+    add_access_arguments,
+)
+from specwire.security.channels import check_token_transport
+from specwire.security.tokens import SecuritySettingsError
 from specwire.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,
     GrpcServer,
@@ -56,6 +65,7 @@ def build_server(
     max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
     stuck_after: float = 60.0,
     config_stale_max: float = DEFAULT_STALE_MAX_S,
+    access: ServerAccess | None = None,
 ) -> GrpcServer:
     """A ready-to-start target server over an already loaded model.
 
@@ -65,7 +75,8 @@ def build_server(
     `max_message_bytes`); `pool` prepares requests off the event loop (see `specwire.target_service.admission`).
     Health follows the engine's liveness (`stuck_after`: seconds without progress while work waits
     before it counts as stuck). `config_stale_max` is the oldest a registry config may be when it is
-    served from cache because the registry is unreachable (0: never; see `ConfigResolver`).
+    served from cache because the registry is unreachable (0: never; see `ConfigResolver`). `access`
+    holds `--allow-insecure-token` (default: its environment variable).
     """
     if limits is None:
         limits = RequestLimits.for_model(
@@ -90,6 +101,7 @@ def build_server(
         max_message_bytes=max_message_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
         liveness=servicer.liveness,
+        access=access,
     )
 
 
@@ -192,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default lean)",
     )
     add_limit_arguments(parser)
+    add_access_arguments(parser)
     parser.add_argument(
         "--stuck-after",
         type=float,
@@ -309,6 +322,27 @@ def limits_from_args(args: argparse.Namespace, max_position_embeddings: int | No
     )
 
 
+def check_access(args: argparse.Namespace) -> ServerAccess:
+    """The access flags, checked before the model loads: the server's credentials, and the token the
+    target sends to the config and draft services (never in plaintext off this machine unless allowed)."""
+    access = access_from_args(args)
+    if access.allow_insecure_token:
+        # The target's own channels to the config and draft services are opened later, by the resolver
+        # and the drafting code; they read the permission from the environment like any client.
+        os.environ[ALLOW_INSECURE_TOKEN_ENV] = "true"
+    try:
+        AccessPolicy.from_env(args.host, access)
+        for flag, address in (("--config-address", args.config_address), ("--draft-address", args.draft_address)):
+            if address:
+                try:
+                    check_token_transport(address)
+                except SecuritySettingsError as error:
+                    raise SecuritySettingsError(f"{flag} {address}: {error}") from None
+    except SecuritySettingsError as error:
+        raise SystemExit(f"target-service: {error}") from None
+    return access
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.config_stale_max < 0:  # before the model loads: a typo should not cost minutes
@@ -320,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     check_transport_security("target-service")  # TLS settings that fail closed, before any model loads
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
+    access = check_access(args)
     try:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     except ModelLoadError as error:  # what was tried and the fix, without a traceback
@@ -356,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         stuck_after=args.stuck_after,
         config_stale_max=args.config_stale_max,
+        access=access,
     )
     run_until_signal(server, "target-service")
 

@@ -308,6 +308,22 @@ def test_secrets_are_referenced_not_embedded(renders):
     assert "HF_TOKEN" not in env_of(r.container("config"))
 
 
+def test_admin_token_reaches_the_registry_only_and_plaintext_tokens_are_asked_for(tools):
+    secrets = ["--set", "auth.existingSecret=reader", "--set", "auth.adminExistingSecret=admin"]
+    r = Rendered(template(tools, *secrets, "--set", "auth.allowInsecureToken=true").stdout)
+    admin = env_of(r.container("config"))["SPECWIRE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert admin == {"name": "admin", "key": "token"}
+    for c in COMPONENTS:
+        # The target holds the reader token only: it reads the registry, it never writes it.
+        assert ("SPECWIRE_ADMIN_TOKEN" in env_of(r.container(c))) == (c == "config")
+        assert env_of(r.container(c))["SPECWIRE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "reader"
+        # Without TLS the servers serve (and the target sends) the tokens in plaintext only when asked.
+        assert r.settings(c)["SPECWIRE_ALLOW_INSECURE_TOKEN"] == "true"
+    tls = ["--set", "tls.enabled=true", "--set", "tls.secretName=specwire-tls"]
+    r = Rendered(template(tools, *secrets, *tls, "--set", "auth.allowInsecureToken=true").stdout)
+    assert not any("SPECWIRE_ALLOW_INSECURE_TOKEN" in r.settings(c) for c in COMPONENTS)
+
+
 def test_otel_settings(renders):
     on, off = renders["gpu-cluster"], renders["default"]
     names = set()

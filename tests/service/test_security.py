@@ -1,4 +1,5 @@
-"""TLS and the shared bearer token, configured by the environment variables the Helm chart sets."""
+"""TLS and the bearer tokens, configured by the environment variables the Helm chart sets (the roles
+themselves: tests/service/test_roles.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def test_tls_and_bearer_token(tmp_path, tls_files, monkeypatch):
         "SPECWIRE_TLS_CERT_FILE": str(tls_files / "tls.crt"),
         "SPECWIRE_TLS_KEY_FILE": str(tls_files / "tls.key"),
         "SPECWIRE_AUTH_TOKEN": "s3cret",
+        "SPECWIRE_ADMIN_TOKEN": "adm1n",
         "SPECWIRE_TLS_CA_FILE": "",  # no CA on the server: clients need no certificate of their own
     }
     # This process is the client: it trusts the self-signed certificate and sends the token.
@@ -53,10 +55,13 @@ def test_tls_and_bearer_token(tmp_path, tls_files, monkeypatch):
     monkeypatch.setenv("SPECWIRE_AUTH_TOKEN", "s3cret")
     port = free_port()
     address = f"127.0.0.1:{port}"
-    args = ["specwire.config_service", "--port", str(port), "--db", str(tmp_path / "r.db")]
+    # Bound to every address: tokens over TLS need no --allow-insecure-token.
+    args = ["specwire.config_service", "--host", "0.0.0.0", "--port", str(port), "--db", str(tmp_path / "r.db")]
     with subprocess_server(args, port, env=server_env):
-        with ConfigClient(address) as client:
+        with ConfigClient(address, token="adm1n") as client:
             assert client.create("secure", {"max_new_tokens": 3}).version == 1
+        with ConfigClient(address) as client:  # the reader token, from SPECWIRE_AUTH_TOKEN
+            assert client.get("secure").version == 1
         monkeypatch.setenv("SPECWIRE_AUTH_TOKEN", "wrong")
         with ConfigClient(address) as client:
             with pytest.raises(SpecwireRpcError) as info:

@@ -136,6 +136,13 @@ spec:
                   name: {{ . }}
                   key: {{ $root.Values.auth.secretKey }}
             {{- end }}
+            {{- if and (eq $c "config") $root.Values.auth.adminExistingSecret }}
+            - name: SPECWIRE_ADMIN_TOKEN
+              valueFrom:
+                secretKeyRef:
+                  name: {{ $root.Values.auth.adminExistingSecret }}
+                  key: {{ $root.Values.auth.adminSecretKey }}
+            {{- end }}
             {{- if and (hasKey $v "model") $v.model.hfTokenSecret.name }}
             - name: HF_TOKEN
               valueFrom:

@@ -226,6 +226,10 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $_ := set $s "SPECWIRE_TLS_KEY_FILE" "/etc/specwire/tls/tls.key" -}}
 {{- $_ := set $s "SPECWIRE_TLS_CA_FILE" "/etc/specwire/tls/ca.crt" -}}
 {{- end -}}
+{{- if and (include "specwire.hasTokens" $root) $root.Values.auth.allowInsecureToken (not $root.Values.tls.enabled) -}}
+{{- /* The servers check, and the target sends, tokens in plaintext: asked for by auth.allowInsecureToken. */ -}}
+{{- $_ := set $s "SPECWIRE_ALLOW_INSECURE_TOKEN" "true" -}}
+{{- end -}}
 {{- $_ := set $s "OTEL_SERVICE_NAME" $v.otelServiceName -}}
 {{- if $root.Values.otel.enabled -}}
 {{- $_ := set $s "OTEL_EXPORTER_OTLP_ENDPOINT" $root.Values.otel.endpoint -}}
@@ -339,6 +343,11 @@ preStop sleep minus 5 s, so the server has drained and exited before the kubelet
 {{- end -}}
 {{- end -}}
 
+{{/* "true" when the servers get a bearer token (reader or admin) from a Secret. */}}
+{{- define "specwire.hasTokens" -}}
+{{- if or .Values.auth.existingSecret .Values.auth.adminExistingSecret -}}true{{- end -}}
+{{- end -}}
+
 {{/* Checks of values that the schema cannot express. */}}
 {{- define "specwire.validate" -}}
 {{- range $c := list "config" "draft" "target" -}}
@@ -356,6 +365,12 @@ preStop sleep minus 5 s, so the server has drained and exited before the kubelet
 {{- end -}}
 {{- if and (include "specwire.postgresql" .) .Values.config.persistence.existingClaim -}}
 {{- fail "config.persistence.existingClaim is set but config.postgresql.existingSecret stores the registry in PostgreSQL, so the claim would not be used: clear one of them" -}}
+{{- end -}}
+{{- if and (include "specwire.hasTokens" .) (not .Values.tls.enabled) (not .Values.auth.allowInsecureToken) -}}
+{{- fail "auth tokens without TLS would travel in plaintext (the servers refuse to start so): set tls.enabled with tls.secretName, or auth.allowInsecureToken=true on a pod network you trust" -}}
+{{- end -}}
+{{- if and .Values.auth.adminExistingSecret (not .Values.auth.existingSecret) (not .Values.tls.enabled) -}}
+{{- fail "auth.adminExistingSecret needs auth.existingSecret: the targets read the registry and the draft service with the reader token (without TLS there is no client certificate to stand for it)" -}}
 {{- end -}}
 {{- if and .Values.otel.enabled (not .Values.otel.endpoint) -}}
 {{- fail "otel.enabled needs otel.endpoint, e.g. http://otel-collector.observability:4317" -}}

@@ -63,8 +63,21 @@ def add_chat_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_token_option(p: argparse.ArgumentParser) -> None:
+    """`--allow-insecure-token`, for the commands that call a service (the token is SPECWIRE_AUTH_TOKEN)."""
+    p.add_argument(
+        "--allow-insecure-token",
+        action="store_true",
+        help="send SPECWIRE_AUTH_TOKEN in plaintext to a non-loopback address (refused otherwise: set "
+        "SPECWIRE_TLS_CA_FILE to use TLS)",
+    )
+
+
 # Said after an error with this gRPC status code.
 HINTS = {
     "UNAVAILABLE": "is the service running at that address? `specwire serve` starts all three locally",
     "DEADLINE_EXCEEDED": "raise --timeout, or ask for fewer tokens",
+    "UNAUTHENTICATED": "export SPECWIRE_AUTH_TOKEN=<token>: the service's reader token for reads and generation, "
+    "its admin token for registry writes",
+    "PERMISSION_DENIED": "the message names the role this call needs: export SPECWIRE_AUTH_TOKEN=<that role's token>",
 }

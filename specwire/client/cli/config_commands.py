@@ -15,6 +15,7 @@ from .common import (
     EXIT_OK,
     UsageError,
     add_command,
+    add_token_option,
     parse_assignments,
     read_source,
 )
@@ -100,7 +101,9 @@ def config_command(args) -> int:
     """Run one `specwire config` subcommand; the exit code."""
     from specwire.client import ConfigClient
 
-    with ConfigClient(args.address, timeout=args.timeout or None) as client:
+    # The token is SPECWIRE_AUTH_TOKEN (not a flag: a command line is visible to every user of the machine).
+    allow = args.allow_insecure_token or None  # unset: SPECWIRE_ALLOW_INSECURE_TOKEN decides
+    with ConfigClient(args.address, timeout=args.timeout or None, allow_insecure_token=allow) as client:
         cmd = args.config_command
         if cmd == "create":
             record = client.create(
@@ -164,6 +167,7 @@ def add_config_parser(sub: Any) -> None:
         default=DEFAULT_CONFIG_TIMEOUT_S,
         help="deadline of each registry call in seconds, 0 for none",
     )
+    add_token_option(cfg)
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     p = add_command(cfg_sub, "create", help="store a new named config (version 1)")
     p.add_argument("name")

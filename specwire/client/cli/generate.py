@@ -14,6 +14,7 @@ from .common import (
     UsageError,
     add_chat_option,
     add_command,
+    add_token_option,
     parse_assignments,
 )
 
@@ -40,6 +41,7 @@ def add_generate_parser(sub: Any) -> None:
         default=DEFAULT_GENERATE_TIMEOUT_S,
         help="deadline of the generation in seconds, 0 for none",
     )
+    add_token_option(gen)
 
 
 def generate_command(args) -> int:
@@ -50,7 +52,8 @@ def generate_command(args) -> int:
         raise UsageError('give a prompt, e.g. specwire generate "Hello" (several prompts make a batch)')
     overrides = parse_assignments(args.set)
     prompts = args.prompt
-    with TargetClient(args.address, timeout=args.timeout or None) as client:
+    allow = args.allow_insecure_token or None  # unset: SPECWIRE_ALLOW_INSECURE_TOKEN decides
+    with TargetClient(args.address, timeout=args.timeout or None, allow_insecure_token=allow) as client:
         kwargs = dict(
             text=prompts if len(prompts) > 1 else prompts[0],
             generation_config=args.config,
