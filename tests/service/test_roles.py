@@ -131,6 +131,22 @@ def test_admin_token_does_everything(stack):
         assert client.generate([[5, 6, 7]], generation_config="imported").sequences.shape[1] == 3 + 6
 
 
+def test_the_registry_records_the_role_that_wrote_each_version(stack):
+    """The authorization's caller reaches the registry's records: the admin token's writes are
+    `admin:token`, and the history shows them to a reader."""
+    config, _ = stack
+    with ConfigClient(config, token=ADMIN) as admin:
+        admin.create("authored", GREEDY)
+        admin.set_tag("authored", "prod", 1)
+    with ConfigClient(config, token=READER) as reader:
+        assert reader.get("authored").author == "admin:token"
+        history = reader.history("authored")
+    assert [(entry.kind, entry.author) for entry in history.entries] == [
+        ("tag", "admin:token"),
+        ("version", "admin:token"),
+    ]
+
+
 @pytest.mark.parametrize("token", ["", "not-a-token"])
 def test_no_token_or_an_unknown_one_is_unauthenticated_and_health_stays_open(stack, token):
     config, target = stack

@@ -39,10 +39,10 @@ def test_every_rpc_in_the_protos_has_a_role():
 
 def test_registry_writes_need_the_admin_role_and_everything_else_a_reader():
     writes = {m.rsplit("/", 1)[1] for m in proto_methods() if is_registry_write(m)}
-    assert writes == {"CreateConfig", "UpdateConfig", "SetTag", "DeleteConfig", "ImportConfig"}
+    assert writes == {"CreateConfig", "UpdateConfig", "SetTag", "DeleteTag", "DeleteConfig", "ImportConfig"}
     assert all(METHOD_ROLES[m] is Role.READER for m in proto_methods() if not is_registry_write(m))
-    # Unlisted: a config-service method is a read (history RPCs), any other service's is closed.
-    assert required_role("/specwire.config.v1.ConfigService/GetConfigHistory") is Role.READER
+    # Unlisted (an RPC nobody classified): closed, admin only.
+    assert required_role("/specwire.config.v1.ConfigService/Unclassified") is Role.ADMIN
     assert required_role("/specwire.target.v1.TargetService/Unclassified") is Role.ADMIN
     assert required_role("/grpc.health.v1.Health/Check") is None
     assert Role.ADMIN.allows(Role.READER) and not Role.READER.allows(Role.ADMIN)
