@@ -6,16 +6,17 @@ A channel that would send a bearer token in plaintext to another machine is refu
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
 
 import grpc
 
 from specwire import telemetry
 from specwire.security.access import ALLOW_INSECURE_TOKEN_ENV, env_flag, is_loopback
-from specwire.security.tls import channel_credentials
+from specwire.security.tls import ClientFilesWatch, channel_credentials
 from specwire.security.tokens import (
     SecuritySettingsError,
     TokenInterceptor,
@@ -23,6 +24,8 @@ from specwire.security.tokens import (
     aio_token_interceptors,
     auth_metadata,
 )
+
+StubT = TypeVar("StubT")
 
 # Every client channel pings its server after 30 s without traffic and drops the connection when no
 # answer comes within 10 s: a hung peer (SIGSTOPped, partitioned, no TCP reset) fails its calls with
@@ -200,3 +203,58 @@ def secure_channel(
     if metadata:
         channel = grpc.intercept_channel(channel, TokenInterceptor(metadata))
     return telemetry.instrument_channel(channel)
+
+
+class RenewingChannel(Generic[StubT]):
+    """A long-lived grpc.aio channel and its stub, replaced when the TLS files change.
+
+    A channel reads the certificate files once, when it is made, and keeps presenting that client
+    certificate on every reconnect. The target's channels to the registry and to the draft service live
+    as long as the process, so each call's `stub()` first asks `ClientFilesWatch` (at most once a second)
+    whether the files changed; when they did, new calls go to a new channel with the renewed certificate,
+    and the old one is closed once its calls end (at most `retire_grace_s` later). Use it on one event
+    loop only (a grpc.aio channel belongs to the loop it was made on).
+
+    Args:
+        address (`str`): `host:port` or `dns:///name:port`.
+        make_stub (`Callable`): the generated stub class (or any callable taking the channel).
+        retire_grace_s (`float`): how long calls in flight on a replaced channel may still run.
+    """
+
+    def __init__(self, address: str, make_stub: Callable[[grpc.aio.Channel], StubT], retire_grace_s: float):
+        self.address = address
+        self.make_stub = make_stub
+        self.retire_grace_s = retire_grace_s
+        self.renewals = 0  # channels replaced after a certificate change (observability and tests)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: StubT | None = None
+        self._watch: ClientFilesWatch | None = None
+        self._retiring: set[asyncio.Task] = set()
+
+    def stub(self) -> StubT:
+        """The stub of the current channel (made on first use, renewed after a certificate change)."""
+        if self._stub is None or self._watch is None:
+            self._watch = ClientFilesWatch()
+            return self._renew()
+        if self._watch.changed():
+            self.renewals += 1
+            return self._renew()
+        return self._stub
+
+    def _renew(self) -> StubT:
+        old = self._channel
+        self._channel = secure_channel(self.address, aio=True)
+        self._stub = self.make_stub(self._channel)
+        if old is not None:
+            task = asyncio.get_running_loop().create_task(old.close(grace=self.retire_grace_s))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        return self._stub
+
+    async def close(self) -> None:
+        """Close the channel now (calls still open on it are cancelled), and any being retired."""
+        for task in list(self._retiring):
+            task.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel, self._stub = None, None

@@ -203,6 +203,46 @@ class CertificateReloader:
             self._lock.release()
 
 
+class ClientFilesWatch:
+    """Whether the TLS files a client channel was made with changed since, so that a long-lived channel
+    (the target's to the registry and to the draft service) can be replaced by one presenting the
+    renewed client certificate: a channel reads the files once, when it is made.
+
+    The files are read at most once every `interval_s` seconds. A changed set that does not check out
+    (a renewal half written) counts as unchanged until it does. Without TLS files it never changes.
+
+    Args:
+        env (`Mapping`): where the `SPECWIRE_TLS_*` paths are read.
+        interval_s (`float`, defaults to `RELOAD_INTERVAL_S`): least time between two reads of the files.
+    """
+
+    def __init__(self, env: Mapping[str, str] = os.environ, interval_s: float = RELOAD_INTERVAL_S):
+        self.files = TlsFiles.from_env(env)
+        self.interval_s = interval_s
+        self._seen = _read_all(self.files) if self.files.ca or self.files.cert else None
+        self._checked_at = time.monotonic()
+
+    def changed(self) -> bool:
+        """True once per change of the files (a new channel should be made), else False."""
+        if self._seen is None or time.monotonic() - self._checked_at < self.interval_s:
+            return False
+        self._checked_at = time.monotonic()
+        try:
+            if _read_all(self.files) == self._seen:
+                return False
+            fresh = load_checked(self.files)
+        except TlsSettingsError as error:
+            log.warning("TLS files changed but are not used yet, the channel keeps its certificate: %s", error)
+            return False
+        self._seen = fresh
+        log.info(
+            "TLS: client certificate %s changed (sha256 %s): new channels use it",
+            self.files.cert,
+            _fingerprint(fresh.cert),
+        )
+        return True
+
+
 def _configuration(pem: PemFiles) -> grpc.ServerCertificateConfiguration:
     return grpc.ssl_server_certificate_configuration([(pem.key, pem.cert)], root_certificates=pem.ca)
 

@@ -49,7 +49,7 @@ from specwire.errors import (
     clip,
 )
 from specwire.generation.config import GenerationConfig
-from specwire.security.channels import secure_channel
+from specwire.security.channels import RenewingChannel
 from specwire.wire.generation_config import config_from_proto
 
 log = logging.getLogger("specwire.target_service.config_resolver")
@@ -154,9 +154,9 @@ class ConfigResolver:
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.stale_max_s = stale_max_s
-        # Created on first use: a grpc.aio channel belongs to the event loop it is created on.
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.ConfigServiceStub | None = None
+        # Made on first use (a grpc.aio channel belongs to the event loop it is made on), renewed when the
+        # TLS files change; a lookup lasts at most timeout_s, so a replaced channel is closed after that.
+        self._channel = RenewingChannel(str(address), pb_grpc.ConfigServiceStub, retire_grace_s=timeout_s)
         self._pinned: LruCache[str, ResolvedConfig] = LruCache(max_entries)
         self._moving: LruCache[str, _MovingEntry] = LruCache(max_entries)
         # The fetch in flight per reference: later callers of that reference wait on it instead of
@@ -166,8 +166,7 @@ class ConfigResolver:
     async def close(self) -> None:
         for fetch in list(self._fetches.values()):
             fetch.cancel()
-        if self._channel is not None:
-            await self._channel.close()
+        await self._channel.close()
 
     async def resolve(self, ref: str, field: str = "config_ref") -> ResolvedConfig:
         """The config `ref` names; NOT_FOUND / INVALID_ARGUMENT as the registry says; UNAVAILABLE when the
@@ -227,11 +226,8 @@ class ConfigResolver:
 
     async def _fetch(self, ref: str) -> ResolvedConfig:
         """One GetConfig call, bounded by `timeout_s`; updates the caches with what the registry said."""
-        if self._stub is None:
-            self._channel = secure_channel(str(self.address), aio=True)
-            self._stub = pb_grpc.ConfigServiceStub(self._channel)
         try:
-            response = await self._stub.GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout_s)
+            response = await self._channel.stub().GetConfig(pb.GetConfigRequest(ref=ref), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in OUTAGE_CODES:
                 entry = self._moving.get(ref)

@@ -32,7 +32,7 @@ from specwire.deadline import caller_deadline, remaining
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.generation.speculation.drafters import Drafter, DraftFailure, PromptLookupDrafter, Proposal
-from specwire.security.channels import secure_channel
+from specwire.security.channels import RenewingChannel
 from specwire.vocabulary import PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
 from specwire.wire.generation_config import config_to_proto
 from specwire.wire.proposers import PROPOSER_FROM_PROTO
@@ -60,8 +60,9 @@ class DraftChannel:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.DraftServiceStub | None = None
+        # Renewed when the TLS files change; a draft stream lasts at most its request's deadline, and the
+        # clients' default deadline is 600 s.
+        self._channel = RenewingChannel(address, pb_grpc.DraftServiceStub, retire_grace_s=600.0)
         self._closed = False
         self.calls: set[Any] = set()  # open draft streams (on the loop's thread only)
 
@@ -107,17 +108,13 @@ class DraftChannel:
 
     def stub(self) -> pb_grpc.DraftServiceStub:
         """The stub (call on the channel's loop only: a grpc.aio channel belongs to the loop it was made on)."""
-        if self._stub is None:
-            self._channel = secure_channel(self.address, aio=True)
-            self._stub = pb_grpc.DraftServiceStub(self._channel)
-        return self._stub
+        return self._channel.stub()
 
     async def _shutdown(self) -> None:
         for call in list(self.calls):
             call.cancel()
         self.calls.clear()
-        if self._channel is not None:
-            await self._channel.close()
+        await self._channel.close()
 
     def close(self) -> None:
         with self._lock:
