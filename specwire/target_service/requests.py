@@ -19,6 +19,7 @@ from specwire.generation.config import (
     GenerationConfig,
     field_suggestion,
     merge,
+    not_honoured,
     raise_for_errors,
     unknown_keys,
 )
@@ -107,6 +108,7 @@ def effective_config(
             raise Unimplemented(f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it")
     if resolved is None:  # an inline config's unknown keys; the registry warned about its own when stored
         violations += unknown_keys(given)
+    violations += not_honoured(merged)  # accepted and not acted on: never silently
     warnings = [FieldProblem(f"config.{v.field}", v.value, v.message, "warning") for v in violations]
     return merged, warnings, caller_set_length
 
@@ -251,6 +253,17 @@ def prepare_job(
     negative_ids = negative_mask = None
     if request.HasField("negative_prompt"):
         negative_ids, negative_mask = prompt_tensors([request.negative_prompt], loaded, False, pad, "negative_prompt")
+        if config.guidance_scale is None or config.guidance_scale == 1:
+            # transformers ignores it then too; the rule here is that nothing accepted is ignored silently.
+            warnings.append(
+                FieldProblem(
+                    "negative_prompt",
+                    f"{negative_ids.shape[1]} tokens",
+                    f"not honoured: a negative prompt is used only with guidance_scale > 1 (it is "
+                    f"{config.guidance_scale}); set guidance_scale or drop the negative prompt",
+                    "warning",
+                )
+            )
     return GenerationJob(
         input_ids=input_ids,
         attention_mask=attention_mask,
