@@ -175,6 +175,9 @@ class Engine:
             )
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer
+        ensemble = self.drafting.ensemble_warning(proposer, job.config, plan.num_beams)
+        if ensemble is not None:
+            job.warnings.append(ensemble)
         if proposer == PROPOSER_NONE:
             return generate_from_plan(model, plan, **common)
         with self._lock:

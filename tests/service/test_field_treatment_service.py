@@ -12,6 +12,8 @@ from specwire.target_service.__main__ import build_server as build_target_server
 from tests.servers import threaded_server
 from tests.unit.test_field_treatment import WARNED_VALUES
 
+WARNED_VALUES = {**WARNED_VALUES, "assistant_ensemble_weight": 0.5}  # without a drafter
+
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 
 

@@ -23,6 +23,7 @@ EFFECT_TESTS = [
     "tests/unit/test_schedules.py",
     "tests/unit/test_prompt_lookup.py",
     "tests/service/test_speculation.py",
+    "tests/service/test_ensemble_speculation.py",
     "tests/service/test_target_service.py",
 ]
 
@@ -36,7 +37,6 @@ WARNED_VALUES = {
     "compile_config": {"fullgraph": True},
     "disable_compile": False,
     "decoder_start_token_id": 0,
-    "assistant_ensemble_weight": 0.5,
     "assistant_lookbehind": 5,
     "target_lookbehind": 5,
 }

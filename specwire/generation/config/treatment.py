@@ -117,6 +117,8 @@ _HONOURED: dict[str, str] = {
     "assistant_confidence_threshold": _DRAFTING,
     "prompt_lookup_num_tokens": _DRAFTING,
     "max_matching_ngram_size": _DRAFTING,
+    "assistant_ensemble_weight": _DRAFTING + " with a draft model, greedy and sampling; refused with prompt "
+    "lookup (as transformers refuses it); the target warns when the request runs without a draft model",
     "prefill_chunk_size": "the rows' prefill (in chunks of that many tokens)",
     "seed": "the request's sampling generator (specwire extension)",
 }
@@ -145,9 +147,6 @@ _WARNED: dict[str, FieldTreatment] = {
     "decoder_start_token_id": _warned(
         "it starts the decoder of encoder-decoder models; the served model is decoder-only (transformers ignores "
         "it there too)"
-    ),
-    "assistant_ensemble_weight": _warned(
-        "the speculative acceptance does not apply the ensemble weight yet (lossless acceptance is used)"
     ),
     "assistant_lookbehind": _warned(
         "it applies when the draft model has another tokenizer (universal assisted decoding); specwire's drafts "

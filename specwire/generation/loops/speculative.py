@@ -79,12 +79,16 @@ def speculative_loop(
     run = SpeculativeRun(
         plan, rows, input_ids, row_processors, row_stop_codes, generator, stats, reason_names, draft_length
     )
-    # Step 0: the first token comes from the prefill's logits, as in plain decoding.
-    yield run.first_step()
+    early = run.drafts_from_the_prompt
+    if not early:
+        # Step 0: the first token comes from the prefill's logits, as in plain decoding.
+        yield run.first_step()
     # The drafter holds a session (a draft-service stream, KV caches) until closed: it is closed on
     # every way out of this generator (finish, error, the caller closing it on cancel or deadline).
     try:
         run.open_drafter(open_drafter)
+        if early:  # step 0 is a round drafted from the prompt (transformers' block boundaries)
+            yield run.first_round()
         step = 1
         while not run.done():
             yield run.round(step)
