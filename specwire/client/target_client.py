@@ -81,6 +81,9 @@ class GenerateOutput:
     model_id: str = ""
     warnings: list[Violation] = field(default_factory=list)
     prompt_length: int = 0  # `sequences[:, prompt_length:]` are the generated tokens
+    # `output_attentions` / `output_hidden_states`: steps x layers x tensor, as transformers returns them.
+    attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None  # [rows, heads, query, key]
+    hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None  # [rows, query, hidden]
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> GenerateOutput:
@@ -90,6 +93,12 @@ class GenerateOutput:
         def steps(name: str) -> tuple[torch.Tensor, ...] | None:
             stacked = tensor(name)
             return None if stacked is None else tuple(stacked.unbind(0))
+
+        def layered(name: str) -> tuple[tuple[torch.Tensor, ...], ...] | None:
+            entries = getattr(response, name)
+            if not entries:
+                return None
+            return tuple(tuple(tensor_from_proto(layer) for layer in step.layers) for step in entries)
 
         return cls(
             sequences=torch.tensor([list(s.token_ids) for s in response.sequences], dtype=torch.long),
@@ -109,6 +118,8 @@ class GenerateOutput:
             model_id=response.model_id,
             warnings=[Violation.from_proto(w) for w in response.warnings],
             prompt_length=max((s.prompt_length for s in response.sequences), default=0),
+            attentions=layered("attentions"),
+            hidden_states=layered("hidden_states"),
         )
 
 

@@ -126,6 +126,12 @@ class RowBatch:
             Keep a KV cache between steps.
         prefill_chunk_size (`int`, *optional*):
             Run the prompt in chunks of this many positions.
+        output_attentions (`bool`, *optional*, defaults to `False`):
+            Keep every forward's attention weights in `attentions` (one tuple of per-layer
+            `[rows, heads, query, key]` tensors per forward; the model must run eager attention).
+        output_hidden_states (`bool`, *optional*, defaults to `False`):
+            Keep every forward's hidden states in `hidden_states` (one tuple of per-layer
+            `[rows, query, hidden]` tensors per forward, the embeddings first).
     """
 
     def __init__(
@@ -137,8 +143,14 @@ class RowBatch:
         rows: int,
         use_cache: bool = True,
         prefill_chunk_size: int | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
     ):
         self.model = model
+        self.output_attentions = output_attentions
+        self.output_hidden_states = output_hidden_states
+        self.attentions: list[tuple[torch.Tensor, ...]] = []
+        self.hidden_states: list[tuple[torch.Tensor, ...]] = []
         self.device = model_device(model)
         self.use_cache = use_cache
         self.prefill_chunk_size = prefill_chunk_size
@@ -219,7 +231,15 @@ class RowBatch:
             inputs["attention_mask"] = self.attention_mask[:, :total]
         if self._logits_to_keep:
             inputs["logits_to_keep"] = keep
+        if self.output_attentions:
+            inputs["output_attentions"] = True
+        if self.output_hidden_states:
+            inputs["output_hidden_states"] = True
         outputs = self.model(**inputs)
+        if self.output_attentions:
+            self.attentions.append(tuple(layer.detach().clone() for layer in outputs.attentions))
+        if self.output_hidden_states:
+            self.hidden_states.append(tuple(layer.detach().clone() for layer in outputs.hidden_states))
         # Copy (and upcast) only the positions we need: the prefill's full logits can be large.
         return cast(torch.Tensor, outputs.logits[:, -keep:].to(dtype=torch.float32, copy=True))
 

@@ -28,7 +28,7 @@ from specwire.models import LoadedModel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target_service.admission import PreparationPool
 from specwire.target_service.config_resolver import ConfigResolver, ResolvedConfig
-from specwire.target_service.limits import RequestLimits, check_config, check_job, check_prompts
+from specwire.target_service.limits import ModelShape, RequestLimits, check_config, check_job, check_prompts
 from specwire.wire.generation_config import WireFormatError, config_from_proto
 
 
@@ -285,6 +285,7 @@ def prepare_job(
             limits,
             caller_set_length,
             loaded.max_position_embeddings,
+            ModelShape.of(loaded.model),
         )
     negative_ids = negative_mask = None
     if request.HasField("negative_prompt"):

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EFFECT_TESTS = [
     "tests/parity/test_decoding_parity.py",
     "tests/parity/test_no_prompt_and_defaults.py",
+    "tests/parity/test_model_outputs.py",
     "tests/unit/test_processors_parity.py",
     "tests/unit/processor_cases.py",
     "tests/unit/test_processors_known_values.py",
@@ -29,8 +30,6 @@ EFFECT_TESTS = [
 
 # A value each warned field is warned about (not one of its honoured values).
 WARNED_VALUES = {
-    "output_attentions": True,
-    "output_hidden_states": True,
     "cache_implementation": "static",
     "cache_config": {"max_batch_size": 1},
     "max_cache_len": 64,
@@ -68,7 +67,7 @@ def test_a_warned_field_is_named_with_its_value(name):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"output_attentions": False}, {"cache_implementation": "dynamic"}, {"disable_compile": True}],
+    [{}, {"output_attentions": True}, {"cache_implementation": "dynamic"}, {"disable_compile": True}],
 )
 def test_honoured_values_are_not_warned_about(kwargs):
     assert not_honoured(GenerationConfig(**kwargs)) == []

@@ -105,6 +105,9 @@ _HONOURED: dict[str, str] = {
     "guidance_scale": _PROCESSOR + " with its own KV cache (classifier-free guidance)",
     "watermarking_config": _PROCESSOR + " (green-list); SynthID is refused by the mode check",
     "num_return_sequences": _LOOP,
+    "output_attentions": "the result's attentions (greedy and sampling, eager attention; beam search and "
+    "sdpa models refuse it), transformers' layout",
+    "output_hidden_states": "the result's hidden states (greedy and sampling; beam search refuses it)",
     "output_scores": "the result's scores",
     "output_logits": "the result's logits",
     "return_dict_in_generate": "the result (the wire always carries the dict form)",
@@ -128,14 +131,6 @@ _DYNAMIC = "specwire always decodes with a dynamic KV cache (outputs are identic
 
 # Fields accepted and not acted on: a request that sets one gets a warning naming it.
 _WARNED: dict[str, FieldTreatment] = {
-    "output_attentions": _warned(
-        "the target service does not return attention weights; unset output_attentions",
-        honoured=lambda value: value is False,
-    ),
-    "output_hidden_states": _warned(
-        "the target service does not return hidden states; unset output_hidden_states",
-        honoured=lambda value: value is False,
-    ),
     "cache_implementation": _warned(
         f"{_DYNAMIC}; a {{value!r}} cache is not used", honoured=lambda value: value == "dynamic"
     ),

@@ -103,6 +103,10 @@ def speculation_blocker(plan: GenerationPlan) -> str:
     config = plan.config
     if plan.num_beams > 1:
         return "beam search runs without speculation (plain beam search)"
+    if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
+        # transformers' assisted generation splits a verified block's outputs into per-token entries; plain
+        # decoding returns them one forward per token, which is the layout the caller asked for.
+        return "output_attentions / output_hidden_states run without speculation (plain decoding)"
     if not config.use_cache:
         return "speculation needs use_cache=True"
     if config.guidance_scale is not None and config.guidance_scale != 1:

@@ -118,7 +118,7 @@ class ResolvedConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("sequences", "scores", "logits", "beam_indices", "sequences_scores", "speculation", "config", "model_id", "warnings")
+    __slots__ = ("sequences", "scores", "logits", "beam_indices", "sequences_scores", "speculation", "config", "model_id", "warnings", "attentions", "hidden_states")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class GenerateResponse(_message.Message):
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTIONS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[GeneratedSequence]
     scores: _common_pb2.DenseTensor
     logits: _common_pb2.DenseTensor
@@ -137,7 +139,15 @@ class GenerateResponse(_message.Message):
     config: ResolvedConfig
     model_id: str
     warnings: _containers.RepeatedCompositeFieldContainer[_common_pb2.FieldViolation]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[GeneratedSequence, _Mapping]]] = ..., scores: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., beam_indices: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., sequences_scores: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., config: _Optional[_Union[ResolvedConfig, _Mapping]] = ..., model_id: _Optional[str] = ..., warnings: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ...) -> None: ...
+    attentions: _containers.RepeatedCompositeFieldContainer[LayerTensors]
+    hidden_states: _containers.RepeatedCompositeFieldContainer[LayerTensors]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[GeneratedSequence, _Mapping]]] = ..., scores: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., beam_indices: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., sequences_scores: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., config: _Optional[_Union[ResolvedConfig, _Mapping]] = ..., model_id: _Optional[str] = ..., warnings: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ..., attentions: _Optional[_Iterable[_Union[LayerTensors, _Mapping]]] = ..., hidden_states: _Optional[_Iterable[_Union[LayerTensors, _Mapping]]] = ...) -> None: ...
+
+class LayerTensors(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.DenseTensor]
+    def __init__(self, layers: _Optional[_Iterable[_Union[_common_pb2.DenseTensor, _Mapping]]] = ...) -> None: ...
 
 class RowDelta(_message.Message):
     __slots__ = ("row", "token_ids", "text")
