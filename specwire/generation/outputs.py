@@ -76,10 +76,11 @@ class GenerationResult:
         prompt_length (`int`):
             Number of prompt positions at the start of every row of `sequences` (padding included).
         attentions (`tuple(tuple(torch.FloatTensor))`, *optional*):
-            With `output_attentions` and `return_dict_in_generate`: per generated token, per layer,
-            `[rows, heads, query, key]` (the first step holds the prompt), transformers' layout.
+            With `output_attentions` and `return_dict_in_generate`: per step, per layer,
+            `[rows, heads, query, key]` (the first step holds the prompt), transformers' layout (beam
+            search: every step's running beams).
         hidden_states (`tuple(tuple(torch.FloatTensor))`, *optional*):
-            With `output_hidden_states` and `return_dict_in_generate`: per generated token, per layer (the
+            With `output_hidden_states` and `return_dict_in_generate`: per step, per layer (the
             embeddings first), `[rows, query, hidden]`.
     """
 

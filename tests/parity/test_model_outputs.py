@@ -79,6 +79,17 @@ def test_attentions_and_hidden_states_match_transformers(eager_target, reference
     assert len(out.attentions[0]) == layers and len(out.hidden_states[0]) == layers + 1
 
 
+@pytest.mark.parametrize("kwargs", [dict(num_beams=2), dict(num_beams=3, num_return_sequences=2, length_penalty=0.5)])
+def test_beam_search_returns_every_step_of_every_beam_like_transformers(eager_target, reference, kwargs):
+    ids, mask = _left_padded(PROMPTS)
+    out = eager_target.generate(ids, attention_mask=mask, max_new_tokens=5, output_scores=True, **BOTH, **kwargs)
+    want = reference.generate(ids, attention_mask=mask, max_new_tokens=5, output_scores=True, **BOTH, **kwargs)
+    assert out.sequences.tolist() == want.sequences.tolist()
+    _assert_layered_close(out.attentions, want.attentions)
+    _assert_layered_close(out.hidden_states, want.hidden_states)
+    assert out.attentions[0][0].shape[0] == ids.shape[0] * kwargs["num_beams"]
+
+
 def test_seeded_sampling_returns_one_entry_per_generated_token(eager_target):
     out = eager_target.generate(PROMPTS[:1], max_new_tokens=7, do_sample=True, seed=5, **BOTH)
     assert len(out.attentions) == len(out.hidden_states) == out.sequences.shape[1] - len(PROMPTS[0])
@@ -102,7 +113,6 @@ def test_without_return_dict_nothing_is_returned_as_in_transformers(eager_target
     "kwargs, field",
     [
         (dict(output_attentions=True), "output_attentions"),  # sdpa computes no weights
-        (dict(output_hidden_states=True, num_beams=2), "output_hidden_states"),
         (dict(output_hidden_states=True, prefill_chunk_size=2), "output_hidden_states"),
     ],
 )

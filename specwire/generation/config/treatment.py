@@ -105,9 +105,10 @@ _HONOURED: dict[str, str] = {
     "guidance_scale": _PROCESSOR + " with its own KV cache (classifier-free guidance)",
     "watermarking_config": _PROCESSOR + " (green-list); SynthID is refused by the mode check",
     "num_return_sequences": _LOOP,
-    "output_attentions": "the result's attentions (greedy and sampling, eager attention; beam search and "
-    "sdpa models refuse it), transformers' layout",
-    "output_hidden_states": "the result's hidden states (greedy and sampling; beam search refuses it)",
+    "output_attentions": "the result's attentions, transformers' layout (eager attention: an sdpa model refuses "
+    "it; speculative requests run plain decoding)",
+    "output_hidden_states": "the result's hidden states, transformers' layout (speculative requests run plain "
+    "decoding)",
     "output_scores": "the result's scores",
     "output_logits": "the result's logits",
     "return_dict_in_generate": "the result (the wire always carries the dict form)",

@@ -14,7 +14,7 @@ Semantics follow transformers 5.23's `generate()` for decoder-only models (see `
 resolution order). Assisted-generation flags (`prompt_lookup_num_tokens`, `assistant_early_exit`,
 `use_mtp`) are ignored here: speculation is the target service's strategy built on `verify`, and it
 keeps this loop's output (identical tokens for greedy, the same distribution for sampling).
-Attention weights and hidden states are returned for greedy search and sampling
+Attention weights and hidden states are returned as transformers returns them
 (`check_model_outputs`); the KV cache is always a `DynamicCache` (another `cache_implementation` is
 a warning in the target's response, `config.treatment`).
 """
@@ -174,19 +174,20 @@ def generate_from_plan(
     generator = _request_generator(plan, generator, device)
     stop_codes = StopCodes(criteria, plan.eos_token_ids, device)
     if plan.num_beams > 1:
-        return beam_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
-    loop = sample_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
-    return _with_model_outputs(loop, cast(RowBatch, rows)) if recorded else loop
+        loop = beam_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
+    else:
+        loop = sample_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
+    return _with_model_outputs(loop, cast(RowBatch, rows), plan.num_beams > 1) if recorded else loop
 
 
 def check_model_outputs(plan: GenerationPlan, model: Any) -> dict[str, bool]:
     """The `RowBatch` arguments that keep attention weights / hidden states, for a plan that returns them.
 
-    transformers returns them only with `return_dict_in_generate`; specwire returns them for greedy
-    search and sampling, from the model's own forward (`RowBatch`), one entry per generated token.
+    transformers returns them only with `return_dict_in_generate`; specwire returns them from the model's
+    own forward (`RowBatch`), one entry per step.
 
     Raises:
-        `InvalidGenerationArgument`: with beam search or `prefill_chunk_size` (not returned there yet), or
+        `InvalidGenerationArgument`: with `prefill_chunk_size` (not returned there yet), or
             `output_attentions` on a model whose attention implementation computes no weights (sdpa).
     """
     config = plan.config
@@ -197,10 +198,6 @@ def check_model_outputs(plan: GenerationPlan, model: Any) -> dict[str, bool]:
     if not any(wanted.values()):
         return {}
     name = "output_attentions" if wanted["output_attentions"] else "output_hidden_states"
-    if plan.num_beams > 1:
-        raise InvalidGenerationArgument.for_field(
-            name, True, "is not returned with beam search (num_beams > 1) yet: unset it or use num_beams=1"
-        )
     if getattr(config, "prefill_chunk_size", None) is not None:
         raise InvalidGenerationArgument.for_field(
             name, True, "is not returned with prefill_chunk_size: unset one of them"
@@ -217,15 +214,16 @@ def check_model_outputs(plan: GenerationPlan, model: Any) -> dict[str, bool]:
 
 
 def _with_model_outputs(
-    loop: Generator[StepEvent, None, GenerationResult], rows: RowBatch
+    loop: Generator[StepEvent, None, GenerationResult], rows: RowBatch, beams: bool
 ) -> Generator[StepEvent, None, GenerationResult]:
-    """The loop's events, then its result with the attentions / hidden states of each generated token.
+    """The loop's events, then its result with the attentions / hidden states of each step.
 
-    The rows keep one entry per forward; the first `n` are those of the `n` generated tokens (a forward
-    after the last token, if any, is not part of the output, as in transformers).
+    The rows keep one entry per forward. Greedy search and sampling return the first `n`, those of the
+    `n` generated tokens; beam search returns every forward's, for all `batch * num_beams` running rows
+    in their order at that step (transformers' beam layout, like its `scores`).
     """
     result = yield from loop
-    steps = result.sequences.shape[1] - result.prompt_length
+    steps = len(rows.attentions or rows.hidden_states) if beams else result.sequences.shape[1] - result.prompt_length
     if rows.output_attentions:
         result.attentions = tuple(rows.attentions[:steps])
     if rows.output_hidden_states:
