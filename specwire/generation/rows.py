@@ -96,12 +96,15 @@ def _accepts(model: Any, name: str) -> bool:
         return False
 
 
-def _new_cache(model: Any) -> Any:
-    """A fresh DynamicCache built from the model's text config (so sliding-window layers are sized right)."""
-    from transformers import DynamicCache
+def _new_cache(model: Any, static_cache_len: int | None = None) -> Any:
+    """A fresh cache built from the model's text config (so sliding-window layers are sized right): a
+    `DynamicCache`, or a `StaticCache` of `static_cache_len` positions (`cache_implementation="static"`)."""
+    from transformers import DynamicCache, StaticCache
 
     config = model.config
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if static_cache_len is not None:
+        return StaticCache(config=text_config, max_cache_len=static_cache_len)
     return DynamicCache(config=text_config)
 
 
@@ -132,6 +135,9 @@ class RowBatch:
         output_hidden_states (`bool`, *optional*, defaults to `False`):
             Keep every forward's hidden states in `hidden_states` (one tuple of per-layer
             `[rows, query, hidden]` tensors per forward, the embeddings first).
+        static_cache_len (`int`, *optional*):
+            Use a `StaticCache` of this many positions per row instead of a `DynamicCache`
+            (`cache_implementation="static"`; the loops that roll back use a dynamic one).
     """
 
     def __init__(
@@ -145,6 +151,7 @@ class RowBatch:
         prefill_chunk_size: int | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        static_cache_len: int | None = None,
     ):
         self.model = model
         self.output_attentions = output_attentions
@@ -166,7 +173,7 @@ class RowBatch:
         else:
             self.position_ids = torch.arange(prompt_length, device=self.device).unsqueeze(0).expand(rows, -1)
             self.attention_mask = None
-        self.cache = _new_cache(model) if use_cache else None
+        self.cache = _new_cache(model, static_cache_len) if use_cache else None
         self.tokens: torch.Tensor | None = None  # only kept without a cache
 
     @property

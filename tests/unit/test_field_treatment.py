@@ -17,6 +17,7 @@ EFFECT_TESTS = [
     "tests/parity/test_decoding_parity.py",
     "tests/parity/test_no_prompt_and_defaults.py",
     "tests/parity/test_model_outputs.py",
+    "tests/parity/test_static_cache.py",
     "tests/unit/test_processors_parity.py",
     "tests/unit/processor_cases.py",
     "tests/unit/test_processors_known_values.py",
@@ -30,7 +31,7 @@ EFFECT_TESTS = [
 
 # A value each warned field is warned about (not one of its honoured values).
 WARNED_VALUES = {
-    "cache_implementation": "static",
+    "cache_implementation": "offloaded",
     "cache_config": {"max_batch_size": 1},
     "max_cache_len": 64,
     "compile_config": {"fullgraph": True},
@@ -67,12 +68,18 @@ def test_a_warned_field_is_named_with_its_value(name):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"output_attentions": True}, {"cache_implementation": "dynamic"}, {"disable_compile": True}],
+    [
+        {},
+        {"output_attentions": True},
+        {"cache_implementation": "dynamic"},
+        {"cache_implementation": "static", "max_cache_len": 64},
+        {"disable_compile": True},
+    ],
 )
 def test_honoured_values_are_not_warned_about(kwargs):
     assert not_honoured(GenerationConfig(**kwargs)) == []
 
 
-def test_the_static_cache_warning_names_the_value():
-    (warning,) = not_honoured(GenerationConfig(cache_implementation="offloaded"))
-    assert "'offloaded'" in warning.message
+def test_the_cache_warning_names_the_value():
+    (warning,) = not_honoured(GenerationConfig(cache_implementation="quantized"))
+    assert "'quantized'" in warning.message

@@ -45,21 +45,21 @@ class FieldTreatment:
             What happens to a request that sets the field.
         why (`str`):
             Where it is honoured, or why it is not (the text of the warning).
-        honoured (`Callable[[Any], bool]`, *optional*):
-            `Treatment.WARNED` only: the values that are honoured after all (no warning), e.g. `False` for an
-            output flag. `None`: every set value is warned about.
+        honoured (`Callable[[Any, Any], bool]`, *optional*):
+            `Treatment.WARNED` only: `honoured(value, config)` says when a value is honoured after all (no
+            warning), e.g. `disable_compile=True`. `None`: every set value is warned about.
     """
 
     how: Treatment
     why: str
-    honoured: Callable[[Any], bool] | None = None
+    honoured: Callable[[Any, Any], bool] | None = None
 
 
 def _honoured(why: str) -> FieldTreatment:
     return FieldTreatment(Treatment.HONOURED, why)
 
 
-def _warned(why: str, honoured: Callable[[Any], bool] | None = None) -> FieldTreatment:
+def _warned(why: str, honoured: Callable[[Any, Any], bool] | None = None) -> FieldTreatment:
     return FieldTreatment(Treatment.WARNED, why, honoured)
 
 
@@ -128,18 +128,22 @@ _HONOURED: dict[str, str] = {
 }
 
 _NO_COMPILE = "specwire does not compile the decoding step (torch.compile); outputs are those of eager execution"
-_DYNAMIC = "specwire always decodes with a dynamic KV cache (outputs are identical)"
+_CACHES = "specwire decodes with a dynamic KV cache, or a static one with cache_implementation='static'"
 
 # Fields accepted and not acted on: a request that sets one gets a warning naming it.
 _WARNED: dict[str, FieldTreatment] = {
     "cache_implementation": _warned(
-        f"{_DYNAMIC}; a {{value!r}} cache is not used", honoured=lambda value: value == "dynamic"
+        f"{_CACHES}; a {{value!r}} cache is not used (outputs are those of the dynamic cache)",
+        honoured=lambda value, config: value in ("dynamic", "static"),
     ),
-    "cache_config": _warned(f"{_DYNAMIC}, so a cache configuration has no effect"),
-    "max_cache_len": _warned(f"{_DYNAMIC}, so a static cache length has no effect"),
+    "cache_config": _warned(f"{_CACHES}, which take no cache configuration"),
+    "max_cache_len": _warned(
+        "it sizes a static cache, and this request does not use one (set cache_implementation='static')",
+        honoured=lambda value, config: config.cache_implementation == "static",
+    ),
     "compile_config": _warned(_NO_COMPILE),
     # True is what specwire always does; False would let transformers compile a static-cache decode.
-    "disable_compile": _warned(_NO_COMPILE, honoured=lambda value: value is True),
+    "disable_compile": _warned(_NO_COMPILE, honoured=lambda value, config: value is True),
     "decoder_start_token_id": _warned(
         "it starts the decoder of encoder-decoder models; the served model is decoder-only (transformers ignores "
         "it there too)"
@@ -185,7 +189,7 @@ def not_honoured(config: Any) -> list[Violation]:
         if row.how is not Treatment.WARNED:
             continue
         value = getattr(config, name, None)
-        if value is None or (row.honoured is not None and row.honoured(value)):
+        if value is None or (row.honoured is not None and row.honoured(value, config)):
             continue
         why = row.why.replace("{value!r}", repr(value))
         found.append(Violation(name, value, f"not honoured: {why}", "warning"))

@@ -141,7 +141,7 @@ def generate_from_plan(
     plan.require_tokenizer(tokenizer)
     device = plan.input_ids.device
     expanded_ids, expanded_mask = plan.expanded()
-    recorded = check_model_outputs(plan, model)
+    recorded: dict[str, Any] = {**check_model_outputs(plan, model), **static_cache(plan)}
     rows = (rows_factory or RowBatch)(
         model,
         attention_mask=expanded_mask,
@@ -177,7 +177,19 @@ def generate_from_plan(
         loop = beam_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
     else:
         loop = sample_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
-    return _with_model_outputs(loop, cast(RowBatch, rows), plan.num_beams > 1) if recorded else loop
+    if recorded.get("output_attentions") or recorded.get("output_hidden_states"):
+        return _with_model_outputs(loop, cast(RowBatch, rows), plan.num_beams > 1)
+    return loop
+
+
+def static_cache(plan: GenerationPlan) -> dict[str, int]:
+    """The `RowBatch` argument for `cache_implementation="static"`: transformers' size, `max_length - 1`
+    positions, or `max_cache_len` when larger. (transformers also keeps the largest size any earlier call
+    used on the same model object; a service does not let one request's size depend on another's.)"""
+    config = plan.config
+    if config.cache_implementation != "static" or not config.use_cache:
+        return {}
+    return {"static_cache_len": max(plan.max_length - 1, int(config.max_cache_len or 0))}
 
 
 def check_model_outputs(plan: GenerationPlan, model: Any) -> dict[str, bool]:
