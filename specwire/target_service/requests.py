@@ -276,6 +276,16 @@ def prepare_job(
         input_ids, attention_mask = prompt_tensors(request.prompts, loaded, request.apply_chat_template, pad)
     else:
         input_ids, attention_mask = bos_prompt(config, loaded), None
+    if request.apply_chat_template and not any(p.WhichOneof("input") == "text" for p in request.prompts):
+        warnings.append(
+            FieldProblem(
+                "apply_chat_template",
+                True,
+                "not honoured: the chat template wraps text prompts, and this request has none (token ids are "
+                "sent as they are); send text, or apply the template before tokenizing",
+                "warning",
+            )
+        )
     if limits is not None:
         config = check_job(
             config,

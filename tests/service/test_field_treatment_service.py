@@ -45,3 +45,10 @@ def test_a_negative_prompt_without_guidance_is_a_warning(target):
     assert "guidance_scale" in warning.message
     guided = target.generate(PROMPT, max_new_tokens=4, negative_prompt_ids=[[3, 4]], guidance_scale=1.5)
     assert not [w for w in guided.warnings if w.field == "negative_prompt"]
+
+
+def test_a_chat_template_without_text_prompts_is_a_warning(target):
+    out = target.generate(PROMPT, max_new_tokens=3, apply_chat_template=True)
+    (warning,) = [w for w in out.warnings if w.field == "apply_chat_template"]
+    assert "text" in warning.message
+    assert torch.equal(out.sequences, target.generate(PROMPT, max_new_tokens=3).sequences)
