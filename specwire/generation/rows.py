@@ -271,6 +271,9 @@ class RowBatch:
         for start in range(0, length, chunk):
             end = min(start + chunk, length)
             logits = self._forward(input_ids[:, start:end], 1, upto=end)
+            if end < length:  # transformers returns the outputs of a chunked prefill's last chunk only
+                del self.attentions[len(self.attentions) - int(self.output_attentions) :]
+                del self.hidden_states[len(self.hidden_states) - int(self.output_hidden_states) :]
         return cast(torch.Tensor, logits)[:, -1]  # set: a prompt has at least one position
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:

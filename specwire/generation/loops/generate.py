@@ -196,11 +196,11 @@ def check_model_outputs(plan: GenerationPlan, model: Any) -> dict[str, bool]:
     """The `RowBatch` arguments that keep attention weights / hidden states, for a plan that returns them.
 
     transformers returns them only with `return_dict_in_generate`; specwire returns them from the model's
-    own forward (`RowBatch`), one entry per step.
+    own forward (`RowBatch`), one entry per step (a chunked prefill's last chunk, as transformers).
 
     Raises:
-        `InvalidGenerationArgument`: with `prefill_chunk_size` (not returned there yet), or
-            `output_attentions` on a model whose attention implementation computes no weights (sdpa).
+        `InvalidGenerationArgument`: `output_attentions` on a model whose attention implementation computes
+            no weights (sdpa).
     """
     config = plan.config
     wanted = {
@@ -209,11 +209,6 @@ def check_model_outputs(plan: GenerationPlan, model: Any) -> dict[str, bool]:
     }
     if not any(wanted.values()):
         return {}
-    name = "output_attentions" if wanted["output_attentions"] else "output_hidden_states"
-    if getattr(config, "prefill_chunk_size", None) is not None:
-        raise InvalidGenerationArgument.for_field(
-            name, True, "is not returned with prefill_chunk_size: unset one of them"
-        )
     implementation = getattr(model.config, "_attn_implementation", None)
     if wanted["output_attentions"] and implementation != "eager":
         raise InvalidGenerationArgument.for_field(
