@@ -142,3 +142,11 @@ def test_the_output_budget_counts_them(tiny_model_dir):
                 client.generate(PROMPTS[:1], max_new_tokens=200, **BOTH)
     assert info.value.code().name == "INVALID_ARGUMENT"
     assert "output_attentions" in str(info.value) and "max_new_tokens <=" in str(info.value)
+
+
+def test_the_stream_final_message_carries_them(eager_target):
+    ids = torch.tensor(PROMPTS[:1])
+    *_, final = eager_target.stream(ids, max_new_tokens=4, **BOTH)
+    whole = eager_target.generate(ids, max_new_tokens=4, **BOTH)
+    _assert_layered_close(final.attentions, whole.attentions)
+    _assert_layered_close(final.hidden_states, whole.hidden_states)
