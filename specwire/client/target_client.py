@@ -81,6 +81,9 @@ class GenerateOutput:
     model_id: str = ""
     warnings: list[Violation] = field(default_factory=list)
     prompt_length: int = 0  # `sequences[:, prompt_length:]` are the generated tokens
+    # `output_attentions` / `output_hidden_states`: steps x layers x tensor, as transformers returns them.
+    attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None  # [rows, heads, query, key]
+    hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None  # [rows, query, hidden]
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> GenerateOutput:
@@ -90,6 +93,12 @@ class GenerateOutput:
         def steps(name: str) -> tuple[torch.Tensor, ...] | None:
             stacked = tensor(name)
             return None if stacked is None else tuple(stacked.unbind(0))
+
+        def layered(name: str) -> tuple[tuple[torch.Tensor, ...], ...] | None:
+            entries = getattr(response, name)
+            if not entries:
+                return None
+            return tuple(tuple(tensor_from_proto(layer) for layer in step.layers) for step in entries)
 
         return cls(
             sequences=torch.tensor([list(s.token_ids) for s in response.sequences], dtype=torch.long),
@@ -109,6 +118,8 @@ class GenerateOutput:
             model_id=response.model_id,
             warnings=[Violation.from_proto(w) for w in response.warnings],
             prompt_length=max((s.prompt_length for s in response.sequences), default=0),
+            attentions=layered("attentions"),
+            hidden_states=layered("hidden_states"),
         )
 
 
@@ -142,23 +153,26 @@ def build_request(
     negative_prompt_ids=None,
     proposer: str | None = None,
     request_id: str = "",
+    use_model_defaults: bool | None = None,
     **kwargs,
 ):
     """A GenerateRequest / GenerateStreamRequest from `generate()`-style arguments."""
-    if (input_ids is None) == (text is None):
-        raise ValueError("pass exactly one of input_ids and text")
+    if input_ids is not None and text is not None:
+        raise ValueError("pass input_ids or text, not both (neither: generate from bos_token_id)")
     if proposer not in PROPOSERS:
         raise ValueError(f"proposer must be one of {sorted(k for k in PROPOSERS if k)}, not {proposer!r}")
     request = request_type(apply_chat_template=apply_chat_template, proposer=PROPOSERS[proposer], request_id=request_id)
     if text is not None:
         for item in [text] if isinstance(text, str) else text:
             request.prompts.add(text=item)
-    else:
+    elif input_ids is not None:  # neither: no prompt, the target starts from bos_token_id
         masks = _rows(attention_mask) or []
         for i, row in enumerate(cast(list[list[int]], _rows(input_ids))):  # no text: token ids were given
             prompt = request.prompts.add(token_ids=common_pb2.TokenSequence(ids=row))
             if masks:
                 prompt.attention_mask.extend(masks[i])
+    if use_model_defaults is not None:
+        request.use_model_defaults = bool(use_model_defaults)
     if isinstance(generation_config, str):
         request.config_ref = generation_config
     elif generation_config is not None:
@@ -238,9 +252,12 @@ class TargetClient:
         timeout: float | None = _CLIENT_DEFAULT,
         **kwargs,
     ) -> GenerateOutput:
-        """Like `model.generate()`. `generation_config` may be ours, transformers', a dict or a registry
+        """Like `model.generate()` (no `input_ids` and no `text`: one row from `bos_token_id`, as
+        `model.generate()` does without inputs). `generation_config` may be ours, transformers', a dict or a registry
         reference (`name`, `name@3`, `name:prod`); keyword arguments are GenerationConfig fields that win
-        over it. Also: `apply_chat_template`, `negative_prompt_ids`, `proposer`, `request_id`, and
+        over it. Also: `apply_chat_template`, `negative_prompt_ids`, `proposer`, `request_id`,
+        `use_model_defaults` (False: the model's generation_config.json is skipped but for its special
+        tokens), and
         `timeout` (this call's deadline in seconds, None for none; default: the client's)."""
         request = build_request(
             pb.GenerateRequest,

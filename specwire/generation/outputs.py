@@ -75,6 +75,13 @@ class GenerationResult:
             the returned hypothesis.
         prompt_length (`int`):
             Number of prompt positions at the start of every row of `sequences` (padding included).
+        attentions (`tuple(tuple(torch.FloatTensor))`, *optional*):
+            With `output_attentions` and `return_dict_in_generate`: per step, per layer,
+            `[rows, heads, query, key]` (the first step holds the prompt), transformers' layout (beam
+            search: every step's running beams).
+        hidden_states (`tuple(tuple(torch.FloatTensor))`, *optional*):
+            With `output_hidden_states` and `return_dict_in_generate`: per step, per layer (the
+            embeddings first), `[rows, query, hidden]`.
     """
 
     sequences: torch.Tensor
@@ -84,6 +91,8 @@ class GenerationResult:
     sequences_scores: torch.Tensor | None = None
     finish_reasons: list[str] = field(default_factory=list)
     prompt_length: int = 0
+    attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
+    hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None
 
     @property
     def generated_tokens(self) -> torch.Tensor:

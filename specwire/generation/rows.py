@@ -96,12 +96,15 @@ def _accepts(model: Any, name: str) -> bool:
         return False
 
 
-def _new_cache(model: Any) -> Any:
-    """A fresh DynamicCache built from the model's text config (so sliding-window layers are sized right)."""
-    from transformers import DynamicCache
+def _new_cache(model: Any, static_cache_len: int | None = None) -> Any:
+    """A fresh cache built from the model's text config (so sliding-window layers are sized right): a
+    `DynamicCache`, or a `StaticCache` of `static_cache_len` positions (`cache_implementation="static"`)."""
+    from transformers import DynamicCache, StaticCache
 
     config = model.config
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if static_cache_len is not None:
+        return StaticCache(config=text_config, max_cache_len=static_cache_len)
     return DynamicCache(config=text_config)
 
 
@@ -126,6 +129,15 @@ class RowBatch:
             Keep a KV cache between steps.
         prefill_chunk_size (`int`, *optional*):
             Run the prompt in chunks of this many positions.
+        output_attentions (`bool`, *optional*, defaults to `False`):
+            Keep every forward's attention weights in `attentions` (one tuple of per-layer
+            `[rows, heads, query, key]` tensors per forward; the model must run eager attention).
+        output_hidden_states (`bool`, *optional*, defaults to `False`):
+            Keep every forward's hidden states in `hidden_states` (one tuple of per-layer
+            `[rows, query, hidden]` tensors per forward, the embeddings first).
+        static_cache_len (`int`, *optional*):
+            Use a `StaticCache` of this many positions per row instead of a `DynamicCache`
+            (`cache_implementation="static"`; the loops that roll back use a dynamic one).
     """
 
     def __init__(
@@ -137,8 +149,15 @@ class RowBatch:
         rows: int,
         use_cache: bool = True,
         prefill_chunk_size: int | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        static_cache_len: int | None = None,
     ):
         self.model = model
+        self.output_attentions = output_attentions
+        self.output_hidden_states = output_hidden_states
+        self.attentions: list[tuple[torch.Tensor, ...]] = []
+        self.hidden_states: list[tuple[torch.Tensor, ...]] = []
         self.device = model_device(model)
         self.use_cache = use_cache
         self.prefill_chunk_size = prefill_chunk_size
@@ -154,7 +173,7 @@ class RowBatch:
         else:
             self.position_ids = torch.arange(prompt_length, device=self.device).unsqueeze(0).expand(rows, -1)
             self.attention_mask = None
-        self.cache = _new_cache(model) if use_cache else None
+        self.cache = _new_cache(model, static_cache_len) if use_cache else None
         self.tokens: torch.Tensor | None = None  # only kept without a cache
 
     @property
@@ -219,7 +238,15 @@ class RowBatch:
             inputs["attention_mask"] = self.attention_mask[:, :total]
         if self._logits_to_keep:
             inputs["logits_to_keep"] = keep
+        if self.output_attentions:
+            inputs["output_attentions"] = True
+        if self.output_hidden_states:
+            inputs["output_hidden_states"] = True
         outputs = self.model(**inputs)
+        if self.output_attentions:
+            self.attentions.append(tuple(layer.detach().clone() for layer in outputs.attentions))
+        if self.output_hidden_states:
+            self.hidden_states.append(tuple(layer.detach().clone() for layer in outputs.hidden_states))
         # Copy (and upcast) only the positions we need: the prefill's full logits can be large.
         return cast(torch.Tensor, outputs.logits[:, -keep:].to(dtype=torch.float32, copy=True))
 
@@ -244,6 +271,9 @@ class RowBatch:
         for start in range(0, length, chunk):
             end = min(start + chunk, length)
             logits = self._forward(input_ids[:, start:end], 1, upto=end)
+            if end < length:  # transformers returns the outputs of a chunked prefill's last chunk only
+                del self.attentions[len(self.attentions) - int(self.output_attentions) :]
+                del self.hidden_states[len(self.hidden_states) - int(self.output_hidden_states) :]
         return cast(torch.Tensor, logits)[:, -1]  # set: a prompt has at least one position
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--attn-implementation",
+        default=None,
+        choices=["eager", "sdpa"],
+        help="the model's attention implementation; eager computes attention weights (output_attentions) "
+        "but cannot run the batched scheduler's packed forwards, so every request runs one per forward "
+        "(default: the model's own, sdpa for most)",
+    )
     parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument(
         "--scheduler",
@@ -359,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     except ModelLoadError as error:  # what was tried and the fix, without a traceback
         raise SystemExit(f"target-service: {error}") from None
+    if args.attn_implementation is not None:
+        loaded.model.set_attn_implementation(args.attn_implementation)
     drafting = DraftPolicy(
         args.draft_address, args.default_proposer, args.draft_timeout, prompt_lookup_rule=args.prompt_lookup_rule
     )

@@ -31,6 +31,7 @@ from specwire.common.v1 import common_pb2
 from specwire.deadline import caller_deadline, remaining
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
+from specwire.errors import FieldProblem, InvalidArgument
 from specwire.generation.speculation.drafters import Drafter, DraftFailure, PromptLookupDrafter, Proposal
 from specwire.security.channels import RenewingChannel
 from specwire.vocabulary import PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
@@ -328,12 +329,38 @@ class DraftPolicy:
                 config,
                 method,
                 vocab_size,
-                sampling and method == pb.DRAFT_METHOD_MODEL,
+                # The target samples from them; a greedy ensemble (assistant_ensemble_weight) mixes them in.
+                (sampling or config.assistant_ensemble_weight is not None) and method == pb.DRAFT_METHOD_MODEL,
                 self.round_timeout_s,
                 caller_deadline(),
             )
 
         return open_drafter
+
+    def ensemble_warning(self, proposer: str, config: Any, num_beams: int) -> FieldProblem | None:
+        """`assistant_ensemble_weight` in the context it runs in: mixed into the acceptance of a draft
+        model's drafts; refused with prompt lookup, as transformers refuses it (its drafts carry no
+        distribution to mix); a warning when the request runs without drafts (no proposer, or beam
+        search, which falls back to plain decoding)."""
+        weight = config.assistant_ensemble_weight
+        if weight is None:
+            return None
+        if proposer == PROPOSER_PROMPT_LOOKUP:
+            raise InvalidArgument.for_field(
+                "config.assistant_ensemble_weight",
+                weight,
+                "the ensemble mixes the draft model's probabilities into the acceptance and prompt lookup drafts "
+                "have none (transformers refuses it too); unset it or use proposer='draft_model'",
+            )
+        if proposer == PROPOSER_NONE or num_beams > 1:
+            return FieldProblem(
+                "config.assistant_ensemble_weight",
+                weight,
+                "not honoured: it applies to speculative decoding with a draft model, and this request runs "
+                + ("beam search (no speculation)" if num_beams > 1 else "without a drafter (proposer none)"),
+                "warning",
+            )
+        return None
 
     def draft_length(self, proposer: str, config: Any) -> int | None:
         """Constant draft length for prompt lookup (transformers applies no schedule to it)."""

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from specwire.errors import ResourceExhausted, Unavailable
+from specwire.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specwire.generation.loops.generate import generate_from_plan
 from specwire.generation.loops.speculative import speculate_from_plan
 from specwire.generation.outputs import GenerationResult, StepEvent
@@ -175,6 +175,17 @@ class Engine:
             )
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer
+        if proposer != PROPOSER_NONE and plan.num_beams == 1 and job.config.cache_implementation == "static":
+            # Rejected drafts are cropped from the cache, which a StaticCache cannot do.
+            raise InvalidArgument.for_field(
+                "config.cache_implementation",
+                "static",
+                f"speculative decoding ({proposer}) does not run with a static cache (transformers refuses "
+                "assisted generation with one too): unset cache_implementation or use proposer='none'",
+            )
+        ensemble = self.drafting.ensemble_warning(proposer, job.config, plan.num_beams)
+        if ensemble is not None:
+            job.warnings.append(ensemble)
         if proposer == PROPOSER_NONE:
             return generate_from_plan(model, plan, **common)
         with self._lock:

@@ -214,10 +214,72 @@ def check_config(config: GenerationConfig, limits: RequestLimits) -> None:
 # -- stage 3: the prompts as tensors -------------------------------------------------------------------
 
 
-def output_bytes(rows: int, new_tokens: int, vocab_size: int, config: GenerationConfig) -> int:
-    """Bytes the response's `scores` and `logits` take: rows x steps x vocabulary x 4 per tensor."""
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a model that the attention weights and hidden states of a response depend on."""
+
+    layers: int
+    heads: int
+    hidden: int
+
+    @classmethod
+    def of(cls, model: Any) -> ModelShape | None:
+        """The shape of a transformers model, or `None` when its config does not say."""
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        sizes = [getattr(config, name, None) for name in ("num_hidden_layers", "num_attention_heads", "hidden_size")]
+        if not all(isinstance(size, int) for size in sizes):
+            return None
+        layers, heads, hidden = (int(size) for size in sizes)  # type: ignore[arg-type]  # ints, checked above
+        return cls(layers, heads, hidden)
+
+
+def _model_output_bytes(
+    rows: int, new_tokens: int, input_len: int, config: GenerationConfig, shape: ModelShape | None
+) -> int:
+    """Bytes of `attentions` and `hidden_states`: per generated token, per layer, float32.
+
+    The first forward runs the prompt (query = prompt length); later ones one token each with a cache, or
+    the whole sequence without one (transformers' layout, `RowBatch`).
+    """
+    if shape is None or not config.return_dict_in_generate:
+        return 0
+    cached = config.use_cache is not False
+    keys = [input_len + t for t in range(new_tokens)]
+    queries = [input_len] + [1] * (new_tokens - 1) if cached else keys
+    size = 0
+    if config.output_attentions:
+        size += shape.layers * rows * shape.heads * sum(q * k for q, k in zip(queries, keys, strict=True)) * 4
+    if config.output_hidden_states:
+        size += (shape.layers + 1) * rows * shape.hidden * sum(queries) * 4
+    return size
+
+
+def output_bytes(
+    rows: int,
+    new_tokens: int,
+    vocab_size: int,
+    config: GenerationConfig,
+    input_len: int = 0,
+    shape: ModelShape | None = None,
+) -> int:
+    """Bytes the response's `scores` and `logits` take (rows x steps x vocabulary x 4 per tensor), plus its
+    `attentions` and `hidden_states` when asked for and the model's `shape` is given."""
     tensors = int(bool(config.output_scores)) + int(bool(config.output_logits))
-    return tensors * rows * new_tokens * vocab_size * 4
+    return tensors * rows * new_tokens * vocab_size * 4 + _model_output_bytes(
+        rows, new_tokens, input_len, config, shape
+    )
+
+
+def _most_new_tokens(budget: int, size_of: Any, upto: int) -> int:
+    """The largest `n <= upto` with `size_of(n) <= budget` (sizes grow with `n`)."""
+    low, high = 0, upto
+    while low < high:
+        middle = (low + high + 1) // 2
+        if size_of(middle) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def check_job(
@@ -228,6 +290,7 @@ def check_job(
     limits: RequestLimits,
     caller_set_length: bool,
     max_position_embeddings: int | None = None,
+    shape: ModelShape | None = None,
 ) -> GenerationConfig:
     """Lengths, rows and the output budget of a tokenized request; returns the config, clipped if needed.
 
@@ -242,6 +305,8 @@ def check_job(
             to the limits instead of refused.
         max_position_embeddings (`int`, *optional*): the model's context, which transformers' 20-token
             default is capped at.
+        shape (`ModelShape`, *optional*): the model's sizes, for the bytes of `attentions` and
+            `hidden_states`.
     """
     if input_len >= limits.max_model_len:
         raise InvalidArgument.for_field(
@@ -286,14 +351,21 @@ def check_job(
                 ),
             ],
         )
-    size = output_bytes(rows, new_tokens, vocab_size, config)
+    size = output_bytes(rows, new_tokens, vocab_size, config, input_len, shape)
     if size > limits.max_output_bytes:
-        per_token = output_bytes(rows, 1, vocab_size, config)
-        fits = limits.max_output_bytes // per_token
-        names = [n for n in ("output_scores", "output_logits") if getattr(config, n)]
+        fits = _most_new_tokens(
+            limits.max_output_bytes,
+            lambda n: output_bytes(rows, n, vocab_size, config, input_len, shape),
+            new_tokens,
+        )
+        outputs = ["output_scores", "output_logits"]
+        if _model_output_bytes(rows, new_tokens, input_len, config, shape):
+            outputs += ["output_attentions", "output_hidden_states"]
+        names = [n for n in outputs if getattr(config, n)]
         message = (
             f"{' and '.join(names)} for {rows} rows x {new_tokens} new tokens x a {vocab_size}-token vocabulary "
-            f"take {size} bytes, above this target's output budget of {limits.max_output_bytes} bytes "
+            f"(prompt of {input_len} tokens) take {size} bytes, above this target's output budget of "
+            f"{limits.max_output_bytes} bytes "
             f"(--max-output-bytes; the response must fit in one message): set max_new_tokens <= {fits}, "
             f"send fewer rows, or drop {' / '.join(names)} (compute transition scores client-side)"
         )

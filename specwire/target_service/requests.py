@@ -19,6 +19,7 @@ from specwire.generation.config import (
     GenerationConfig,
     field_suggestion,
     merge,
+    not_honoured,
     raise_for_errors,
     unknown_keys,
 )
@@ -27,7 +28,7 @@ from specwire.models import LoadedModel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target_service.admission import PreparationPool
 from specwire.target_service.config_resolver import ConfigResolver, ResolvedConfig
-from specwire.target_service.limits import RequestLimits, check_config, check_job, check_prompts
+from specwire.target_service.limits import ModelShape, RequestLimits, check_config, check_job, check_prompts
 from specwire.wire.generation_config import WireFormatError, config_from_proto
 
 
@@ -65,6 +66,17 @@ async def resolve_source(
     return None
 
 
+# What transformers v4.56 kept from the model's generation config with `use_model_defaults=False`.
+_SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def model_defaults(request: pb.GenerateRequest | pb.GenerateStreamRequest, loaded: LoadedModel) -> GenerationConfig:
+    """The model's generation_config.json layer: whole, or only its special tokens with `use_model_defaults=False`."""
+    if not request.HasField("use_model_defaults") or request.use_model_defaults:
+        return loaded.generation_config
+    return GenerationConfig(**{name: getattr(loaded.generation_config, name) for name in _SPECIAL_TOKENS})
+
+
 def effective_config(
     request: pb.GenerateRequest | pb.GenerateStreamRequest,
     resolved: ResolvedConfig | None,
@@ -91,7 +103,7 @@ def effective_config(
             overrides.extra[key],
             f"not a GenerationConfig field: {field_suggestion(key) or 'check the spelling'}",
         )
-    merged = merge(overrides, given, loaded.generation_config)
+    merged = merge(overrides, given, model_defaults(request, loaded))
     caller_set_length = any(
         getattr(layer, name) is not None for layer in (overrides, given) for name in ("max_new_tokens", "max_length")
     )
@@ -107,6 +119,7 @@ def effective_config(
             raise Unimplemented(f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it")
     if resolved is None:  # an inline config's unknown keys; the registry warned about its own when stored
         violations += unknown_keys(given)
+    violations += not_honoured(merged)  # accepted and not acted on: never silently
     warnings = [FieldProblem(f"config.{v.field}", v.value, v.message, "warning") for v in violations]
     return merged, warnings, caller_set_length
 
@@ -207,6 +220,28 @@ def _tokenize(texts, loaded: LoadedModel, apply_chat_template: bool, pad_id: int
     return _left_pad(rows, [torch.ones_like(r) for r in rows], pad_id)
 
 
+def bos_prompt(config: GenerationConfig, loaded: LoadedModel) -> torch.Tensor:
+    """The prompt of a request with none: one row holding `bos_token_id`, as transformers' `generate()`
+    starts with `inputs=None` (`_maybe_initialize_input_ids_for_generation`, batch size 1).
+
+    Raises:
+        `InvalidArgument`: the effective config has no `bos_token_id` (transformers raises too).
+    """
+    bos = config.bos_token_id
+    if bos is None:
+        raise InvalidArgument.for_field(
+            "config.bos_token_id",
+            None,
+            "a request with no prompt starts from bos_token_id and this model's generation config has none: "
+            "send a prompt, or set bos_token_id",
+        )
+    if not 0 <= bos < loaded.vocab_size:
+        raise InvalidArgument.for_field(
+            "config.bos_token_id", bos, f"token ids must be in [0, {loaded.vocab_size}) for this model's vocabulary"
+        )
+    return torch.tensor([[bos]], dtype=torch.long)
+
+
 def pad_token_id(config: GenerationConfig, loaded: LoadedModel) -> int:
     """The id used to left-pad ragged prompts: pad, else the first EOS, else 0."""
     if config.pad_token_id is not None:
@@ -237,7 +272,20 @@ def prepare_job(
             "Generate for the whole answer at once, or set num_beams=1 to stream",
         )
     pad = pad_token_id(config, loaded)
-    input_ids, attention_mask = prompt_tensors(request.prompts, loaded, request.apply_chat_template, pad)
+    if request.prompts:
+        input_ids, attention_mask = prompt_tensors(request.prompts, loaded, request.apply_chat_template, pad)
+    else:
+        input_ids, attention_mask = bos_prompt(config, loaded), None
+    if request.apply_chat_template and not any(p.WhichOneof("input") == "text" for p in request.prompts):
+        warnings.append(
+            FieldProblem(
+                "apply_chat_template",
+                True,
+                "not honoured: the chat template wraps text prompts, and this request has none (token ids are "
+                "sent as they are); send text, or apply the template before tokenizing",
+                "warning",
+            )
+        )
     if limits is not None:
         config = check_job(
             config,
@@ -247,10 +295,22 @@ def prepare_job(
             limits,
             caller_set_length,
             loaded.max_position_embeddings,
+            ModelShape.of(loaded.model),
         )
     negative_ids = negative_mask = None
     if request.HasField("negative_prompt"):
         negative_ids, negative_mask = prompt_tensors([request.negative_prompt], loaded, False, pad, "negative_prompt")
+        if config.guidance_scale is None or config.guidance_scale == 1:
+            # transformers ignores it then too; the rule here is that nothing accepted is ignored silently.
+            warnings.append(
+                FieldProblem(
+                    "negative_prompt",
+                    f"{negative_ids.shape[1]} tokens",
+                    f"not honoured: a negative prompt is used only with guidance_scale > 1 (it is "
+                    f"{config.guidance_scale}); set guidance_scale or drop the negative prompt",
+                    "warning",
+                )
+            )
     return GenerationJob(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -113,6 +113,9 @@ def response_from_result(result: GenerationResult, job: GenerationJob, loaded: L
         response.beam_indices.CopyFrom(tensor_to_proto(result.beam_indices.to(torch.int32)))
     if result.sequences_scores is not None:
         response.sequences_scores.CopyFrom(tensor_to_proto(result.sequences_scores.float()))
+    for name in ("attentions", "hidden_states"):
+        for step in getattr(result, name) or ():
+            getattr(response, name).add(layers=[tensor_to_proto(layer.float()) for layer in step])
     if job.resolved is not None:
         response.config.name = job.resolved.name
         response.config.version = job.resolved.version

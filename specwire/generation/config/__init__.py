@@ -16,6 +16,8 @@ The package is pure Python: torch and transformers are imported only inside `fro
 - `validation`: the one owner of the rules (`validate`, `check_runnable`, `unknown_keys`) and of how
   violations become an `InvalidArgument` (`raise_for_errors`); it runs the rules of `constructor_rules`
   (`transformers.GenerationConfig(**kwargs)`), `generate_rules` and `processor_rules` (`generate()`).
+- `treatment`: `FIELD_TREATMENT`, how every field is treated (honoured, warned about, refused), and
+  `not_honoured`, the warnings for fields accepted and not acted on.
 - `violations`: `Violation`, the `Recorder` the rules write to, and the `Effective` view they read.
 - `value_types`: what transformers and torch do with a value, in plain Python.
 """
@@ -37,6 +39,7 @@ from specwire.generation.config.modes import (
     GenerationMode,
 )
 from specwire.generation.config.serialization import is_synthid_watermark
+from specwire.generation.config.treatment import FIELD_TREATMENT, FieldTreatment, Treatment, not_honoured
 from specwire.generation.config.validation import (
     check_runnable,
     field_suggestion,
@@ -49,6 +52,7 @@ from specwire.generation.config.violations import Violation, errors
 __all__ = [
     "DEFAULT_GENERATION_PARAMS",
     "DEPRECATED_FIELDS",
+    "FIELD_TREATMENT",
     "FIELD_NAMES",
     "FIELD_TYPES",
     "MODE_FIELDS",
@@ -56,14 +60,17 @@ __all__ = [
     "REMOVED_MODE_FIELDS",
     "UNSERVED_FIELDS",
     "FieldStatus",
+    "FieldTreatment",
     "GenerationConfig",
     "GenerationMode",
+    "Treatment",
     "Violation",
     "check_runnable",
     "errors",
     "field_suggestion",
     "is_synthid_watermark",
     "merge",
+    "not_honoured",
     "raise_for_errors",
     "unknown_keys",
     "validate",

@@ -14,8 +14,9 @@ Semantics follow transformers 5.23's `generate()` for decoder-only models (see `
 resolution order). Assisted-generation flags (`prompt_lookup_num_tokens`, `assistant_early_exit`,
 `use_mtp`) are ignored here: speculation is the target service's strategy built on `verify`, and it
 keeps this loop's output (identical tokens for greedy, the same distribution for sampling).
-Attention/hidden-state outputs are not returned, and the KV cache is always a `DynamicCache`
-(`cache_implementation` is ignored).
+Attention weights and hidden states are returned as transformers returns them
+(`check_model_outputs`); the KV cache is always a `DynamicCache` (another `cache_implementation` is
+a warning in the target's response, `config.treatment`).
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def generate_from_plan(
     plan.require_tokenizer(tokenizer)
     device = plan.input_ids.device
     expanded_ids, expanded_mask = plan.expanded()
+    recorded: dict[str, Any] = {**check_model_outputs(plan, model), **static_cache(plan)}
     rows = (rows_factory or RowBatch)(
         model,
         attention_mask=expanded_mask,
@@ -147,6 +149,7 @@ def generate_from_plan(
         rows=expanded_ids.shape[0],
         use_cache=bool(config.use_cache),
         prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
+        **recorded,
     )
     vocab_size, max_position_embeddings = model_limits(model, max_position_embeddings)
     processors = build_logits_processors(
@@ -171,8 +174,68 @@ def generate_from_plan(
     generator = _request_generator(plan, generator, device)
     stop_codes = StopCodes(criteria, plan.eos_token_ids, device)
     if plan.num_beams > 1:
-        return beam_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
-    return sample_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
+        loop = beam_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
+    else:
+        loop = sample_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
+    if recorded.get("output_attentions") or recorded.get("output_hidden_states"):
+        return _with_model_outputs(loop, cast(RowBatch, rows), plan.num_beams > 1)
+    return loop
+
+
+def static_cache(plan: GenerationPlan) -> dict[str, int]:
+    """The `RowBatch` argument for `cache_implementation="static"`: transformers' size, `max_length - 1`
+    positions, or `max_cache_len` when larger. (transformers also keeps the largest size any earlier call
+    used on the same model object; a service does not let one request's size depend on another's.)"""
+    config = plan.config
+    if config.cache_implementation != "static" or not config.use_cache:
+        return {}
+    return {"static_cache_len": max(plan.max_length - 1, int(config.max_cache_len or 0))}
+
+
+def check_model_outputs(plan: GenerationPlan, model: Any) -> dict[str, bool]:
+    """The `RowBatch` arguments that keep attention weights / hidden states, for a plan that returns them.
+
+    transformers returns them only with `return_dict_in_generate`; specwire returns them from the model's
+    own forward (`RowBatch`), one entry per step (a chunked prefill's last chunk, as transformers).
+
+    Raises:
+        `InvalidGenerationArgument`: `output_attentions` on a model whose attention implementation computes
+            no weights (sdpa).
+    """
+    config = plan.config
+    wanted = {
+        name: bool(config.return_dict_in_generate and getattr(config, name))
+        for name in ("output_attentions", "output_hidden_states")
+    }
+    if not any(wanted.values()):
+        return {}
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if wanted["output_attentions"] and implementation != "eager":
+        raise InvalidGenerationArgument.for_field(
+            "output_attentions",
+            True,
+            f"the served model runs {implementation!r} attention, which computes no attention weights; serve "
+            "it with eager attention (--attn-implementation eager) to return them, or unset output_attentions",
+        )
+    return wanted
+
+
+def _with_model_outputs(
+    loop: Generator[StepEvent, None, GenerationResult], rows: RowBatch, beams: bool
+) -> Generator[StepEvent, None, GenerationResult]:
+    """The loop's events, then its result with the attentions / hidden states of each step.
+
+    The rows keep one entry per forward. Greedy search and sampling return the first `n`, those of the
+    `n` generated tokens; beam search returns every forward's, for all `batch * num_beams` running rows
+    in their order at that step (transformers' beam layout, like its `scores`).
+    """
+    result = yield from loop
+    steps = len(rows.attentions or rows.hidden_states) if beams else result.sequences.shape[1] - result.prompt_length
+    if rows.output_attentions:
+        result.attentions = tuple(rows.attentions[:steps])
+    if rows.output_hidden_states:
+        result.hidden_states = tuple(rows.hidden_states[:steps])
+    return result
 
 
 def _request_generator(

@@ -79,12 +79,16 @@ def speculative_loop(
     run = SpeculativeRun(
         plan, rows, input_ids, row_processors, row_stop_codes, generator, stats, reason_names, draft_length
     )
-    # Step 0: the first token comes from the prefill's logits, as in plain decoding.
-    yield run.first_step()
+    early = run.drafts_from_the_prompt
+    if not early:
+        # Step 0: the first token comes from the prefill's logits, as in plain decoding.
+        yield run.first_step()
     # The drafter holds a session (a draft-service stream, KV caches) until closed: it is closed on
     # every way out of this generator (finish, error, the caller closing it on cancel or deadline).
     try:
         run.open_drafter(open_drafter)
+        if early:  # step 0 is a round drafted from the prompt (transformers' block boundaries)
+            yield run.first_round()
         step = 1
         while not run.done():
             yield run.round(step)
@@ -99,6 +103,14 @@ def speculation_blocker(plan: GenerationPlan) -> str:
     config = plan.config
     if plan.num_beams > 1:
         return "beam search runs without speculation (plain beam search)"
+    if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
+        # transformers' assisted generation splits a verified block's outputs into per-token entries; plain
+        # decoding returns them one forward per token, which is the layout the caller asked for.
+        return "output_attentions / output_hidden_states run without speculation (plain decoding)"
+    if config.cache_implementation == "static" and config.use_cache:
+        # Rejected drafts are cropped from the cache, which a StaticCache cannot do (the target service
+        # refuses the combination, as transformers does; the library runs plain decoding with it).
+        return "cache_implementation='static' runs without speculation (plain decoding with a static cache)"
     if not config.use_cache:
         return "speculation needs use_cache=True"
     if config.guidance_scale is not None and config.guidance_scale != 1:

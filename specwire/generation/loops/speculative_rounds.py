@@ -2,7 +2,8 @@
 
 `SpeculativeRun` holds one request's rows (their tokens, processors, stopping criteria and draft
 schedules), its drafter session and its statistics; `loops.speculative.speculative_loop` drives it:
-`first_step`, `open_drafter`, then `round` until `done`. See `loops.speculative` for the algorithm.
+`first_step`, `open_drafter`, then `round` until `done` (with `drafts_from_the_prompt`: `open_drafter`,
+`first_round`, then the rounds). See `loops.speculative` for the algorithm.
 """
 
 from __future__ import annotations
@@ -146,9 +147,50 @@ class SpeculativeRun:
         length = max(cast(int, row.finish_length) for row in self.state)  # set: every row finished
         return all(len(row.generated) >= length for row in self.state)
 
+    @property
+    def drafts_from_the_prompt(self) -> bool:
+        """Whether the first token comes from a round drafted after the prompt, as in transformers.
+
+        transformers' assisted generation drafts from the prompt, so its first token is already a
+        verified block. Lossless acceptance gives the same tokens either way, and specwire takes the
+        first token from the prefill (the drafter then starts with it); with `assistant_ensemble_weight`
+        the block boundaries change the tokens, so the first round is drafted from the prompt too.
+        """
+        return self.plan.config.assistant_ensemble_weight is not None
+
     def first_step(self) -> StepEvent:
         """The prefill and the first token of every row, as plain decoding picks it."""
-        logits = self.rows.prefill(self.input_ids)  # [rows, V]
+        return self._first_from(self.rows.prefill(self.input_ids))
+
+    def first_round(self) -> StepEvent:
+        """The prefill and a round drafted from the prompt (`drafts_from_the_prompt`).
+
+        The prefill's logits score the first draft position; the verify forward runs the drafts alone
+        (`[d_1, .., d_k]`, the prompt's last token is already in the cache), giving the other positions.
+        Unless every row drafted, the first token is taken from the prefill as in `first_step` and the
+        drafter is told that none of its drafts was kept.
+        """
+        start_ns = time.time_ns()
+        first = self.rows.prefill(self.input_ids)  # [rows, V]
+        block = self._draft()
+        if self.drafter is None or not all(block.blocks):
+            event = self._first_from(first)
+            if self.drafter is not None and any(block.drafts):
+                tokens = [list(t) for t in event.tokens]
+                self._feedback(_Outcome(tokens, [0] * len(tokens), [0] * len(tokens)))
+            return event
+        candidates = torch.zeros((len(self.state), block.k), dtype=torch.long)
+        valid = torch.zeros((len(self.state), block.k), dtype=torch.long)
+        for r, drafted in enumerate(block.blocks):
+            candidates[r, : len(drafted)] = torch.tensor(drafted)
+            valid[r, : len(drafted)] = 1
+        started = time.perf_counter()
+        verified = self.rows.verify(candidates, valid)  # [rows, k, V]
+        logits = torch.cat([first[:, None].to(verified.dtype), verified], dim=1)  # [rows, k + 1, V]
+        return self._settle(0, block, logits, started, start_ns)
+
+    def _first_from(self, logits: torch.Tensor) -> StepEvent:
+        """The first token of every row from the prefill's logits `[rows, V]`, as plain decoding picks it."""
         tokens, reasons = [], []
         first = self.rows.process([(row.processors, row.ids(), logits[r : r + 1]) for r, row in enumerate(self.state)])
         for r, row in enumerate(self.state):
@@ -191,6 +233,14 @@ class SpeculativeRun:
         candidates, valid = self._candidates(block)
         started = time.perf_counter()
         logits = self.rows.verify(candidates, valid)  # [rows, k + 1, V]
+        return self._settle(step, block, logits, started, start_ns)
+
+    def _settle(self, step: int, block: _Block, logits: torch.Tensor, started: float, start_ns: int) -> StepEvent:
+        """Accept and commit a verified block (`logits` `[rows, k + 1, V]`), then the bookkeeping.
+
+        The cache holds the verified slots; what the rows did not keep is discarded so that the last
+        emitted token (the next round's input) is the first one not in the cache.
+        """
         scores = self._process(block, logits)
         outcome = self._accept(block, scores)
         events = self._commit(outcome, scores, logits)
@@ -292,6 +342,7 @@ class SpeculativeRun:
             [block.probs[r] for r in deciding],
             [scores[r] for r in deciding],
             self.generator,
+            self.plan.config.assistant_ensemble_weight,
         )
         tokens = result.tokens()
         running = torch.tensor([not self.state[r].finished for r in deciding], device=result.emitted.device)
@@ -395,6 +446,7 @@ def accept_blocks(
     draft_probs: list[torch.Tensor | None],
     scores: list[torch.Tensor],
     generator: torch.Generator | None,
+    ensemble_weight: float | None = None,
 ) -> AcceptResult:
     """
     Verifies every row's block in one call of the acceptance functions (`speculation.acceptance`).
@@ -415,6 +467,10 @@ def accept_blocks(
             Per row, the target's processed scores of shape `(len(block) + 1, vocab)`.
         generator (`torch.Generator`, *optional*):
             The request's randomness.
+        ensemble_weight (`float`, *optional*):
+            transformers' `assistant_ensemble_weight`: applied as transformers applies it, only where
+            the draft's probabilities came with the drafts (a draft model; transformers refuses it with
+            prompt lookup).
 
     Returns:
         `AcceptResult` over the rows.
@@ -423,18 +479,24 @@ def accept_blocks(
     k = max(len(block) for block in blocks)
     drafts = torch.tensor([block + [0] * (k - len(block)) for block in blocks], dtype=torch.long, device=device)
     lengths = torch.tensor([len(block) for block in blocks])  # only read on the host: it stays on the CPU
-    if not do_sample:
-        return greedy_accept(drafts, lengths, _padded(scores, k + 1))
-    # Each row's softmax is computed on its own scores, as a per-row call computes it.
-    target_probs = _padded([row_scores.softmax(-1) for row_scores in scores], k + 1)  # [rows, k + 1, V]
     drafted = [r for r, block in enumerate(blocks) if block]
+    q: torch.Tensor | None = None  # [rows, k, V], the drafts' distributions when every drafted row has them
     if drafted and all(draft_probs[r] is not None for r in drafted):
-        # Every drafted row has its probabilities (checked just above).
-        q = [
+        pieces = [
             cast(torch.Tensor, draft_probs[r])[: len(blocks[r])].to(device) if blocks[r] else None
             for r in range(len(blocks))
         ]
-        return rejection_sample(drafts, lengths, _padded(q, k, like=q[drafted[0]]), target_probs, generator)
+        q = _padded(pieces, k, like=pieces[drafted[0]])
+    if not do_sample:
+        if q is None or ensemble_weight is None:
+            return greedy_accept(drafts, lengths, _padded(scores, k + 1))
+        return greedy_accept(
+            drafts, lengths, _padded(scores, k + 1), draft_probs=q.to(scores[0].dtype), ensemble_weight=ensemble_weight
+        )
+    # Each row's softmax is computed on its own scores, as a per-row call computes it.
+    target_probs = _padded([row_scores.softmax(-1) for row_scores in scores], k + 1)  # [rows, k + 1, V]
+    if q is not None:
+        return rejection_sample(drafts, lengths, q, target_probs, generator, ensemble_weight=ensemble_weight)
     return sampled_accept_without_draft_probs(drafts, lengths, target_probs, generator)
 
 

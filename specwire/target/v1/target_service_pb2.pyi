@@ -32,7 +32,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[_common_pb2.TokenSequence, _Mapping]] = ..., text: _Optional[str] = ..., attention_mask: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id")
+    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONFIG_REF_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class GenerateRequest(_message.Message):
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    USE_MODEL_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     config: _generation_config_pb2.GenerationConfig
     config_ref: str
@@ -49,10 +50,11 @@ class GenerateRequest(_message.Message):
     negative_prompt: Prompt
     proposer: Proposer
     request_id: str
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    use_model_defaults: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id")
+    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONFIG_REF_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +63,7 @@ class GenerateStreamRequest(_message.Message):
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    USE_MODEL_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     config: _generation_config_pb2.GenerationConfig
     config_ref: str
@@ -69,7 +72,8 @@ class GenerateStreamRequest(_message.Message):
     negative_prompt: Prompt
     proposer: Proposer
     request_id: str
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    use_model_defaults: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ...) -> None: ...
 
 class GeneratedSequence(_message.Message):
     __slots__ = ("token_ids", "prompt_length", "text", "finish_reason")
@@ -114,7 +118,7 @@ class ResolvedConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("sequences", "scores", "logits", "beam_indices", "sequences_scores", "speculation", "config", "model_id", "warnings")
+    __slots__ = ("sequences", "scores", "logits", "beam_indices", "sequences_scores", "speculation", "config", "model_id", "warnings", "attentions", "hidden_states")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +128,8 @@ class GenerateResponse(_message.Message):
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTIONS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[GeneratedSequence]
     scores: _common_pb2.DenseTensor
     logits: _common_pb2.DenseTensor
@@ -133,7 +139,15 @@ class GenerateResponse(_message.Message):
     config: ResolvedConfig
     model_id: str
     warnings: _containers.RepeatedCompositeFieldContainer[_common_pb2.FieldViolation]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[GeneratedSequence, _Mapping]]] = ..., scores: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., beam_indices: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., sequences_scores: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., config: _Optional[_Union[ResolvedConfig, _Mapping]] = ..., model_id: _Optional[str] = ..., warnings: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ...) -> None: ...
+    attentions: _containers.RepeatedCompositeFieldContainer[LayerTensors]
+    hidden_states: _containers.RepeatedCompositeFieldContainer[LayerTensors]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[GeneratedSequence, _Mapping]]] = ..., scores: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., beam_indices: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., sequences_scores: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., config: _Optional[_Union[ResolvedConfig, _Mapping]] = ..., model_id: _Optional[str] = ..., warnings: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ..., attentions: _Optional[_Iterable[_Union[LayerTensors, _Mapping]]] = ..., hidden_states: _Optional[_Iterable[_Union[LayerTensors, _Mapping]]] = ...) -> None: ...
+
+class LayerTensors(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.DenseTensor]
+    def __init__(self, layers: _Optional[_Iterable[_Union[_common_pb2.DenseTensor, _Mapping]]] = ...) -> None: ...
 
 class RowDelta(_message.Message):
     __slots__ = ("row", "token_ids", "text")

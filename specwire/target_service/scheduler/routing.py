@@ -2,7 +2,8 @@
 
 The lane runs `Engine`'s per-request path (one request per forward, with a `DynamicCache`), its model
 calls posted to the scheduler thread (`BatchScheduler.forward`). It takes what the slot cache cannot
-serve: `use_cache=False`, classifier-free guidance (its processor runs its own forward), more rows
+serve: `use_cache=False`, classifier-free guidance (its processor runs its own forward), attention
+weights or hidden states in the output (the model's own forward returns them), a static cache, more rows
 than slots, longer than a slot, padding that is not left padding, and prompt rows with no unmasked
 token. A model `slot_support` refuses, or one the start-up probe refused, sends every request there.
 """
@@ -27,6 +28,10 @@ def lane_reason(plan: Any, cache: SlotKVCache) -> str:
         return "use_cache=False"
     if config.guidance_scale is not None and config.guidance_scale != 1:
         return "classifier-free guidance"
+    if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
+        return "output_attentions / output_hidden_states (the packed forward returns neither)"
+    if config.cache_implementation == "static":
+        return "cache_implementation='static' (a StaticCache of its own)"
     if rows > cache.num_slots:
         return f"{rows} rows > {cache.num_slots} slots"
     if plan.max_length > cache.slot_tokens:

@@ -1,0 +1,196 @@
+"""How specwire treats every `GenerationConfig` field: honoured, warned about, or refused.
+
+The rule of the service is that nothing it accepts is silently ignored. `FIELD_TREATMENT` is the one
+table that says, for each field, what happens to a request that sets it; a unit test checks that every
+field of `GenerationConfig` is in it, so a new field cannot be dropped silently. `not_honoured(config)`
+returns the warnings the target puts in its response for the fields that are accepted but not acted on.
+
+The rows of `modes.MODE_FIELDS` (modes transformers 5 removed, options it ignores, drafting methods the
+service cannot run) are derived from that table: `validate()` already warns about the options and the
+decoding loop refuses the modes, so `not_honoured` does not repeat them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specwire.generation.config.modes import MODE_FIELDS, FieldStatus
+from specwire.generation.config.violations import Violation
+
+__all__ = ["FIELD_TREATMENT", "FieldTreatment", "Treatment", "not_honoured"]
+
+
+class Treatment(enum.Enum):
+    """What happens to a request that sets a field."""
+
+    # The decoding loops act on it as transformers' `generate()` does (a parity test shows the effect).
+    HONOURED = "honoured"
+    # Accepted; a value the loops do not act on gets a warning in the response (`not_honoured`).
+    WARNED = "warned"
+    # `validate()` warns whenever it is set (an option transformers 5 ignores or moved out).
+    WARNED_BY_VALIDATION = "warned_by_validation"
+    # A request that selects it is refused before any forward pass (UNIMPLEMENTED or INVALID_ARGUMENT).
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class FieldTreatment:
+    """One row of `FIELD_TREATMENT`.
+
+    Args:
+        how (`Treatment`):
+            What happens to a request that sets the field.
+        why (`str`):
+            Where it is honoured, or why it is not (the text of the warning).
+        honoured (`Callable[[Any, Any], bool]`, *optional*):
+            `Treatment.WARNED` only: `honoured(value, config)` says when a value is honoured after all (no
+            warning), e.g. `disable_compile=True`. `None`: every set value is warned about.
+    """
+
+    how: Treatment
+    why: str
+    honoured: Callable[[Any, Any], bool] | None = None
+
+
+def _honoured(why: str) -> FieldTreatment:
+    return FieldTreatment(Treatment.HONOURED, why)
+
+
+def _warned(why: str, honoured: Callable[[Any, Any], bool] | None = None) -> FieldTreatment:
+    return FieldTreatment(Treatment.WARNED, why, honoured)
+
+
+_LOOP = "the decoding loops (planning, loops/)"
+_PROCESSOR = "a logits processor (processors/factory.py), as transformers builds it"
+_STOPPING = "a stopping criterion (stopping.py)"
+_DRAFTING = "speculative decoding (speculation/, target_service/drafting.py)"
+
+# Fields the decoding loops act on, and where.
+_HONOURED: dict[str, str] = {
+    "max_length": _LOOP,
+    "max_new_tokens": _LOOP,
+    "min_length": _PROCESSOR,
+    "min_new_tokens": _PROCESSOR,
+    "early_stopping": "beam search (loops/beam_search.py)",
+    "max_time": _STOPPING,
+    "stop_strings": _STOPPING,
+    "do_sample": _LOOP,
+    "num_beams": _LOOP,
+    "use_cache": "the rows (without a cache every step runs the whole sequence)",
+    "temperature": _PROCESSOR,
+    "top_k": _PROCESSOR,
+    "top_p": _PROCESSOR,
+    "min_p": _PROCESSOR,
+    "top_h": _PROCESSOR,
+    "typical_p": _PROCESSOR,
+    "epsilon_cutoff": _PROCESSOR,
+    "eta_cutoff": _PROCESSOR,
+    "repetition_penalty": _PROCESSOR,
+    "encoder_repetition_penalty": _PROCESSOR + " (the prompt is the encoder input of a decoder-only model)",
+    "length_penalty": "beam search scores (loops/beam_search.py)",
+    "no_repeat_ngram_size": _PROCESSOR,
+    "encoder_no_repeat_ngram_size": _PROCESSOR + " (the prompt is the encoder input of a decoder-only model)",
+    "bad_words_ids": _PROCESSOR,
+    "renormalize_logits": _PROCESSOR,
+    "forced_bos_token_id": _PROCESSOR,
+    "forced_eos_token_id": _PROCESSOR,
+    "remove_invalid_values": _PROCESSOR,
+    "exponential_decay_length_penalty": _PROCESSOR,
+    "suppress_tokens": _PROCESSOR,
+    "begin_suppress_tokens": _PROCESSOR,
+    "sequence_bias": _PROCESSOR,
+    "guidance_scale": _PROCESSOR + " with its own KV cache (classifier-free guidance)",
+    "watermarking_config": _PROCESSOR + " (green-list); SynthID is refused by the mode check",
+    "num_return_sequences": _LOOP,
+    "output_attentions": "the result's attentions, transformers' layout (eager attention: an sdpa model refuses "
+    "it; speculative requests run plain decoding)",
+    "output_hidden_states": "the result's hidden states, transformers' layout (speculative requests run plain "
+    "decoding)",
+    "output_scores": "the result's scores",
+    "output_logits": "the result's logits",
+    "return_dict_in_generate": "the result (the wire always carries the dict form)",
+    "pad_token_id": _LOOP,
+    "bos_token_id": "generation from no prompt starts from it, as transformers does with inputs=None",
+    "eos_token_id": _LOOP + " and " + _STOPPING,
+    "is_assistant": _STOPPING,
+    "num_assistant_tokens": _DRAFTING,
+    "num_assistant_tokens_schedule": _DRAFTING,
+    "assistant_confidence_threshold": _DRAFTING,
+    "prompt_lookup_num_tokens": _DRAFTING,
+    "max_matching_ngram_size": _DRAFTING,
+    "assistant_ensemble_weight": _DRAFTING + " with a draft model, greedy and sampling; refused with prompt "
+    "lookup (as transformers refuses it); the target warns when the request runs without a draft model",
+    "prefill_chunk_size": "the rows' prefill (in chunks of that many tokens)",
+    "seed": "the request's sampling generator (specwire extension)",
+}
+
+_NO_COMPILE = "specwire does not compile the decoding step (torch.compile); outputs are those of eager execution"
+_CACHES = "specwire decodes with a dynamic KV cache, or a static one with cache_implementation='static'"
+
+# Fields accepted and not acted on: a request that sets one gets a warning naming it.
+_WARNED: dict[str, FieldTreatment] = {
+    "cache_implementation": _warned(
+        f"{_CACHES}; a {{value!r}} cache is not used (outputs are those of the dynamic cache)",
+        honoured=lambda value, config: value in ("dynamic", "static"),
+    ),
+    "cache_config": _warned(f"{_CACHES}, which take no cache configuration"),
+    "max_cache_len": _warned(
+        "it sizes a static cache, and this request does not use one (set cache_implementation='static')",
+        honoured=lambda value, config: config.cache_implementation == "static",
+    ),
+    "compile_config": _warned(_NO_COMPILE),
+    # True is what specwire always does; False would let transformers compile a static-cache decode.
+    "disable_compile": _warned(_NO_COMPILE, honoured=lambda value, config: value is True),
+    "decoder_start_token_id": _warned(
+        "it starts the decoder of encoder-decoder models; the served model is decoder-only (transformers ignores "
+        "it there too)"
+    ),
+    "assistant_lookbehind": _warned(
+        "it applies when the draft model has another tokenizer (universal assisted decoding); specwire's drafts "
+        "share the target's vocabulary"
+    ),
+    "target_lookbehind": _warned(
+        "it applies when the draft model has another tokenizer (universal assisted decoding); specwire's drafts "
+        "share the target's vocabulary"
+    ),
+}
+
+
+def _mode_field_treatment(status: FieldStatus) -> FieldTreatment:
+    if status in (FieldStatus.REMOVED_MODE, FieldStatus.UNSERVED):
+        return FieldTreatment(Treatment.REFUSED, "a decoding mode or drafting method specwire does not run")
+    return FieldTreatment(Treatment.WARNED_BY_VALIDATION, "transformers 5 ignores it; validate() warns")
+
+
+FIELD_TREATMENT: dict[str, FieldTreatment] = {
+    **{name: _honoured(why) for name, why in _HONOURED.items()},
+    **_WARNED,
+    "token_healing": FieldTreatment(Treatment.REFUSED, "refused (UNIMPLEMENTED) by the decoding loop's mode check"),
+    **{row.field: _mode_field_treatment(row.status) for row in MODE_FIELDS},
+}
+
+
+def not_honoured(config: Any) -> list[Violation]:
+    """Warnings for the fields `config` sets that the decoding loops do not act on.
+
+    Args:
+        config (`GenerationConfig`):
+            The merged config of a request (unset fields are `None`).
+
+    Returns:
+        `list[Violation]`: one warning per such field, in the table's order, naming the value and why it
+        is not honoured.
+    """
+    found = []
+    for name, row in FIELD_TREATMENT.items():
+        if row.how is not Treatment.WARNED:
+            continue
+        value = getattr(config, name, None)
+        if value is None or (row.honoured is not None and row.honoured(value, config)):
+            continue
+        why = row.why.replace("{value!r}", repr(value))
+        found.append(Violation(name, value, f"not honoured: {why}", "warning"))
+    return found
