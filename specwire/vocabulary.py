@@ -69,6 +69,16 @@ FINISH_REASON_NAMES: Final[Mapping[int, str]] = MappingProxyType(
 )
 
 # ---------------------------------------------------------------------------------------------------
+# Load balancing: the gRPC policies a client channel may use (`load_balancing=`, `--load-balancing`).
+# `round_robin` sends each call to the next ready address; `pick_first` every call to the first
+# address that connects (the others are fallbacks).
+# ---------------------------------------------------------------------------------------------------
+
+ROUND_ROBIN: Final = "round_robin"
+PICK_FIRST: Final = "pick_first"
+LOAD_BALANCING_POLICIES: Final = (ROUND_ROBIN, PICK_FIRST)
+
+# ---------------------------------------------------------------------------------------------------
 # Metrics: what the target service exports (`specwire.target_service.observability`) and
 # `specwire stats` reads back from a Prometheus scrape (`specwire.client.stats`).
 # ---------------------------------------------------------------------------------------------------
