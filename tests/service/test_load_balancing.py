@@ -28,6 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specwire.client import SpecwireRpcError, TargetClient
+from specwire.client.cli import main as cli_main
 from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.models import load_model
 from specwire.vocabulary import METRIC_REQUESTS_RUNNING
@@ -103,6 +104,17 @@ def test_pick_first_sends_every_request_to_one_replica(pair):
         list(pool.map(lambda _: client.generate(PROMPT, max_new_tokens=3), range(16)))
     shares = [r.served() - n for r, n in zip(pair, before, strict=True)]
     assert sorted(shares) == [0, 16]
+
+
+def test_cli_takes_an_address_list_and_the_policy(pair, capsys):
+    """`specwire generate --address ipv4:A,B --load-balancing pick_first`: every call on A, the first
+    address (with the default round_robin, each fresh channel would start at a random replica)."""
+    before = [r.served() for r in pair]
+    for _ in range(8):
+        argv = ["generate", "hello", "--address", target_of(pair), "--load-balancing", "pick_first"]
+        assert cli_main([*argv, "--no-chat", "--set", "max_new_tokens=2"]) == 0
+    capsys.readouterr()
+    assert [r.served() - n for r, n in zip(pair, before, strict=True)] == [8, 0]
 
 
 def test_a_killed_replica_fails_only_its_requests_in_flight_and_its_share_moves(pair):
