@@ -16,7 +16,9 @@ retry policy: e.g. one refused unread by a draining replica's GOAWAY. The drain 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import signal
 import threading
 import time
@@ -27,7 +29,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specwire.client import SpecwireRpcError, TargetClient
+from specwire.client import AsyncTargetClient, SpecwireRpcError, TargetClient
 from specwire.client.cli import main as cli_main
 from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.models import load_model
@@ -75,6 +77,11 @@ def two_targets(model_dir, draft_address: str):
             env = {"SPECWIRE_PROMETHEUS_PORT": str(metrics_port)}
             process = stack.enter_context(subprocess_server(args, port, env=env))
             found.append(Replica(port, metrics_port, process))
+            # A fresh target's first requests are slow (first forwards, thread pools): warm each one
+            # up on its own, so that timing in the tests is that of a running service.
+            with TargetClient(f"127.0.0.1:{port}") as client:
+                for _ in range(3):
+                    client.generate(PROMPT, max_new_tokens=3)
         yield found
 
 
@@ -96,6 +103,19 @@ def test_round_robin_gives_each_replica_a_share_of_32_requests(pair):
     shares = [r.served() - n for r, n in zip(pair, before, strict=True)]
     assert sum(shares) == 32
     assert min(shares) >= 8, shares  # round robin: about half each, whatever the thread timing
+
+
+def test_the_asyncio_client_balances_too(pair):
+    async def main():
+        async with AsyncTargetClient(target_of(pair)) as client:
+            await client.model_info()  # connects; then let both replicas' connections come up
+            await asyncio.sleep(0.5)
+            return await asyncio.gather(*(client.generate(PROMPT, max_new_tokens=3) for _ in range(16)))
+
+    before = [r.served() for r in pair]
+    assert len(asyncio.run(main())) == 16
+    shares = [r.served() - n for r, n in zip(pair, before, strict=True)]
+    assert sum(shares) == 16 and min(shares) >= 4, shares
 
 
 def test_pick_first_sends_every_request_to_one_replica(pair):
@@ -121,7 +141,8 @@ def test_a_killed_replica_fails_only_its_requests_in_flight_and_its_share_moves(
     a, b = pair
     outcomes: list[BaseException | None] = []
     lock = threading.Lock()
-    with TargetClient(target_of(pair)) as client:
+    # retries=3 changes nothing here: it resends load refusals only, never a call that may have run.
+    with TargetClient(target_of(pair), retries=3) as client:
 
         def slow():  # holds its slot on the replica for DRAFT_DELAY_S, waiting on its draft
             try:
@@ -163,26 +184,34 @@ def test_a_drained_replica_fails_no_request(tiny_model_dir, draft):
     unread (GOAWAY), so the client's calls move to the other replica and none fails."""
     with two_targets(tiny_model_dir, draft) as (a, b), TargetClient(target_of((a, b))) as client:
         errors: list[SpecwireRpcError] = []
-        served = [0]
-        stop = time.monotonic() + 3.0
+        served = itertools.count()
+        stop = threading.Event()
 
         def loop():
-            while time.monotonic() < stop:
+            while not stop.is_set():
                 try:
                     client.generate(PROMPT, max_new_tokens=3)
-                    served[0] += 1
+                    next(served)
                 except SpecwireRpcError as exc:
                     errors.append(exc)
 
         threads = [threading.Thread(target=loop) for _ in range(8)]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)
+        before = [r.served() for r in (a, b)]
+        deadline = time.monotonic() + 30
+        while min(r.served() - n for r, n in zip((a, b), before, strict=True)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)  # until both replicas carry the load
         served_by_b = b.served()
-        assert served_by_b > 0
+        assert served_by_b - before[1] >= 4
         b.process.send_signal(signal.SIGTERM)
+        assert b.process.wait(30) == 0  # drained: its calls finished, then it exited
+        on_a = a.served()
+        time.sleep(1.0)
+        stop.set()
         for thread in threads:
             thread.join(60)
-        assert b.process.wait(30) == 0
         assert errors == []
-        assert served[0] > served_by_b + 8  # the load went on, on A
+        assert a.served() > on_a + 8  # the load went on, on A
+        # Every call answered: A's share, and B's (at least what it had when told to drain).
+        assert next(served) >= a.served() - before[0] + served_by_b - before[1]
