@@ -62,6 +62,16 @@ KEEPALIVE_SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
+# Every server closes each connection after about 5 minutes (gRPC adds +-10% jitter) with a GOAWAY:
+# the calls in flight on it finish (no grace limit: a long generation is never cut), new calls open a
+# new connection, and a client dialling `dns:///` resolves the name again then. gRPC's DNS resolver
+# never polls, so without this a client would never find the replicas a scale-up added. Calls racing
+# the GOAWAY are refused unread and resent by gRPC's transparent retry.
+CONNECTION_AGE_SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_connection_age_ms", 300_000),
+    ("grpc.max_connection_age_grace_ms", 2**31 - 1),
+]
+
 
 def error_status(error: SpecwireError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, Any], ...]]:
     """gRPC code, message and trailing metadata (rich status details) for a domain error."""
@@ -302,6 +312,7 @@ class GrpcServer:
             # half the calls: refuse the bind instead (`specwire.ports`).
             ("grpc.so_reuseport", 0),
             *KEEPALIVE_SERVER_OPTIONS,
+            *CONNECTION_AGE_SERVER_OPTIONS,
             *(options or []),
         ]
         # Later entries win (the caller's options over the defaults), one entry per key for grpc.

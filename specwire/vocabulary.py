@@ -69,6 +69,16 @@ FINISH_REASON_NAMES: Final[Mapping[int, str]] = MappingProxyType(
 )
 
 # ---------------------------------------------------------------------------------------------------
+# Load balancing: the gRPC policies a client channel may use (`load_balancing=`, `--load-balancing`).
+# `round_robin` sends each call to the next ready address; `pick_first` every call to the first
+# address that connects (the others are fallbacks).
+# ---------------------------------------------------------------------------------------------------
+
+ROUND_ROBIN: Final = "round_robin"
+PICK_FIRST: Final = "pick_first"
+LOAD_BALANCING_POLICIES: Final = (ROUND_ROBIN, PICK_FIRST)
+
+# ---------------------------------------------------------------------------------------------------
 # Metrics: what the target service exports (`specwire.target_service.observability`) and
 # `specwire stats` reads back from a Prometheus scrape (`specwire.client.stats`).
 # ---------------------------------------------------------------------------------------------------
@@ -83,6 +93,16 @@ METRIC_ACCEPTED_PER_POSITION: Final = "specwire_spec_decode_accepted_tokens_per_
 METRIC_REQUEST_DURATION: Final = "gen_ai.server.request.duration"
 METRIC_TIME_TO_FIRST_TOKEN: Final = "gen_ai.server.time_to_first_token"
 METRIC_TIME_PER_OUTPUT_TOKEN: Final = "gen_ai.server.time_per_output_token"
+# The target's load, the signals to autoscale on (gauges, read at each scrape; labelled by model).
+# Requests waiting for KV slots: the clearest "add a replica" signal (a queue means every slot is taken).
+METRIC_REQUESTS_QUEUED: Final = "specwire_target_requests_queued"
+# Requests generating now.
+METRIC_REQUESTS_RUNNING: Final = "specwire_target_requests_running"
+# KV-cache slots (one per running row) taken, and in all; their ratio, 0 to 1 (absent without a slot
+# cache, i.e. with sequential scheduling).
+METRIC_KV_SLOTS_USED: Final = "specwire_target_kv_slots_used"
+METRIC_KV_SLOTS: Final = "specwire_target_kv_slots"
+METRIC_KV_SLOT_USAGE: Final = "specwire_target_kv_slot_usage"
 
 # Labels (attributes) of those metrics.
 LABEL_MODEL: Final = "model"

@@ -165,7 +165,8 @@ class ConfigClient:
     """Blocking client of `specwire.config.v1.ConfigService`.
 
     Args:
-        address (`str`): `host:port` of the config service.
+        address (`str`): the config service: any gRPC target (`host:port`, `dns:///name:port`,
+            `ipv4:a.b.c.d:port,e.f.g.h:port`, ...).
         timeout (`float`, defaults to 30.0): per-call deadline in seconds.
         channel (`grpc.Channel`, *optional*): an existing channel to use instead of `address`.
         retries (`int`, defaults to 0): how many times a call the registry refused for load
@@ -175,6 +176,9 @@ class ConfigClient:
             token for writes); default `SPECWIRE_AUTH_TOKEN`; "" sends none.
         allow_insecure_token (`bool`, *optional*): send the token in plaintext to a non-loopback address
             (refused otherwise: set `SPECWIRE_TLS_CA_FILE`); default `SPECWIRE_ALLOW_INSECURE_TOKEN`.
+        load_balancing (`str`, *optional*): `"round_robin"` (each call to the next ready address) or
+            `"pick_first"` (every call to one address); default `round_robin` for `dns:///` targets and
+            address lists, `pick_first` for one `host:port`.
     """
 
     def __init__(
@@ -186,10 +190,13 @@ class ConfigClient:
         *,
         token: str | None = None,
         allow_insecure_token: bool | None = None,
+        load_balancing: str | None = None,
     ):
         self.retries = check_retries(retries)
         self._own_channel = channel is None
-        self.channel = channel or secure_channel(address, token=token, allow_insecure_token=allow_insecure_token)
+        self.channel = channel or secure_channel(
+            address, token=token, allow_insecure_token=allow_insecure_token, load_balancing=load_balancing
+        )
         self.stub = pb_grpc.ConfigServiceStub(self.channel)
         self.timeout = timeout
 
@@ -337,11 +344,12 @@ class AsyncConfigClient:
     """asyncio client of `specwire.config.v1.ConfigService`; same methods as `ConfigClient`, awaitable.
 
     Args:
-        address (`str`): `host:port` of the config service.
+        address (`str`): the config service: any gRPC target, as `ConfigClient`'s.
         timeout (`float`, defaults to 30.0): per-call deadline in seconds.
         retries (`int`, defaults to 0): as `ConfigClient`'s.
         token (`str`, *optional*): bearer token sent with every call; default `SPECWIRE_AUTH_TOKEN`.
         allow_insecure_token (`bool`, *optional*): see `ConfigClient`.
+        load_balancing (`str`, *optional*): see `ConfigClient`.
     """
 
     def __init__(
@@ -352,9 +360,16 @@ class AsyncConfigClient:
         *,
         token: str | None = None,
         allow_insecure_token: bool | None = None,
+        load_balancing: str | None = None,
     ):
         self.retries = check_retries(retries)
-        self.channel = secure_channel(address, aio=True, token=token, allow_insecure_token=allow_insecure_token)
+        self.channel = secure_channel(
+            address,
+            aio=True,
+            token=token,
+            allow_insecure_token=allow_insecure_token,
+            load_balancing=load_balancing,
+        )
         self.stub = pb_grpc.ConfigServiceStub(self.channel)
         self.timeout = timeout
 

@@ -198,7 +198,10 @@ class TargetClient:
     """Blocking client of `specwire.target.v1.TargetService`.
 
     Args:
-        address (`str`): `host:port` of the target service.
+        address (`str`): the target service: any gRPC target. `host:port` (one replica, or a ClusterIP
+            Service: every call rides one connection to one pod), `dns:///name:port` (every address the
+            name resolves to, e.g. a headless Service's pods), `ipv4:a.b.c.d:port,e.f.g.h:port` or
+            `ipv6:[a::1]:port,...` (a fixed list of replicas).
         timeout (`float`, *optional*, defaults to 600.0): deadline of each call in seconds (None: no
             deadline); every method takes `timeout=` to override it for one call.
         max_message_bytes (`int`, defaults to 16 MiB): largest response accepted (scores and logits of
@@ -210,6 +213,16 @@ class TargetClient:
             generate); default `SPECWIRE_AUTH_TOKEN`; "" sends none.
         allow_insecure_token (`bool`, *optional*): send the token in plaintext to a non-loopback address
             (refused otherwise: set `SPECWIRE_TLS_CA_FILE`); default `SPECWIRE_ALLOW_INSECURE_TOKEN`.
+        load_balancing (`str`, *optional*): `"round_robin"` (each call to the next ready address) or
+            `"pick_first"` (every call to one address); default `round_robin` for `dns:///` targets and
+            address lists, `pick_first` for one `host:port`.
+
+    Several replicas: with `round_robin` each call goes to the next ready replica, and a replica that
+    goes away is skipped from then on. Calls in flight on a replica that dies fail with UNAVAILABLE and
+    are not sent again (generation is not idempotent: it may have run, and a sampled output is not
+    repeatable): send them again yourself if you want. `retries=` resends only load refusals. gRPC
+    resends, transparently, a call that never reached a replica's application (its connection was lost
+    before the call went out, or the replica refused the stream unread while shutting down).
     """
 
     def __init__(
@@ -221,10 +234,15 @@ class TargetClient:
         *,
         token: str | None = None,
         allow_insecure_token: bool | None = None,
+        load_balancing: str | None = None,
     ):
         self.retries = check_retries(retries)
         self.channel = secure_channel(
-            address, max_message_bytes=max_message_bytes, token=token, allow_insecure_token=allow_insecure_token
+            address,
+            max_message_bytes=max_message_bytes,
+            token=token,
+            allow_insecure_token=allow_insecure_token,
+            load_balancing=load_balancing,
         )
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout
@@ -350,6 +368,7 @@ class AsyncTargetClient:
         *,
         token: str | None = None,
         allow_insecure_token: bool | None = None,
+        load_balancing: str | None = None,
     ):
         self.retries = check_retries(retries)
         self.channel = secure_channel(
@@ -358,6 +377,7 @@ class AsyncTargetClient:
             max_message_bytes=max_message_bytes,
             token=token,
             allow_insecure_token=allow_insecure_token,
+            load_balancing=load_balancing,
         )
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout = timeout

@@ -24,6 +24,7 @@ from specwire.security.tokens import (
     aio_token_interceptors,
     auth_metadata,
 )
+from specwire.vocabulary import LOAD_BALANCING_POLICIES, PICK_FIRST, ROUND_ROBIN
 
 StubT = TypeVar("StubT")
 
@@ -40,6 +41,18 @@ KEEPALIVE_CLIENT_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.ping_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+]
+# Pods come and go behind one name. gRPC's connection backoff (1 s, x1.6, up to 120 s) would leave a
+# replica restarted at the same address unused for up to two minutes: 10 s at most instead (a dead
+# address then costs one refused connection every 10 s; round_robin skips it meanwhile). A lost
+# connection makes the channel resolve its name again, at most every 30 s by default: 5 s instead,
+# the TTL CoreDNS gives a headless Service's records, so a replaced pod is found within seconds.
+# gRPC's DNS resolver never polls: new pods of a scale-up are found when a connection ends, which the
+# servers force every few minutes (`specwire.serving.CONNECTION_AGE_SERVER_OPTIONS`).
+RECONNECT_CLIENT_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.initial_reconnect_backoff_ms", 1_000),
+    ("grpc.max_reconnect_backoff_ms", 10_000),
+    ("grpc.dns_min_time_between_resolutions_ms", 5_000),
 ]
 # Largest message a client channel sends or receives unless its caller asks for more.
 DEFAULT_CLIENT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -90,6 +103,7 @@ def client_channel_options(
     merged = dict(
         [
             *KEEPALIVE_CLIENT_OPTIONS,
+            *RECONNECT_CLIENT_OPTIONS,
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.enable_retries", 1),
@@ -100,24 +114,62 @@ def client_channel_options(
     return list(merged.items())
 
 
-def address_host(address: str) -> str | None:
-    """The host a gRPC target names (`host:port`, `[v6]:port`, `dns:///name:port`, `ipv4:a.b.c.d:port`);
-    None for Unix sockets (local by nature)."""
+def _split_target(address: str) -> tuple[str, list[str]] | None:
+    """`(scheme, addresses)` of a gRPC target: `dns` for `host:port` and `dns:[//authority/]host:port`,
+    `ipv4`/`ipv6` with every address of the list; None for Unix sockets and vsock."""
     target = address.strip()
     if target.startswith(("unix:", "unix-abstract:", "vsock:")):
         return None
-    for scheme in ("dns:", "ipv4:", "ipv6:"):
-        if target.startswith(scheme):
-            target = target[len(scheme) :]
+    scheme = "dns"
+    for prefix in ("dns:", "ipv4:", "ipv6:"):
+        if target.startswith(prefix):
+            scheme, target = prefix[:-1], target[len(prefix) :]
             break
     if target.startswith("//"):  # dns://authority/host:port: the authority is the DNS server
         target = target[2:].partition("/")[2]
-    target = target.split(",", 1)[0]  # ipv4:a:p,b:p lists several addresses: the first tells the kind
-    if target.startswith("["):
-        return target[1 : target.find("]")]
-    if target.count(":") == 1:
-        return target.rsplit(":", 1)[0]
-    return target  # a bare host, or a bare IPv6 address
+    return scheme, [part.strip() for part in target.split(",") if part.strip()]
+
+
+def _host(address: str) -> str:
+    if address.startswith("["):
+        return address[1 : address.find("]")]
+    if address.count(":") == 1:
+        return address.rsplit(":", 1)[0]
+    return address  # a bare host, or a bare IPv6 address
+
+
+def address_hosts(address: str) -> list[str] | None:
+    """Every host a gRPC target names (`host:port`, `[v6]:port`, `dns:///name:port`,
+    `ipv4:a.b.c.d:port,e.f.g.h:port`, `ipv6:[::1]:port,...`); None for Unix sockets (local by nature)."""
+    split = _split_target(address)
+    return None if split is None else [_host(part) for part in split[1]]
+
+
+def address_host(address: str) -> str | None:
+    """The first host a gRPC target names (see `address_hosts`); None for Unix sockets."""
+    hosts = address_hosts(address)
+    return None if hosts is None else (hosts[0] if hosts else "")
+
+
+def load_balancing_policy(address: str, load_balancing: str | None = None) -> str:
+    """The load-balancing policy of a channel to `address`: `load_balancing` when given, else
+    `round_robin` for targets that name several replicas (`dns:///name:port`, whose DNS answer may list
+    many; `ipv4:`/`ipv6:` lists of two or more), else `pick_first` (gRPC's own default: one address).
+
+    Raises:
+        `ValueError`: `load_balancing` is not one of `LOAD_BALANCING_POLICIES`.
+    """
+    if load_balancing is not None:
+        if load_balancing not in LOAD_BALANCING_POLICIES:
+            raise ValueError(
+                f"load_balancing must be one of {list(LOAD_BALANCING_POLICIES)}, got {load_balancing!r}: "
+                f"{ROUND_ROBIN!r} spreads calls over every address, {PICK_FIRST!r} uses one"
+            )
+        return load_balancing
+    split = _split_target(address)
+    if split is not None and (address.strip().startswith("dns:") or len(split[1]) > 1):
+        return ROUND_ROBIN
+    return PICK_FIRST
 
 
 def check_token_transport(
@@ -140,8 +192,9 @@ def check_token_transport(
     """
     if not auth_metadata(env, token) or channel_credentials(env) is not None:
         return
-    host = address_host(address)
-    if host is None or is_loopback(host):
+    hosts = address_hosts(address)
+    # Every address of a multi-address target must be local: calls may go to any of them.
+    if hosts is None or (hosts and all(is_loopback(host) for host in hosts)):
         return
     if env_flag(ALLOW_INSECURE_TOKEN_ENV, env) if allow_insecure_token is None else allow_insecure_token:
         return
@@ -161,11 +214,14 @@ def secure_channel(
     max_message_bytes: int = DEFAULT_CLIENT_MAX_MESSAGE_BYTES,
     token: str | None = None,
     allow_insecure_token: bool | None = None,
+    load_balancing: str | None = None,
 ):
     """A client channel to `address` honouring the TLS and token settings (sync or grpc.aio).
 
     Args:
-        address (`str`): `host:port`, or `dns:///name:port` to spread calls over every replica.
+        address (`str`): any gRPC target: `host:port`, `dns:///name:port` (every address the name
+            resolves to, e.g. a headless Service's pods), `ipv4:a.b.c.d:port,e.f.g.h:port`,
+            `ipv6:[::1]:port,...`, `unix:/path`.
         options (`list`, *optional*): channel options; they override the defaults below.
         aio (`bool`, defaults to `False`): a `grpc.aio` channel instead of a blocking one.
         env (`Mapping`): where the TLS and token settings are read.
@@ -174,18 +230,22 @@ def secure_channel(
             `SPECWIRE_AUTH_TOKEN`; "" sends none.
         allow_insecure_token (`bool`, *optional*): send the token in plaintext to a non-loopback address;
             default `SPECWIRE_ALLOW_INSECURE_TOKEN`. Without it such a channel is refused.
+        load_balancing (`str`, *optional*): `"round_robin"` or `"pick_first"`; default `round_robin` for
+            `dns:` targets and address lists, `pick_first` otherwise (`load_balancing_policy`).
 
-    Every channel has keepalive (`KEEPALIVE_CLIENT_OPTIONS`) and retries the reads of `IDEMPOTENT_READS`
-    on UNAVAILABLE (`READ_RETRY_POLICY`).
+    Every channel has keepalive (`KEEPALIVE_CLIENT_OPTIONS`), reconnects quickly to replicas that come
+    back (`RECONNECT_CLIENT_OPTIONS`) and retries the reads of `IDEMPOTENT_READS` on UNAVAILABLE
+    (`READ_RETRY_POLICY`). Other calls (Generate, writes) are not retried once sent, except by gRPC's
+    transparent retries (gRFC A6), which resend a call that never reached the server's application
+    (its connection was lost before the call went out, or the server refused the stream unread).
 
     Raises:
+        `ValueError`: an unknown `load_balancing`.
         `SecuritySettingsError` (a `ValueError`): a token without TLS to a non-loopback address, not allowed.
     """
+    policy = load_balancing_policy(address, load_balancing)
     check_token_transport(address, env=env, token=token, allow_insecure_token=allow_insecure_token)
-    options = client_channel_options(options, max_message_bytes)
-    if address.startswith("dns:///"):
-        # Spread per-request streams over every replica behind a headless Service.
-        options.append(("grpc.lb_policy_name", "round_robin"))
+    options = client_channel_options([("grpc.lb_policy_name", policy), *(options or [])], max_message_bytes)
     tls = channel_credentials(env)
     metadata = auth_metadata(env, token)
     # OpenTelemetry's client interceptors (client spans, W3C trace context) when telemetry is set up.

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,6 +51,24 @@ from specwire.vocabulary import PROPOSER_NONE
 log = logging.getLogger("specwire.target_service.engine")
 
 _DONE = object()
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is at one moment: the autoscaling signals (`specwire.target_service.observability`).
+
+    Args:
+        running (`int`): requests generating (holding KV slots, in the sequential lane, or stepping one
+            per forward).
+        queued (`int`): requests waiting for KV slots (the batched scheduler's FIFO queue).
+        kv_slots_used (`int`): KV-cache slots (one per running row) taken.
+        kv_slots (`int`): KV-cache slots in all; 0 when no slot cache serves (sequential scheduling).
+    """
+
+    running: int
+    queued: int
+    kv_slots_used: int
+    kv_slots: int
 
 
 class Engine:
@@ -120,6 +139,21 @@ class Engine:
     def steps_run(self) -> int:
         """Model steps executed, over all requests (observability and tests)."""
         return self._lane_steps + (self.batcher.stats().forwards if self.batcher is not None else 0)
+
+    def load(self) -> EngineLoad:
+        """Running and queued requests and KV slot use, now (cheap: one lock, no model work)."""
+        batcher = self._serving
+        if batcher is None:
+            return EngineLoad(running=self.active, queued=0, kv_slots_used=0, kv_slots=0)
+        stats = batcher.stats()
+        slots = batcher.cache.num_slots if batcher.cache is not None else 0
+        # `active` also counts the batched requests still queued: the scheduler's own gauges say who runs.
+        return EngineLoad(
+            running=stats.running + self.lane_active,
+            queued=stats.queued,
+            kv_slots_used=slots - stats.free_slots if slots else 0,
+            kv_slots=slots,
+        )
 
     def close(self) -> None:
         if self.batcher is not None:

@@ -16,10 +16,14 @@ Formulas (per proposer and config, over any window of the counters):
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Status, StatusCode
 
 from specwire import telemetry
@@ -34,7 +38,12 @@ from specwire.vocabulary import (
     METRIC_ACCEPTED_TOKENS,
     METRIC_DRAFT_TOKENS,
     METRIC_DRAFTS,
+    METRIC_KV_SLOT_USAGE,
+    METRIC_KV_SLOTS,
+    METRIC_KV_SLOTS_USED,
     METRIC_REQUEST_DURATION,
+    METRIC_REQUESTS_QUEUED,
+    METRIC_REQUESTS_RUNNING,
     METRIC_TIME_PER_OUTPUT_TOKEN,
     METRIC_TIME_TO_FIRST_TOKEN,
     PROPOSER_NONE,
@@ -117,6 +126,71 @@ class SpecDecodeMetrics:
             self.time_to_first_token.record(ttft_s, labels)
         if tpot_s is not None:
             self.time_per_output_token.record(tpot_s, labels)
+
+
+class LoadGauges:
+    """The load of this process's engines as observable gauges (`EngineLoad`), the autoscaling signals.
+
+    Read at each collection (a Prometheus scrape, an OTLP export), never pushed: a scrape sees the queue
+    as it is now. One set of gauges per meter (an instrument registered twice keeps its first
+    callbacks), summing every live engine of a model, so a second server in one process (tests) counts
+    too; engines are held weakly. Use `load_gauges(meter).watch(engine, model_id)`.
+    """
+
+    def __init__(self, meter: Any):
+        self._engines: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+        def gauge(name: str, unit: str, description: str, read: Callable[[dict[str, list[int]], str], float | None]):
+            meter.create_observable_gauge(
+                name, callbacks=[lambda options: self._observe(read, options)], unit=unit, description=description
+            )
+
+        gauge(METRIC_REQUESTS_QUEUED, "{request}", "Requests waiting for KV slots", lambda t, m: t[m][1])
+        gauge(METRIC_REQUESTS_RUNNING, "{request}", "Requests generating", lambda t, m: t[m][0])
+        gauge(METRIC_KV_SLOTS_USED, "{slot}", "KV-cache slots taken (one per running row)", lambda t, m: t[m][2])
+        gauge(METRIC_KV_SLOTS, "{slot}", "KV-cache slots in all", lambda t, m: t[m][3])
+        gauge(
+            METRIC_KV_SLOT_USAGE,
+            "1",
+            "Share of the KV-cache slots taken, 0 to 1",
+            lambda t, m: t[m][2] / t[m][3] if t[m][3] else None,
+        )
+
+    def watch(self, engine: Any, model_id: str) -> None:
+        """Report `engine`'s load (its `load()`) under the `model` label `model_id` while it lives."""
+        with self._lock:
+            self._engines[engine] = model_id
+
+    def _observe(self, read: Callable[[dict[str, list[int]], str], float | None], _options: CallbackOptions):
+        with self._lock:
+            engines = list(self._engines.items())
+        totals: dict[str, list[int]] = {}
+        for engine, model in engines:
+            load = engine.load()
+            total = totals.setdefault(model, [0, 0, 0, 0])
+            for i, value in enumerate((load.running, load.queued, load.kv_slots_used, load.kv_slots)):
+                total[i] += value
+        observations = []
+        for model in totals:
+            value = read(totals, model)
+            if value is not None:
+                observations.append(Observation(value, {LABEL_MODEL: model}))
+        return observations
+
+
+_load_gauges: dict[int, tuple[Any, LoadGauges]] = {}  # id(meter) -> (meter, its gauges)
+_load_gauges_lock = threading.Lock()
+
+
+def load_gauges(meter: Any) -> LoadGauges:
+    """The `LoadGauges` of `meter`, created on first use."""
+    with _load_gauges_lock:
+        found = _load_gauges.get(id(meter))
+        if found is None or found[0] is not meter:
+            found = (meter, LoadGauges(meter))
+            _load_gauges[id(meter)] = found
+        return found[1]
 
 
 def config_label(request: Any, job: Any) -> str:

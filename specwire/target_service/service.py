@@ -24,7 +24,7 @@ from specwire.target_service.config_resolver import ConfigResolver
 from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.engine import Engine
 from specwire.target_service.limits import DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
-from specwire.target_service.observability import RequestObserver, SpecDecodeMetrics
+from specwire.target_service.observability import RequestObserver, SpecDecodeMetrics, load_gauges
 from specwire.target_service.requests import GenerationJob, build_job
 from specwire.target_service.scheduler.batch_scheduler import BatchScheduler
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
@@ -156,7 +156,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.loaded = loaded
         self.resolver = resolver
         self.engine = Engine(loaded, drafting, scheduler, scheduler_options, stuck_after_s)
-        self.metrics = SpecDecodeMetrics(telemetry.get_meter())
+        meter = telemetry.get_meter()
+        self.metrics = SpecDecodeMetrics(meter)
+        load_gauges(meter).watch(self.engine, loaded.model_id)
         self.limits = limits or RequestLimits.for_model(loaded.max_position_embeddings)
         self.pool = pool or PreparationPool()
         self.max_message_bytes = max_message_bytes

@@ -396,8 +396,10 @@ preStop sleep minus 5 s, so the server has drained and exited before the kubelet
 {{- if and $a.enabled (gt (int $a.minReplicas) (int $a.maxReplicas)) -}}
 {{- fail (printf "%s.autoscaling.minReplicas (%d) is above maxReplicas (%d)" $c (int $a.minReplicas) (int $a.maxReplicas)) -}}
 {{- end -}}
-{{- if and $a.enabled (not $a.targetCPUUtilizationPercentage) (not $a.metrics) -}}
-{{- fail (printf "%s.autoscaling has no metric: set targetCPUUtilizationPercentage or metrics" $c) -}}
+{{- $load := dig "load" dict $a -}}
+{{- $loadMetrics := or (dig "requestsQueued" nil $load) (dig "requestsRunning" nil $load) (dig "kvSlotUsage" nil $load) -}}
+{{- if and $a.enabled (not $a.targetCPUUtilizationPercentage) (not $a.metrics) (not $loadMetrics) -}}
+{{- fail (printf "%s.autoscaling has no metric: set targetCPUUtilizationPercentage, metrics%s" $c (ternary " or load" "" (eq $c "target"))) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

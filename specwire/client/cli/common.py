@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specwire.vocabulary import LOAD_BALANCING_POLICIES
+
 # Deadlines of the CLI's calls: the clients' defaults (`TargetClient`: 600 s, `ConfigClient`: 30 s),
 # repeated here because the clients are imported only when a command runs (they import torch).
 DEFAULT_GENERATE_TIMEOUT_S = 600.0
@@ -70,6 +72,24 @@ def add_token_option(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send SPECWIRE_AUTH_TOKEN in plaintext to a non-loopback address (refused otherwise: set "
         "SPECWIRE_TLS_CA_FILE to use TLS)",
+    )
+
+
+# The target forms every `--address` takes (gRPC's name syntax).
+ADDRESS_FORMS = (
+    "host:port, dns:///name:port (every address the name resolves to, e.g. a headless Service's pods) "
+    "or ipv4:a.b.c.d:port,e.f.g.h:port (a list of replicas)"
+)
+
+
+def add_load_balancing_option(p: argparse.ArgumentParser) -> None:
+    """`--load-balancing`, for the commands that call a service."""
+    p.add_argument(
+        "--load-balancing",
+        choices=list(LOAD_BALANCING_POLICIES),
+        default=None,
+        help="how calls spread over the addresses of --address: round_robin (each call to the next replica) or "
+        "pick_first (all to one); default round_robin for dns:/// and address lists, pick_first for host:port",
     )
 
 

@@ -10,11 +10,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .common import (
+    ADDRESS_FORMS,
     DEFAULT_CONFIG_TIMEOUT_S,
     EXIT_FAILED,
     EXIT_OK,
     UsageError,
     add_command,
+    add_load_balancing_option,
     add_token_option,
     parse_assignments,
     read_source,
@@ -103,7 +105,9 @@ def config_command(args) -> int:
 
     # The token is SPECWIRE_AUTH_TOKEN (not a flag: a command line is visible to every user of the machine).
     allow = args.allow_insecure_token or None  # unset: SPECWIRE_ALLOW_INSECURE_TOKEN decides
-    with ConfigClient(args.address, timeout=args.timeout or None, allow_insecure_token=allow) as client:
+    with ConfigClient(
+        args.address, timeout=args.timeout or None, allow_insecure_token=allow, load_balancing=args.load_balancing
+    ) as client:
         cmd = args.config_command
         if cmd == "create":
             record = client.create(
@@ -160,7 +164,7 @@ def config_command(args) -> int:
 def add_config_parser(sub: Any) -> None:
     """Register `specwire config` and its subcommands on the CLI's subparsers."""
     cfg = add_command(sub, "config", help="the config registry")
-    cfg.add_argument("--address", default="127.0.0.1:50051", help="config service host:port")
+    cfg.add_argument("--address", default="127.0.0.1:50051", help=f"config service: {ADDRESS_FORMS}")
     cfg.add_argument(
         "--timeout",
         type=float,
@@ -168,6 +172,7 @@ def add_config_parser(sub: Any) -> None:
         help="deadline of each registry call in seconds, 0 for none",
     )
     add_token_option(cfg)
+    add_load_balancing_option(cfg)
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     p = add_command(cfg_sub, "create", help="store a new named config (version 1)")
     p.add_argument("name")

@@ -9,11 +9,13 @@ from typing import Any
 from specwire.vocabulary import PROPOSER_NONE, PROPOSER_UNSPECIFIED, PROPOSERS
 
 from .common import (
+    ADDRESS_FORMS,
     DEFAULT_GENERATE_TIMEOUT_S,
     EXIT_OK,
     UsageError,
     add_chat_option,
     add_command,
+    add_load_balancing_option,
     add_token_option,
     parse_assignments,
 )
@@ -23,7 +25,7 @@ def add_generate_parser(sub: Any) -> None:
     """Register `specwire generate` on the CLI's subparsers."""
     gen = add_command(sub, "generate", help="generate through a running target service")
     gen.add_argument("prompt", nargs="*", help="prompt text (several = a batch)")
-    gen.add_argument("--address", default="127.0.0.1:50052", help="target service host:port")
+    gen.add_argument("--address", default="127.0.0.1:50052", help=f"target service: {ADDRESS_FORMS}")
     gen.add_argument("--config", default=None, help="registry reference: name, name@VERSION or name:TAG")
     gen.add_argument("--set", action="append", metavar="KEY=VALUE", help="GenerationConfig field override")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -42,6 +44,7 @@ def add_generate_parser(sub: Any) -> None:
         help="deadline of the generation in seconds, 0 for none",
     )
     add_token_option(gen)
+    add_load_balancing_option(gen)
 
 
 def generate_command(args) -> int:
@@ -53,7 +56,9 @@ def generate_command(args) -> int:
     overrides = parse_assignments(args.set)
     prompts = args.prompt
     allow = args.allow_insecure_token or None  # unset: SPECWIRE_ALLOW_INSECURE_TOKEN decides
-    with TargetClient(args.address, timeout=args.timeout or None, allow_insecure_token=allow) as client:
+    with TargetClient(
+        args.address, timeout=args.timeout or None, allow_insecure_token=allow, load_balancing=args.load_balancing
+    ) as client:
         kwargs = dict(
             text=prompts if len(prompts) > 1 else prompts[0],
             generation_config=args.config,

@@ -15,6 +15,7 @@ from typing import Any
 from specwire.vocabulary import PROPOSER_DRAFT_MODEL, PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
 
 from .common import (
+    ADDRESS_FORMS,
     DEFAULT_PROMPT,
     EXIT_FAILED,
     EXIT_OK,
@@ -306,9 +307,9 @@ def add_local_parsers(sub: Any) -> None:
 
     health = add_command(sub, "health", help="check that the services answer (grpc.health.v1)")
     health.add_argument("--wait", type=float, default=0.0, help="seconds to wait for them to become healthy")
-    health.add_argument("--config-address", default="127.0.0.1:50051", help="config service host:port")
-    health.add_argument("--target-address", default="127.0.0.1:50052", help="target service host:port")
-    health.add_argument("--draft-address", default="127.0.0.1:50053", help="draft service host:port")
+    health.add_argument("--config-address", default="127.0.0.1:50051", help=f"config service: {ADDRESS_FORMS}")
+    health.add_argument("--target-address", default="127.0.0.1:50052", help=f"target service: {ADDRESS_FORMS}")
+    health.add_argument("--draft-address", default="127.0.0.1:50053", help=f"draft service: {ADDRESS_FORMS}")
 
 
 def _stack_options(p: Any) -> None:
