@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from specwire.errors import InvalidArgument
 from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.processors.factory import watermark_processor
 from specwire.generation.processors.synthid import SynthIDTextWatermarkLogitsProcessor
@@ -120,7 +121,7 @@ def detect_watermark(
     ]
 
 
-def _too_short(i: int, row: Sequence[int], need: int, why: str) -> InvalidGenerationArgument:
+def _too_short(i: int, row: Sequence[int], need: int, why: str) -> InvalidArgument:
     return InvalidGenerationArgument.for_field(
         f"rows[{i}]",
         f"{len(row)} tokens",
