@@ -91,11 +91,11 @@ def _row_ids(request: pb.DetectWatermarkRequest, loaded: LoadedModel, limits: Re
                     f"rows[{i}].text", "text", "this model has no tokenizer: send token_ids"
                 )
             ids = list(loaded.tokenizer(row.text, add_special_tokens=False)["input_ids"])
-            if len(ids) > limits.max_model_len:
+            if len(ids) >= limits.max_model_len:  # the bound `check_prompts` puts on token-id rows
                 raise InvalidArgument.for_field(
                     f"rows[{i}].text",
                     f"{len(ids)} tokens",
-                    f"at most {limits.max_model_len} tokens per row on this target (--max-model-len): shorten it",
+                    f"at most {limits.max_model_len - 1} tokens per row on this target (--max-model-len): shorten it",
                 )
         rows.append(ids)
     return rows
