@@ -115,8 +115,11 @@ def detect_watermark(
     if isinstance(processor, SynthIDTextWatermarkLogitsProcessor):
         return [_synthid_row(i, row, processor, eos_token_id) for i, row in enumerate(rows)]
     ratio = float(watermarking_config.get("greenlist_ratio", 0.25))
+    # Whether a window's last token is green depends on the window only: shared by the rows, so each
+    # distinct window costs one `randperm(vocab_size)` per request (transformers keeps an LRU of 128).
+    green_of: dict[tuple[int, ...], bool] = {}
     return [
-        _green_list_row(i, row, processor, ratio, bos_token_id, device, z_threshold, ignore_repeated_ngrams)
+        _green_list_row(i, row, processor, ratio, bos_token_id, device, z_threshold, ignore_repeated_ngrams, green_of)
         for i, row in enumerate(rows)
     ]
 
@@ -138,6 +141,7 @@ def _green_list_row(
     device: str | torch.device,
     z_threshold: float,
     ignore_repeated_ngrams: bool,
+    green_of: dict[tuple[int, ...], bool],
 ) -> WatermarkScore:
     ids = list(row[1:]) if row and bos_token_id is not None and row[0] == bos_token_id else list(row)
     width = processor.context_width
@@ -146,16 +150,17 @@ def _green_list_row(
     selfhash = processor.seeding_scheme == "selfhash"
     n = width + 1 - int(selfhash)
     counts = collections.Counter(tuple(ids[j : j + n]) for j in range(len(ids) - n + 1))
-    green_of = {}
     for ngram in counts:
+        if ngram in green_of:
+            continue
         prefix = torch.tensor(ngram if selfhash else ngram[:-1], dtype=torch.long, device=device)
         green_of[ngram] = bool((processor.greenlist_ids(prefix) == ngram[-1]).any())
     if ignore_repeated_ngrams:
-        scored, green = len(counts), sum(green_of.values())
+        scored, green = len(counts), sum(green_of[g] for g in counts)
     else:
         scored, green = sum(counts.values()), sum(freq * green_of[g] for g, freq in counts.items())
     z = (green - ratio * scored) / math.sqrt(scored * ratio * (1 - ratio))
-    # transformers computes the tail with torch's float64 erfc; math.erfc is the same IEEE function.
+    # The tail as transformers computes it: torch's float64 erfc.
     p = float(0.5 * torch.special.erfc(torch.tensor(z / math.sqrt(2), dtype=torch.float64)))
     return WatermarkScore(
         num_tokens_scored=scored,
