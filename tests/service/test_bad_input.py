@@ -8,6 +8,7 @@ exception's text).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 
 import grpc
@@ -178,6 +179,16 @@ def test_synthid_watermark_generates_as_transformers(target, reference):
             torch.tensor(PROMPTS), max_new_tokens=8, do_sample=kw["do_sample"], watermarking_config=wm
         )
         assert torch.equal(out.sequences, ref)
+    # Its per-row state is the request's own: beside other requests in the batched scheduler, and
+    # streamed, the rows are the same.
+    kw = dict(max_new_tokens=8, do_sample=True, seed=5, watermarking_config=synthid)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(target.generate, [p], max_new_tokens=12) for p in PROMPTS]
+        marked = [pool.submit(target.generate, PROMPTS, **kw) for _ in range(2)]
+        assert all(torch.equal(m.result().sequences, ref) for m in marked)
+        assert all(o.result().sequences.shape == (1, 16) for o in others)
+    (final,) = [item for item in target.stream(PROMPTS, **kw) if hasattr(item, "sequences")]
+    assert torch.equal(final.sequences, ref)
     # Too large to serve: refused before any step, naming the field.
     error = rpc_error(target.generate, PROMPTS, max_new_tokens=3, watermarking_config={"ngram_len": 2**40, "keys": [1]})
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
