@@ -19,6 +19,7 @@ _EXPORTS = {
     "AsyncTargetClient": "specwire.client.target_client",
     "GenerateOutput": "specwire.client.target_client",
     "StreamDelta": "specwire.client.target_client",
+    "WatermarkDetection": "specwire.client.watermark",
 }
 
 __all__ = list(_EXPORTS)

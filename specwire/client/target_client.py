@@ -20,6 +20,7 @@ import torch
 from specwire.client.config_client import config_to_wire
 from specwire.client.errors import SpecwireRpcError, Violation, raises_rpc_errors
 from specwire.client.retrying import RetrySchedule, acall_with_retries, call_with_retries, check_retries
+from specwire.client.watermark import WatermarkDetection, build_detect_request
 from specwire.common.v1 import common_pb2
 from specwire.generation.outputs import compute_transition_scores as _compute_transition_scores
 from specwire.security.channels import DEFAULT_CLIENT_MAX_MESSAGE_BYTES, secure_channel
@@ -340,6 +341,23 @@ class TargetClient:
             self._timeout(timeout),
         )
 
+    @raises_rpc_errors
+    def detect_watermark(
+        self, input_ids=None, *, text=None, timeout: float | None = _CLIENT_DEFAULT, **kwargs
+    ) -> WatermarkDetection:
+        """Score rows of token ids (`input_ids`: a list, nested lists or a tensor) or `text` for a watermark.
+
+        Keyword arguments: `watermarking_config` (a dict or transformers' (SynthID)WatermarkingConfig) or
+        `generation_config` (a registry reference or a config holding one), `z_threshold` (default 3.0),
+        `ignore_repeated_ngrams`, `request_id`. Green list: the fields of transformers'
+        `WatermarkDetector(...)(ids, return_dict=True)`, one entry per row; SynthID: `mean_score`.
+        """
+        request = build_detect_request(input_ids, text=text, **kwargs)
+        response = call_with_retries(
+            lambda left: self.stub.DetectWatermark(request, timeout=left), self.retries, self._timeout(timeout)
+        )
+        return WatermarkDetection.from_proto(response)
+
     def model_generation_config(self):
         """The served model's generation_config.json as our GenerationConfig."""
         return config_from_proto(self.model_info().generation_config)
@@ -464,6 +482,17 @@ class AsyncTargetClient:
             self.retries,
             self._timeout(timeout),
         )
+
+    @raises_rpc_errors
+    async def detect_watermark(
+        self, input_ids=None, *, text=None, timeout: float | None = _CLIENT_DEFAULT, **kwargs
+    ) -> WatermarkDetection:
+        """As `TargetClient.detect_watermark`."""
+        request = build_detect_request(input_ids, text=text, **kwargs)
+        response = await acall_with_retries(
+            lambda left: self.stub.DetectWatermark(request, timeout=left), self.retries, self._timeout(timeout)
+        )
+        return WatermarkDetection.from_proto(response)
 
     async def request_limits(self) -> pb.RequestLimits:
         """What one request may ask of this target, as `GetModelInfo` reports them."""

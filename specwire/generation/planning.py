@@ -4,7 +4,7 @@
 decoder-only models, in this order, and returns a `GenerationPlan` the loops run from:
 
 1. Refuse (`config.check_runnable`) the modes transformers 5 dropped (group/constrained beam search,
-   contrastive search, DoLa) and the ones specwire does not run (token healing, SynthID watermarking)
+   contrastive search, DoLa) and the ones specwire does not run (token healing)
    with `UnsupportedModeError` naming the field; refuse token ids past the model's vocabulary.
 2. Apply the global defaults to unset fields (`max_length=20`, `top_k=50`, ...; the config passed in
    is already merged request > model `generation_config.json`).

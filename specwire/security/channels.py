@@ -70,7 +70,7 @@ IDEMPOTENT_READS: dict[str, tuple[str, ...]] = {
         "ExportConfig",
         "ValidateConfig",
     ),
-    "specwire.target.v1.TargetService": ("GetModelInfo",),
+    "specwire.target.v1.TargetService": ("GetModelInfo", "DetectWatermark"),
     "grpc.health.v1.Health": ("Check",),
 }
 # gRPC's retry policy (gRFC A6): up to 4 attempts, waits drawn from [0, 0.2 s], [0, 0.4 s], [0, 0.8 s],

@@ -45,6 +45,8 @@ METHOD_ROLES: dict[str, Role] = {
     f"/{TARGET_SERVICE}/Generate": Role.READER,
     f"/{TARGET_SERVICE}/GenerateStream": Role.READER,
     f"/{TARGET_SERVICE}/GetModelInfo": Role.READER,
+    # Scoring texts for a watermark reads the model's vocabulary and config only; it generates nothing.
+    f"/{TARGET_SERVICE}/DetectWatermark": Role.READER,
     # Target services drafting: a reader token, the one the target sends to the draft service.
     f"/{DRAFT_SERVICE}/Draft": Role.READER,
 }

@@ -1,4 +1,4 @@
-"""`specwire.target.v1.TargetService`: Generate, GenerateStream and GetModelInfo."""
+"""`specwire.target.v1.TargetService`: Generate, GenerateStream, GetModelInfo and DetectWatermark."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from specwire.target_service.observability import RequestObserver, SpecDecodeMet
 from specwire.target_service.requests import GenerationJob, build_job
 from specwire.target_service.scheduler.batch_scheduler import BatchScheduler
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
+from specwire.target_service.watermarks import detect
 from specwire.wire.common import FINISH_REASON_TO_PROTO, violation_to_proto
 from specwire.wire.generation_config import config_to_proto
 from specwire.wire.proposers import PROPOSER_TO_PROTO
@@ -258,6 +259,19 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             peak_device_memory_bytes=peak_device_memory_bytes(loaded.device),
             limits=limits_to_proto(self.limits, self.max_message_bytes),
         )
+
+    @handles_errors
+    async def DetectWatermark(self, request: pb.DetectWatermarkRequest, context) -> pb.DetectWatermarkResponse:
+        self.pool.admit()
+        started = time.perf_counter()
+        response = await detect(request, self.loaded, self.resolver, self.limits, self.pool)
+        log.info(
+            "request %s: watermark detection over %d row(s) in %.3fs",
+            request.request_id or "-",
+            len(response.rows),
+            time.perf_counter() - started,
+        )
+        return response
 
 
 def limits_to_proto(limits: RequestLimits, max_message_bytes: int) -> pb.RequestLimits:

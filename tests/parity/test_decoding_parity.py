@@ -76,12 +76,14 @@ def greedy_first(ref, batch):
 
 
 def _reference_kwargs(kwargs: dict) -> dict:
-    """transformers wants a WatermarkingConfig object where our config holds a dict."""
+    """transformers wants a (SynthID)WatermarkingConfig object where our config holds a dict."""
     out = dict(kwargs)
     if isinstance(out.get("watermarking_config"), dict):
-        from transformers.generation import WatermarkingConfig
+        from transformers.generation import SynthIDTextWatermarkingConfig, WatermarkingConfig
 
-        out["watermarking_config"] = WatermarkingConfig(**out["watermarking_config"])
+        wm = out["watermarking_config"]
+        cls = SynthIDTextWatermarkingConfig if "ngram_len" in wm else WatermarkingConfig
+        out["watermarking_config"] = cls(**wm)
     return out
 
 
@@ -506,6 +508,47 @@ def _processor_cases():
                 "watermarking_config": {"greenlist_ratio": 0.5, "bias": 4.0, "seeding_scheme": "selfhash"},
             },
             20,
+        ),
+        (
+            "synthid_greedy",
+            lambda f, g, n: {"watermarking_config": {"ngram_len": 3, "keys": [654, 400, 836, 123]}},
+            None,
+        ),
+        (
+            "synthid_sampled",
+            lambda f, g, n: {"do_sample": True, "watermarking_config": {"ngram_len": 5, "keys": [5, 9, 3, 21, 4]}},
+            22,
+        ),
+        (
+            "synthid_sampled_options",
+            lambda f, g, n: {
+                "do_sample": True,
+                "top_k": 20,
+                "watermarking_config": {
+                    "ngram_len": 2,
+                    "keys": [7, 11],
+                    "sampling_table_size": 1024,
+                    "sampling_table_seed": 3,
+                    "context_history_size": 4,
+                    "skip_first_ngram_calls": True,
+                },
+            },
+            23,
+        ),
+        (
+            "synthid_beams",
+            lambda f, g, n: {"num_beams": 3, "watermarking_config": {"ngram_len": 3, "keys": [1, 2, 3]}},
+            None,
+        ),
+        (
+            "synthid_beam_sample",
+            lambda f, g, n: {
+                "num_beams": 2,
+                "do_sample": True,
+                "num_return_sequences": 2,
+                "watermarking_config": {"ngram_len": 3, "keys": [1, 2, 3]},
+            },
+            24,
         ),
         ("guidance_scale", lambda f, g, n: {"guidance_scale": 1.5}, None),
         (

@@ -1,13 +1,14 @@
 """Bad input on real servers gets its documented status, never INTERNAL (issue #17, item 3).
 
 The five cases the issue found (ids past the vocabulary in `bad_words_ids`/`sequence_bias`, many stop
-strings, a SynthID watermark, one negative prompt for a batch of two, deeply nested JSON in
+strings, a SynthID watermark too large to serve, one negative prompt for a batch of two, deeply nested JSON in
 ImportConfig), and what an INTERNAL answer carries when one still happens (an error id, not the
 exception's text).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 
 import grpc
@@ -167,16 +168,31 @@ def test_a_thousand_stop_strings_on_a_tokenizer_without_decoder(char_model_dir):
         assert [v.field for v in error.violations] == ["stop_strings"]
 
 
-def test_synthid_watermark_is_unimplemented_before_any_step(stack, target):
-    before = steps_run(stack)
-    error = rpc_error(target.generate, PROMPTS, max_new_tokens=3, watermarking_config={"ngram_len": 2, "keys": [1, 2]})
-    assert error.code() == grpc.StatusCode.UNIMPLEMENTED, error
-    assert error.message.startswith("watermarking_config=") and "SynthID" in error.message
-    assert "greenlist_ratio" in error.message  # what to use instead
-    assert steps_run(stack) == before
-    # The green-list watermark still runs.
-    out = target.generate(PROMPTS, max_new_tokens=3, watermarking_config={"greenlist_ratio": 0.25, "bias": 2.0})
-    assert out.sequences.shape == (2, 7)
+def test_synthid_watermark_generates_as_transformers(target, reference):
+    synthid = {"ngram_len": 3, "keys": [654, 400, 836, 123]}
+    wm = transformers.SynthIDTextWatermarkingConfig(**synthid)
+    for kw in ({"do_sample": False}, {"do_sample": True, "seed": 5}):
+        out = target.generate(PROMPTS, max_new_tokens=8, watermarking_config=synthid, **kw)
+        if kw["do_sample"]:
+            torch.manual_seed(5)
+        ref = reference.generate(
+            torch.tensor(PROMPTS), max_new_tokens=8, do_sample=kw["do_sample"], watermarking_config=wm
+        )
+        assert torch.equal(out.sequences, ref)
+    # Its per-row state is the request's own: beside other requests in the batched scheduler, and
+    # streamed, the rows are the same.
+    kw = dict(max_new_tokens=8, do_sample=True, seed=5, watermarking_config=synthid)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(target.generate, [p], max_new_tokens=12) for p in PROMPTS]
+        marked = [pool.submit(target.generate, PROMPTS, **kw) for _ in range(2)]
+        assert all(torch.equal(m.result().sequences, ref) for m in marked)
+        assert all(o.result().sequences.shape == (1, 16) for o in others)
+    (final,) = [item for item in target.stream(PROMPTS, **kw) if hasattr(item, "sequences")]
+    assert torch.equal(final.sequences, ref)
+    # Too large to serve: refused before any step, naming the field.
+    error = rpc_error(target.generate, PROMPTS, max_new_tokens=3, watermarking_config={"ngram_len": 2**40, "keys": [1]})
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert [v.field for v in error.violations] == ["config.watermarking_config"]
 
 
 def test_one_negative_prompt_guides_every_row_of_a_batch(target, reference):

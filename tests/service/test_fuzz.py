@@ -130,7 +130,7 @@ STOP_STRING = st.one_of(
 )
 WATERMARKS = st.one_of(
     st.just({"greenlist_ratio": 0.25, "bias": 2.0, "seeding_scheme": "lefthash"}),
-    st.just({"ngram_len": 2, "keys": [1, 2, 3]}),  # SynthID: UNIMPLEMENTED
+    st.just({"ngram_len": 2, "keys": [1, 2, 3]}),  # SynthID
     st.just({"greenlist_ratio": 2.0}),
     st.just({"seeding_scheme": "selfhash", "context_width": 2}),
     st.dictionaries(

@@ -180,6 +180,15 @@ def test_beam_search_falls_back_and_says_so(target):
     assert "beam" in spec.speculation.fallback_reason and spec.speculation.rounds == 0
 
 
+def test_synthid_watermark_falls_back_and_says_so(target):
+    synthid = {"ngram_len": 3, "keys": [3, 1, 4]}
+    plain = target.generate(BATCH[:2], max_new_tokens=8, watermarking_config=synthid)
+    for proposer in ({"prompt_lookup_num_tokens": 4}, {"proposer": "draft_model"}):
+        spec = target.generate(BATCH[:2], max_new_tokens=8, watermarking_config=synthid, **proposer)
+        assert torch.equal(spec.sequences, plain.sequences)
+        assert "SynthID" in spec.speculation.fallback_reason and spec.speculation.rounds == 0
+
+
 def test_unreachable_or_slow_draft_service_falls_back(loaded, draft_server):
     for policy, reason in [
         (DraftPolicy(f"127.0.0.1:{free_port()}", round_timeout_s=5.0), "draft"),

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from specwire.errors import InvalidArgument
-from specwire.generation.argument_errors import InvalidGenerationArgument, UnsupportedModeError
+from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.config import GenerationConfig, is_synthid_watermark
 from specwire.generation.loops.generate import generate
 from specwire.generation.planning import check_token_ids, prepare_generation
@@ -74,14 +74,21 @@ def test_ids_inside_the_vocabulary_pass(model):
     assert out.sequences.shape == (1, 6)
 
 
-def test_synthid_watermark_is_unsupported_before_the_first_forward(model):
+def test_synthid_watermark_runs_and_its_unservable_sizes_are_refused(model):
     synthid = {"ngram_len": 2, "keys": [4, 5, 6]}
     assert is_synthid_watermark(synthid) and not is_synthid_watermark({"greenlist_ratio": 0.25})
     assert not any(v.severity == "error" for v in GenerationConfig(watermarking_config=synthid).validate())
-    with pytest.raises(UnsupportedModeError) as caught:
-        prepare_generation(model, PROMPT, config=GenerationConfig(max_new_tokens=2, watermarking_config=synthid))
-    assert caught.value.code == "UNIMPLEMENTED" and caught.value.field == "watermarking_config"
-    assert "SynthID" in caught.value.message and "greenlist_ratio" in caught.value.message
+    out = generate(model, PROMPT, config=GenerationConfig(max_new_tokens=2, watermarking_config=synthid))
+    assert out.sequences.shape == (1, 5)
+    for bad, words in [
+        ({"ngram_len": 2**40, "keys": [1]}, "ngram_len` must be at most"),
+        ({"ngram_len": 2, "keys": [[1, 2]]}, "non-empty list of integers"),
+        ({"ngram_len": 2, "keys": list(range(300))}, "at most 256 keys"),
+        ({"ngram_len": 2, "keys": [1], "context_history_size": 2**30}, "context_history_size` must be at most"),
+        ({"ngram_len": 2, "keys": [1], "sampling_table_seed": 2**70}, "fit in 64 bits"),
+    ]:
+        (error,) = [v for v in GenerationConfig(watermarking_config=bad).validate() if v.severity == "error"]
+        assert error.field == "watermarking_config" and words in error.message, error
 
 
 # ------------------------------------------------------------------------------------------ wire

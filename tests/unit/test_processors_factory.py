@@ -230,9 +230,9 @@ def test_factory_warns_and_errors():
             num_beams=1,
             prompt_ids=torch.tensor([[1, 2]]),
         )
-    with pytest.raises(ValueError, match="SynthID"):
+    with pytest.raises(ValueError, match="Unknown SynthID"):
         build_logits_processors(
-            types.SimpleNamespace(watermarking_config={"ngram_len": 5, "keys": [1, 2]}),
+            types.SimpleNamespace(watermarking_config={"ngram_len": 5, "keys": [1, 2], "zz": 1}),
             input_len=2,
             vocab_size=10,
             eos_token_ids=2,

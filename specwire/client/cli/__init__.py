@@ -6,6 +6,7 @@ specwire health [--wait S]      whether the local services answer SERVING (waits
 specwire generate "prompt"      generate through a running target service
 specwire config ...             the config registry: create/get/list/update/delete/tag/validate/import/export
 specwire stats --prometheus URL speculative acceptance per proposer and config (optionally a PNG)
+specwire watermark detect ...   score texts or token ids for a config's watermark (green list or SynthID)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HINTS, H
 from .config_commands import add_config_parser, config_command
 from .generate import add_generate_parser, generate_command
 from .local_stack import ServiceFailed, add_local_parsers, demo_command, health_command, serve_command
+from .watermark import add_watermark_parser, watermark_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_local_parsers(sub)
     add_generate_parser(sub)
     add_config_parser(sub)
+    add_watermark_parser(sub)
     from specwire.client.stats import add_parser as add_stats_parser
 
     add_stats_parser(sub)
@@ -64,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             return stats_command(args)
         # OTEL_* tracing of the client's calls; the scrape port is for servers, not for the CLI.
         setup_telemetry("specwire-cli", env={k: v for k, v in os.environ.items() if k != "SPECWIRE_PROMETHEUS_PORT"})
-        if args.command in ("config", "generate"):
+        if args.command in ("config", "generate", "watermark"):
+            commands = {"config": config_command, "generate": generate_command, "watermark": watermark_command}
             with get_tracer().start_as_current_span(f"specwire {args.command}"):  # the trace's root
-                return config_command(args) if args.command == "config" else generate_command(args)
+                return commands[args.command](args)
         if args.command == "serve":
             return serve_command(args)
         if args.command == "demo":

@@ -7,6 +7,7 @@ type test, so no rule evaluates an expression that could raise.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from specwire.generation.config.serialization import SYNTHID_DEFAULTS, WATERMARK_DEFAULTS, watermark_kind
@@ -182,31 +183,18 @@ def check_warpers(r: Recorder, e: Effective) -> None:
             r.error(name, value, f"`{name}` (={value!r}) has to be a float in (0, 1) (0.0 disables it).")
 
 
+_SYNTHID_MAX_NGRAM = 1024
+_SYNTHID_MAX_KEYS = 256
+_SYNTHID_MAX_HISTORY = 1 << 20
+
+
 def check_watermark_processor(r: Recorder, wm: dict[str, Any]) -> None:
     """What the watermarking processor's constructor refuses (the dict's keys were checked before)."""
-    checks: tuple[tuple[bool, str], ...]
+    checks: Iterable[tuple[bool, str]]
     if watermark_kind(wm) == "synthid":
         full = {**SYNTHID_DEFAULTS, **wm}
         keys = tensor_scalars(full["keys"])
-        checks = (
-            (is_int(full["ngram_len"]) and full["ngram_len"] >= 1, "`ngram_len` must be a positive integer"),
-            (
-                keys is not None
-                and isinstance(full["keys"], (list, tuple))
-                and len(keys) > 0
-                and tensor_dtype(keys) == "int",
-                "`keys` must be a non-empty list of integers",
-            ),
-            (is_int(full["sampling_table_seed"]), "`sampling_table_seed` must be an integer"),
-            (
-                is_int(full["sampling_table_size"]) and full["sampling_table_size"] >= 1,
-                "`sampling_table_size` must be a positive integer",
-            ),
-            (
-                is_int(full["context_history_size"]) and full["context_history_size"] >= 1,
-                "`context_history_size` must be a positive integer",
-            ),
-        )
+        checks = _synthid_checks(full, keys)
     else:
         full = {**WATERMARK_DEFAULTS, **wm}
         ratio = full["greenlist_ratio"]
@@ -223,6 +211,43 @@ def check_watermark_processor(r: Recorder, wm: dict[str, Any]) -> None:
         if not ok:
             r.error("watermarking_config", wm, f"`watermarking_config`: {message}, got {wm!r}.")
             return
+
+
+def _synthid_checks(full: dict[str, Any], keys: Any) -> Iterator[tuple[bool, str]]:
+    """The SynthID checks in order, each evaluated only when the ones before it passed (the caller stops
+    at the first failure), so the later bounds can assume integers."""
+    yield is_int(full["ngram_len"]) and full["ngram_len"] >= 1, "`ngram_len` must be a positive integer"
+    yield (
+        keys is not None
+        and isinstance(full["keys"], (list, tuple))
+        and 0 < len(keys) == len(full["keys"])  # flat
+        and tensor_dtype(keys) == "int",
+        "`keys` must be a non-empty list of integers",
+    )
+    yield is_int(full["sampling_table_seed"]), "`sampling_table_seed` must be an integer"
+    yield (
+        is_int(full["sampling_table_size"]) and full["sampling_table_size"] >= 1,
+        "`sampling_table_size` must be a positive integer",
+    )
+    yield (
+        is_int(full["context_history_size"]) and full["context_history_size"] >= 1,
+        "`context_history_size` must be a positive integer",
+    )
+    # specwire's own bounds (transformers has none): the state and g-values are sized by them, so larger
+    # values only exhaust memory; keys and seed must fit int64 tensors and a torch.Generator.
+    yield full["ngram_len"] <= _SYNTHID_MAX_NGRAM, f"`ngram_len` must be at most {_SYNTHID_MAX_NGRAM}"
+    yield (
+        len(keys) <= _SYNTHID_MAX_KEYS and all(-(2**63) <= int(k) < 2**63 for k in keys),
+        f"`keys` may hold at most {_SYNTHID_MAX_KEYS} keys, each within int64",
+    )
+    yield (
+        full["context_history_size"] <= _SYNTHID_MAX_HISTORY,
+        f"`context_history_size` must be at most {_SYNTHID_MAX_HISTORY}",
+    )
+    yield (
+        -(2**63) <= full["sampling_table_seed"] < 2**64,
+        "`sampling_table_seed` must fit in 64 bits (a torch.Generator seed)",
+    )
 
 
 def _sequence_bias_problem(bias: Any) -> str | None:

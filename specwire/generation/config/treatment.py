@@ -103,7 +103,8 @@ _HONOURED: dict[str, str] = {
     "begin_suppress_tokens": _PROCESSOR,
     "sequence_bias": _PROCESSOR,
     "guidance_scale": _PROCESSOR + " with its own KV cache (classifier-free guidance)",
-    "watermarking_config": _PROCESSOR + " (green-list); SynthID is refused by the mode check",
+    "watermarking_config": _PROCESSOR + " (green-list, and SynthID with its per-row state; speculative requests "
+    "with SynthID run plain decoding)",
     "num_return_sequences": _LOOP,
     "output_attentions": "the result's attentions, transformers' layout (eager attention: an sdpa model refuses "
     "it; speculative requests run plain decoding)",

@@ -24,7 +24,6 @@ from specwire.generation.config.constructor_rules import check_constructor
 from specwire.generation.config.fields import FIELD_NAMES, GenerationConfig
 from specwire.generation.config.generate_rules import check_generate
 from specwire.generation.config.modes import REMOVED_MODE_FIELDS, REMOVED_MODE_NAMES
-from specwire.generation.config.serialization import is_synthid_watermark
 from specwire.generation.config.value_types import is_int
 from specwire.generation.config.violations import Recorder, Violation, errors
 
@@ -158,16 +157,6 @@ def refuse_unsupported_modes(config: GenerationConfig) -> None:
     if config.token_healing:
         raise UnsupportedModeError(
             "token_healing", "token healing is not supported by specwire; unset token_healing", config.token_healing
-        )
-    if is_synthid_watermark(config.watermarking_config):
-        # Refused here, with the other unserved modes, so that every caller (target service, library,
-        # scheduler routing) answers before any forward pass instead of failing in the processor factory.
-        raise UnsupportedModeError(
-            "watermarking_config",
-            "SynthID text watermarking (a watermarking_config with ngram_len/keys) is not supported by specwire; "
-            "unset watermarking_config, or use the green-list watermark, e.g. "
-            "{'greenlist_ratio': 0.25, 'bias': 2.0, 'seeding_scheme': 'lefthash'}",
-            config.watermarking_config,
         )
 
 

@@ -91,7 +91,7 @@ def iter_generate(
 
     Raises:
         `UnsupportedModeError`: group/constrained beam search, contrastive search, DoLa, low_memory beams,
-            token healing, SynthID watermarking.
+            token healing.
         `ValueError`: invalid combinations (see `prepare_generation`), or `stop_strings` without a tokenizer.
     """
     plan = prepare_generation(

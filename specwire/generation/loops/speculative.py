@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from specwire.generation.config import is_synthid_watermark
 from specwire.generation.loops.generate import generate_from_plan
 from specwire.generation.loops.sampling import make_generator
 from specwire.generation.loops.speculative_rounds import SpeculativeRun
@@ -115,6 +116,13 @@ def speculation_blocker(plan: GenerationPlan) -> str:
         return "speculation needs use_cache=True"
     if config.guidance_scale is not None and config.guidance_scale != 1:
         return "classifier-free guidance (guidance_scale) needs one target step at a time"
+    if is_synthid_watermark(config.watermarking_config):
+        # Its processor's per-row state advances once per call: verifying a block of drafted tokens calls it
+        # once per position, and a rejected token would leave its context behind (transformers' assisted
+        # generation has the same problem, so its output is not the watermark's plain-decoding output).
+        return (
+            "SynthID watermarking (watermarking_config with ngram_len/keys) runs without speculation (plain decoding)"
+        )
     return ""
 
 

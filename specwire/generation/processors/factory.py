@@ -9,7 +9,7 @@ from typing import Any, cast
 import torch
 
 from specwire.generation.argument_errors import InvalidGenerationArgument
-from specwire.generation.config.serialization import WATERMARK_DEFAULTS
+from specwire.generation.config.serialization import SYNTHID_DEFAULTS, WATERMARK_DEFAULTS, watermark_kind
 
 from .base import LogitsProcessor, LogitsProcessorList, token_id_list
 from .bias import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
@@ -29,6 +29,7 @@ from .penalties import (
     RepetitionPenaltyLogitsProcessor,
 )
 from .suppress import SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor
+from .synthid import SynthIDTextWatermarkLogitsProcessor
 from .warpers import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -48,16 +49,22 @@ def _field(config: Any, name: str) -> Any:
     return getattr(config, name, None)
 
 
-def _watermark_processor(watermarking_config: Any, vocab_size: int) -> WatermarkLogitsProcessor:
+def watermark_processor(
+    watermarking_config: Any, vocab_size: int, device: str | torch.device = "cpu"
+) -> WatermarkLogitsProcessor | SynthIDTextWatermarkLogitsProcessor:
+    """The processor of a `watermarking_config` (dict or transformers config object), as its
+    `construct_processor(vocab_size, device)` builds it: SynthID for a config with `ngram_len`/`keys`,
+    else the green-list one."""
     if isinstance(watermarking_config, Mapping):
         fields = dict(watermarking_config)
     else:
         fields = {k: getattr(watermarking_config, k) for k in vars(watermarking_config)}
-    if "ngram_len" in fields or "keys" in fields:
-        raise ValueError(
-            "SynthID text watermarking (`watermarking_config` with `ngram_len`/`keys`) is not supported; use the "
-            "green-list watermark: {'greenlist_ratio': 0.25, 'bias': 2.0, 'seeding_scheme': 'lefthash'}."
-        )
+    if watermark_kind(fields) == "synthid":
+        unknown = sorted(set(fields) - set(SYNTHID_DEFAULTS) - {"ngram_len", "keys"})
+        if unknown:
+            raise ValueError(f"Unknown SynthID `watermarking_config` keys {unknown}.")
+        params = {**SYNTHID_DEFAULTS, **{k: v for k, v in fields.items() if v is not None}}
+        return SynthIDTextWatermarkLogitsProcessor(device=device, **params)
     unknown = sorted(set(fields) - set(WATERMARK_DEFAULTS))
     if unknown:
         raise ValueError(
@@ -134,7 +141,7 @@ def build_logits_processors(
     processors.extend(_length_and_suppression_processors(config, input_len, eos))
     if _field(config, "do_sample"):
         processors.extend(_sampling_warpers(config, num_beams, eos))
-    processors.extend(_final_processors(config, vocab_size))
+    processors.extend(_final_processors(config, vocab_size, prompt_ids.device if prompt_ids is not None else "cpu"))
     return processors
 
 
@@ -297,12 +304,12 @@ def _sampling_warpers(config: Any, num_beams: int, eos: list[int] | None) -> lis
     return warpers
 
 
-def _final_processors(config: Any, vocab_size: int) -> list[LogitsProcessor]:
+def _final_processors(config: Any, vocab_size: int, device: str | torch.device) -> list[LogitsProcessor]:
     """The watermark, then `LogitNormalization`: both must see the final distribution, so they come last."""
     processors: list[LogitsProcessor] = []
     watermarking_config = _field(config, "watermarking_config")
     if watermarking_config is not None:
-        processors.append(_watermark_processor(watermarking_config, vocab_size))
+        processors.append(watermark_processor(watermarking_config, vocab_size, device))
     if _field(config, "renormalize_logits") is True:
         processors.append(LogitNormalization())
     return processors

@@ -113,6 +113,15 @@ class WatermarkLogitsProcessor:
         b = table[window[-1] % _TABLE_SIZE] + 1
         return int((self.hashing_key * a * b).min().item())
 
+    def greenlist_ids(self, prefix: torch.Tensor) -> torch.Tensor:
+        """transformers' `_get_greenlist_ids`: the green list seeded from `prefix` (`[len]`, at least
+        `context_width` tokens; selfhash seeds from its last `context_width`, lefthash from its last one)."""
+        if self.seeding_scheme == "lefthash":
+            return self._greenlist(self.hashing_key * int(prefix[-1].item()), prefix.device)
+        return self._greenlist(
+            self._selfhash_seed(prefix, _fixed_table(self.hashing_key, prefix.device)), prefix.device
+        )
+
     def _row_greenlist(self, row: torch.Tensor, row_scores: torch.Tensor) -> torch.Tensor:
         if self.seeding_scheme == "lefthash":
             return self._greenlist(self.hashing_key * int(row[-1].item()), row.device)

@@ -23,47 +23,56 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from specwire.common.v1 import common_pb2 as specwire_dot_common_dot_v1_dot_common__pb2
 from specwire.config.v1 import generation_config_pb2 as specwire_dot_config_dot_v1_dot_generation__config__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'specwire/target/v1/target_service.proto\x12\x12specwire.target.v1\x1a\x1fspecwire/common/v1/common.proto\x1a*specwire/config/v1/generation_config.proto\"q\n\x06Prompt\x12\x36\n\ttoken_ids\x18\x01 \x01(\x0b\x32!.specwire.common.v1.TokenSequenceH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x16\n\x0e\x61ttention_mask\x18\x03 \x03(\x05\x42\x07\n\x05input\"\xa4\x03\n\x0fGenerateRequest\x12+\n\x07prompts\x18\x01 \x03(\x0b\x32\x1a.specwire.target.v1.Prompt\x12\x36\n\x06\x63onfig\x18\x02 \x01(\x0b\x32$.specwire.config.v1.GenerationConfigH\x00\x12\x14\n\nconfig_ref\x18\x03 \x01(\tH\x00\x12\x37\n\toverrides\x18\x04 \x01(\x0b\x32$.specwire.config.v1.GenerationConfig\x12\x1b\n\x13\x61pply_chat_template\x18\x05 \x01(\x08\x12\x33\n\x0fnegative_prompt\x18\x06 \x01(\x0b\x32\x1a.specwire.target.v1.Prompt\x12.\n\x08proposer\x18\x07 \x01(\x0e\x32\x1c.specwire.target.v1.Proposer\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x1f\n\x12use_model_defaults\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x0f\n\rconfig_sourceB\x15\n\x13_use_model_defaults\"\xaa\x03\n\x15GenerateStreamRequest\x12+\n\x07prompts\x18\x01 \x03(\x0b\x32\x1a.specwire.target.v1.Prompt\x12\x36\n\x06\x63onfig\x18\x02 \x01(\x0b\x32$.specwire.config.v1.GenerationConfigH\x00\x12\x14\n\nconfig_ref\x18\x03 \x01(\tH\x00\x12\x37\n\toverrides\x18\x04 \x01(\x0b\x32$.specwire.config.v1.GenerationConfig\x12\x1b\n\x13\x61pply_chat_template\x18\x05 \x01(\x08\x12\x33\n\x0fnegative_prompt\x18\x06 \x01(\x0b\x32\x1a.specwire.target.v1.Prompt\x12.\n\x08proposer\x18\x07 \x01(\x0e\x32\x1c.specwire.target.v1.Proposer\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x1f\n\x12use_model_defaults\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x0f\n\rconfig_sourceB\x15\n\x13_use_model_defaults\"\x84\x01\n\x11GeneratedSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rprompt_length\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .specwire.common.v1.FinishReason\"\x82\x02\n\x10SpeculationStats\x12.\n\x08proposer\x18\x01 \x01(\x0e\x32\x1c.specwire.target.v1.Proposer\x12\x0e\n\x06rounds\x18\x02 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x06 \x03(\x03\x12\x15\n\rdraft_seconds\x18\x07 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x08 \x01(\x01\x12\x17\n\x0f\x66\x61llback_reason\x18\t \x01(\t\"/\n\x0eResolvedConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05\"\xc6\x04\n\x10GenerateResponse\x12\x38\n\tsequences\x18\x01 \x03(\x0b\x32%.specwire.target.v1.GeneratedSequence\x12/\n\x06scores\x18\x02 \x01(\x0b\x32\x1f.specwire.common.v1.DenseTensor\x12/\n\x06logits\x18\x03 \x01(\x0b\x32\x1f.specwire.common.v1.DenseTensor\x12\x35\n\x0c\x62\x65\x61m_indices\x18\x04 \x01(\x0b\x32\x1f.specwire.common.v1.DenseTensor\x12\x39\n\x10sequences_scores\x18\x05 \x01(\x0b\x32\x1f.specwire.common.v1.DenseTensor\x12\x39\n\x0bspeculation\x18\x06 \x01(\x0b\x32$.specwire.target.v1.SpeculationStats\x12\x32\n\x06\x63onfig\x18\x07 \x01(\x0b\x32\".specwire.target.v1.ResolvedConfig\x12\x10\n\x08model_id\x18\x08 \x01(\t\x12\x34\n\x08warnings\x18\t \x03(\x0b\x32\".specwire.common.v1.FieldViolation\x12\x34\n\nattentions\x18\n \x03(\x0b\x32 .specwire.target.v1.LayerTensors\x12\x37\n\rhidden_states\x18\x0b \x03(\x0b\x32 .specwire.target.v1.LayerTensors\"?\n\x0cLayerTensors\x12/\n\x06layers\x18\x01 \x03(\x0b\x32\x1f.specwire.common.v1.DenseTensor\"8\n\x08RowDelta\x12\x0b\n\x03row\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x89\x01\n\x16GenerateStreamResponse\x12/\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x1e.specwire.target.v1.TokenDeltaH\x00\x12\x35\n\x05\x66inal\x18\x02 \x01(\x0b\x32$.specwire.target.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"8\n\nTokenDelta\x12*\n\x04rows\x18\x01 \x03(\x0b\x32\x1c.specwire.target.v1.RowDelta\"\x15\n\x13GetModelInfoRequest\"\x97\x03\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x19\n\x0c\x62os_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x19\n\x0cpad_token_id\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x17max_position_embeddings\x18\x06 \x01(\x05\x12?\n\x11generation_config\x18\x07 \x01(\x0b\x32$.specwire.config.v1.GenerationConfig\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12 \n\x18peak_device_memory_bytes\x18\x0b \x01(\x03\x12\x31\n\x06limits\x18\x0c \x01(\x0b\x32!.specwire.target.v1.RequestLimitsB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\xa2\x02\n\rRequestLimits\x12\x15\n\rmax_model_len\x18\x01 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\x12\x18\n\x10max_request_rows\x18\x03 \x01(\x05\x12\x13\n\x0bmax_prompts\x18\x04 \x01(\x05\x12\x11\n\tmax_beams\x18\x05 \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x06 \x01(\x05\x12\x1d\n\x15max_stop_string_chars\x18\x07 \x01(\x05\x12\x18\n\x10max_bias_entries\x18\x08 \x01(\x05\x12\x18\n\x10max_output_bytes\x18\t \x01(\x03\x12\x18\n\x10max_prompt_chars\x18\n \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x0b \x01(\x03*m\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x11\n\rPROPOSER_NONE\x10\x01\x12\x1a\n\x16PROPOSER_PROMPT_LOOKUP\x10\x02\x12\x18\n\x14PROPOSER_DRAFT_MODEL\x10\x03\x32\xb4\x02\n\rTargetService\x12U\n\x08Generate\x12#.specwire.target.v1.GenerateRequest\x1a$.specwire.target.v1.GenerateResponse\x12i\n\x0eGenerateStream\x12).specwire.target.v1.GenerateStreamRequest\x1a*.specwire.target.v1.GenerateStreamResponse0\x01\x12\x61\n\x0cGetModelInfo\x12\'.specwire.target.v1.GetModelInfoRequest\x1a(.specwire.target.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'specwire/target/v1/target_service.proto\x12\x12specwire.target.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fspecwire/common/v1/common.proto\x1a*specwire/config/v1/generation_config.proto\"q\n\x06Prompt\x12\x36\n\ttoken_ids\x18\x01 \x01(\x0b\x32!.specwire.common.v1.TokenSequenceH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x16\n\x0e\x61ttention_mask\x18\x03 \x03(\x05\x42\x07\n\x05input\"\xa4\x03\n\x0fGenerateRequest\x12+\n\x07prompts\x18\x01 \x03(\x0b\x32\x1a.specwire.target.v1.Prompt\x12\x36\n\x06\x63onfig\x18\x02 \x01(\x0b\x32$.specwire.config.v1.GenerationConfigH\x00\x12\x14\n\nconfig_ref\x18\x03 \x01(\tH\x00\x12\x37\n\toverrides\x18\x04 \x01(\x0b\x32$.specwire.config.v1.GenerationConfig\x12\x1b\n\x13\x61pply_chat_template\x18\x05 \x01(\x08\x12\x33\n\x0fnegative_prompt\x18\x06 \x01(\x0b\x32\x1a.specwire.target.v1.Prompt\x12.\n\x08proposer\x18\x07 \x01(\x0e\x32\x1c.specwire.target.v1.Proposer\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x1f\n\x12use_model_defaults\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x0f\n\rconfig_sourceB\x15\n\x13_use_model_defaults\"\xaa\x03\n\x15GenerateStreamRequest\x12+\n\x07prompts\x18\x01 \x03(\x0b\x32\x1a.specwire.target.v1.Prompt\x12\x36\n\x06\x63onfig\x18\x02 \x01(\x0b\x32$.specwire.config.v1.GenerationConfigH\x00\x12\x14\n\nconfig_ref\x18\x03 \x01(\tH\x00\x12\x37\n\toverrides\x18\x04 \x01(\x0b\x32$.specwire.config.v1.GenerationConfig\x12\x1b\n\x13\x61pply_chat_template\x18\x05 \x01(\x08\x12\x33\n\x0fnegative_prompt\x18\x06 \x01(\x0b\x32\x1a.specwire.target.v1.Prompt\x12.\n\x08proposer\x18\x07 \x01(\x0e\x32\x1c.specwire.target.v1.Proposer\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x1f\n\x12use_model_defaults\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x0f\n\rconfig_sourceB\x15\n\x13_use_model_defaults\"\x84\x01\n\x11GeneratedSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rprompt_length\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .specwire.common.v1.FinishReason\"\x82\x02\n\x10SpeculationStats\x12.\n\x08proposer\x18\x01 \x01(\x0e\x32\x1c.specwire.target.v1.Proposer\x12\x0e\n\x06rounds\x18\x02 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x06 \x03(\x03\x12\x15\n\rdraft_seconds\x18\x07 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x08 \x01(\x01\x12\x17\n\x0f\x66\x61llback_reason\x18\t \x01(\t\"/\n\x0eResolvedConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05\"\xc6\x04\n\x10GenerateResponse\x12\x38\n\tsequences\x18\x01 \x03(\x0b\x32%.specwire.target.v1.GeneratedSequence\x12/\n\x06scores\x18\x02 \x01(\x0b\x32\x1f.specwire.common.v1.DenseTensor\x12/\n\x06logits\x18\x03 \x01(\x0b\x32\x1f.specwire.common.v1.DenseTensor\x12\x35\n\x0c\x62\x65\x61m_indices\x18\x04 \x01(\x0b\x32\x1f.specwire.common.v1.DenseTensor\x12\x39\n\x10sequences_scores\x18\x05 \x01(\x0b\x32\x1f.specwire.common.v1.DenseTensor\x12\x39\n\x0bspeculation\x18\x06 \x01(\x0b\x32$.specwire.target.v1.SpeculationStats\x12\x32\n\x06\x63onfig\x18\x07 \x01(\x0b\x32\".specwire.target.v1.ResolvedConfig\x12\x10\n\x08model_id\x18\x08 \x01(\t\x12\x34\n\x08warnings\x18\t \x03(\x0b\x32\".specwire.common.v1.FieldViolation\x12\x34\n\nattentions\x18\n \x03(\x0b\x32 .specwire.target.v1.LayerTensors\x12\x37\n\rhidden_states\x18\x0b \x03(\x0b\x32 .specwire.target.v1.LayerTensors\"?\n\x0cLayerTensors\x12/\n\x06layers\x18\x01 \x03(\x0b\x32\x1f.specwire.common.v1.DenseTensor\"8\n\x08RowDelta\x12\x0b\n\x03row\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x89\x01\n\x16GenerateStreamResponse\x12/\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x1e.specwire.target.v1.TokenDeltaH\x00\x12\x35\n\x05\x66inal\x18\x02 \x01(\x0b\x32$.specwire.target.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"8\n\nTokenDelta\x12*\n\x04rows\x18\x01 \x03(\x0b\x32\x1c.specwire.target.v1.RowDelta\"\x15\n\x13GetModelInfoRequest\"\x97\x03\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x19\n\x0c\x62os_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x19\n\x0cpad_token_id\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x17max_position_embeddings\x18\x06 \x01(\x05\x12?\n\x11generation_config\x18\x07 \x01(\x0b\x32$.specwire.config.v1.GenerationConfig\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12 \n\x18peak_device_memory_bytes\x18\x0b \x01(\x03\x12\x31\n\x06limits\x18\x0c \x01(\x0b\x32!.specwire.target.v1.RequestLimitsB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\xa2\x02\n\rRequestLimits\x12\x15\n\rmax_model_len\x18\x01 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\x12\x18\n\x10max_request_rows\x18\x03 \x01(\x05\x12\x13\n\x0bmax_prompts\x18\x04 \x01(\x05\x12\x11\n\tmax_beams\x18\x05 \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x06 \x01(\x05\x12\x1d\n\x15max_stop_string_chars\x18\x07 \x01(\x05\x12\x18\n\x10max_bias_entries\x18\x08 \x01(\x05\x12\x18\n\x10max_output_bytes\x18\t \x01(\x03\x12\x18\n\x10max_prompt_chars\x18\n \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x0b \x01(\x03\"\xff\x01\n\x16\x44\x65tectWatermarkRequest\x12(\n\x04rows\x18\x01 \x03(\x0b\x32\x1a.specwire.target.v1.Prompt\x12\x36\n\x06\x63onfig\x18\x02 \x01(\x0b\x32$.specwire.config.v1.GenerationConfigH\x00\x12\x14\n\nconfig_ref\x18\x03 \x01(\tH\x00\x12\x18\n\x0bz_threshold\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x1e\n\x16ignore_repeated_ngrams\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x0f\n\rconfig_sourceB\x0e\n\x0c_z_threshold\"\xbb\x01\n\x0eWatermarkScore\x12\x19\n\x11num_tokens_scored\x18\x01 \x01(\x05\x12\x18\n\x10num_green_tokens\x18\x02 \x01(\x05\x12\x16\n\x0egreen_fraction\x18\x03 \x01(\x01\x12\x0f\n\x07z_score\x18\x04 \x01(\x01\x12\x0f\n\x07p_value\x18\x05 \x01(\x01\x12\x12\n\nprediction\x18\x06 \x01(\x08\x12\x12\n\nconfidence\x18\x07 \x01(\x01\x12\x12\n\nmean_score\x18\x08 \x01(\x01\"\xfd\x01\n\x17\x44\x65tectWatermarkResponse\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.specwire.target.v1.WatermarkKind\x12\x30\n\x04rows\x18\x02 \x03(\x0b\x32\".specwire.target.v1.WatermarkScore\x12\x13\n\x0bz_threshold\x18\x03 \x01(\x01\x12\x34\n\x13watermarking_config\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x34\n\ttoken_ids\x18\x05 \x03(\x0b\x32!.specwire.common.v1.TokenSequence*m\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x11\n\rPROPOSER_NONE\x10\x01\x12\x1a\n\x16PROPOSER_PROMPT_LOOKUP\x10\x02\x12\x18\n\x14PROPOSER_DRAFT_MODEL\x10\x03*j\n\rWatermarkKind\x12\x1e\n\x1aWATERMARK_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19WATERMARK_KIND_GREEN_LIST\x10\x01\x12\x1a\n\x16WATERMARK_KIND_SYNTHID\x10\x02\x32\xa0\x03\n\rTargetService\x12U\n\x08Generate\x12#.specwire.target.v1.GenerateRequest\x1a$.specwire.target.v1.GenerateResponse\x12i\n\x0eGenerateStream\x12).specwire.target.v1.GenerateStreamRequest\x1a*.specwire.target.v1.GenerateStreamResponse0\x01\x12\x61\n\x0cGetModelInfo\x12\'.specwire.target.v1.GetModelInfoRequest\x1a(.specwire.target.v1.GetModelInfoResponse\x12j\n\x0f\x44\x65tectWatermark\x12*.specwire.target.v1.DetectWatermarkRequest\x1a+.specwire.target.v1.DetectWatermarkResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specwire.target.v1.target_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROPOSER']._serialized_start=3184
-  _globals['_PROPOSER']._serialized_end=3293
-  _globals['_PROMPT']._serialized_start=140
-  _globals['_PROMPT']._serialized_end=253
-  _globals['_GENERATEREQUEST']._serialized_start=256
-  _globals['_GENERATEREQUEST']._serialized_end=676
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=679
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1105
-  _globals['_GENERATEDSEQUENCE']._serialized_start=1108
-  _globals['_GENERATEDSEQUENCE']._serialized_end=1240
-  _globals['_SPECULATIONSTATS']._serialized_start=1243
-  _globals['_SPECULATIONSTATS']._serialized_end=1501
-  _globals['_RESOLVEDCONFIG']._serialized_start=1503
-  _globals['_RESOLVEDCONFIG']._serialized_end=1550
-  _globals['_GENERATERESPONSE']._serialized_start=1553
-  _globals['_GENERATERESPONSE']._serialized_end=2135
-  _globals['_LAYERTENSORS']._serialized_start=2137
-  _globals['_LAYERTENSORS']._serialized_end=2200
-  _globals['_ROWDELTA']._serialized_start=2202
-  _globals['_ROWDELTA']._serialized_end=2258
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2261
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2398
-  _globals['_TOKENDELTA']._serialized_start=2400
-  _globals['_TOKENDELTA']._serialized_end=2456
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2458
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2479
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2482
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2889
-  _globals['_REQUESTLIMITS']._serialized_start=2892
-  _globals['_REQUESTLIMITS']._serialized_end=3182
-  _globals['_TARGETSERVICE']._serialized_start=3296
-  _globals['_TARGETSERVICE']._serialized_end=3604
+  _globals['_PROPOSER']._serialized_start=3918
+  _globals['_PROPOSER']._serialized_end=4027
+  _globals['_WATERMARKKIND']._serialized_start=4029
+  _globals['_WATERMARKKIND']._serialized_end=4135
+  _globals['_PROMPT']._serialized_start=170
+  _globals['_PROMPT']._serialized_end=283
+  _globals['_GENERATEREQUEST']._serialized_start=286
+  _globals['_GENERATEREQUEST']._serialized_end=706
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=709
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1135
+  _globals['_GENERATEDSEQUENCE']._serialized_start=1138
+  _globals['_GENERATEDSEQUENCE']._serialized_end=1270
+  _globals['_SPECULATIONSTATS']._serialized_start=1273
+  _globals['_SPECULATIONSTATS']._serialized_end=1531
+  _globals['_RESOLVEDCONFIG']._serialized_start=1533
+  _globals['_RESOLVEDCONFIG']._serialized_end=1580
+  _globals['_GENERATERESPONSE']._serialized_start=1583
+  _globals['_GENERATERESPONSE']._serialized_end=2165
+  _globals['_LAYERTENSORS']._serialized_start=2167
+  _globals['_LAYERTENSORS']._serialized_end=2230
+  _globals['_ROWDELTA']._serialized_start=2232
+  _globals['_ROWDELTA']._serialized_end=2288
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2291
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2428
+  _globals['_TOKENDELTA']._serialized_start=2430
+  _globals['_TOKENDELTA']._serialized_end=2486
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2488
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2509
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2512
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2919
+  _globals['_REQUESTLIMITS']._serialized_start=2922
+  _globals['_REQUESTLIMITS']._serialized_end=3212
+  _globals['_DETECTWATERMARKREQUEST']._serialized_start=3215
+  _globals['_DETECTWATERMARKREQUEST']._serialized_end=3470
+  _globals['_WATERMARKSCORE']._serialized_start=3473
+  _globals['_WATERMARKSCORE']._serialized_end=3660
+  _globals['_DETECTWATERMARKRESPONSE']._serialized_start=3663
+  _globals['_DETECTWATERMARKRESPONSE']._serialized_end=3916
+  _globals['_TARGETSERVICE']._serialized_start=4138
+  _globals['_TARGETSERVICE']._serialized_end=4554
 # @@protoc_insertion_point(module_scope)

@@ -53,6 +53,11 @@ class TargetServiceStub:
                 request_serializer=specwire_dot_target_dot_v1_dot_target__service__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=specwire_dot_target_dot_v1_dot_target__service__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.DetectWatermark = channel.unary_unary(
+                '/specwire.target.v1.TargetService/DetectWatermark',
+                request_serializer=specwire_dot_target_dot_v1_dot_target__service__pb2.DetectWatermarkRequest.SerializeToString,
+                response_deserializer=specwire_dot_target_dot_v1_dot_target__service__pb2.DetectWatermarkResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -83,6 +88,14 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DetectWatermark(self, request, context):
+        """Scores texts or token ids for the watermark a config's `watermarking_config` describes: transformers'
+        WatermarkDetector numbers for the green-list watermark, the mean g-value for SynthID. No forward pass.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +113,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=specwire_dot_target_dot_v1_dot_target__service__pb2.GetModelInfoRequest.FromString,
                     response_serializer=specwire_dot_target_dot_v1_dot_target__service__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'DetectWatermark': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetectWatermark,
+                    request_deserializer=specwire_dot_target_dot_v1_dot_target__service__pb2.DetectWatermarkRequest.FromString,
+                    response_serializer=specwire_dot_target_dot_v1_dot_target__service__pb2.DetectWatermarkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -186,6 +204,33 @@ class TargetService:
             '/specwire.target.v1.TargetService/GetModelInfo',
             specwire_dot_target_dot_v1_dot_target__service__pb2.GetModelInfoRequest.SerializeToString,
             specwire_dot_target_dot_v1_dot_target__service__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetectWatermark(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specwire.target.v1.TargetService/DetectWatermark',
+            specwire_dot_target_dot_v1_dot_target__service__pb2.DetectWatermarkRequest.SerializeToString,
+            specwire_dot_target_dot_v1_dot_target__service__pb2.DetectWatermarkResponse.FromString,
             options,
             channel_credentials,
             insecure,
