@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from specwire.errors import InvalidArgument
+from specwire.deadline import remaining
+from specwire.errors import DeadlineExceeded, InvalidArgument
 from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.processors.factory import watermark_processor
 from specwire.generation.processors.synthid import SynthIDTextWatermarkLogitsProcessor
@@ -153,6 +154,10 @@ def _green_list_row(
     for ngram in counts:
         if ngram in green_of:
             continue
+        # One green list per distinct window (a randperm of the vocabulary): a long request can take
+        # minutes, so it stops when its caller stops waiting (the pool thread runs in the call's context).
+        if remaining() == 0.0:
+            raise DeadlineExceeded(f"rows[{i}]: the caller's deadline passed while scoring the watermark")
         prefix = torch.tensor(ngram if selfhash else ngram[:-1], dtype=torch.long, device=device)
         green_of[ngram] = bool((processor.greenlist_ids(prefix) == ngram[-1]).any())
     if ignore_repeated_ngrams:

@@ -13,6 +13,8 @@ import pytest
 import torch
 import transformers
 
+from specwire.deadline import CALLER_DEADLINE, set_caller_deadline
+from specwire.errors import DeadlineExceeded
 from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.watermark_detection import detect_watermark
 
@@ -122,3 +124,15 @@ def test_rows_that_cannot_be_scored_are_refused_with_the_field(rows, config, fie
     with pytest.raises(InvalidGenerationArgument) as caught:
         detect_watermark(rows, config, vocab_size=378, bos_token_id=1)
     assert [p.field for p in caught.value.violations] == [field]
+
+
+def test_scoring_stops_when_the_callers_deadline_has_passed():
+    """Green lists cost one vocabulary permutation per window: a caller that stopped waiting stops it."""
+    rows = [list(range(3, 200))]
+    token = set_caller_deadline(0.0)
+    try:
+        with pytest.raises(DeadlineExceeded, match="deadline passed while scoring"):
+            detect_watermark(rows, GREEN[0], vocab_size=512, bos_token_id=None, eos_token_id=None, device="cpu")
+    finally:
+        CALLER_DEADLINE.reset(token)
+    assert detect_watermark(rows, GREEN[0], vocab_size=512, bos_token_id=None, eos_token_id=None, device="cpu")
