@@ -11,7 +11,7 @@ import numpy as np
 from specwire.client.config_client import config_to_wire
 from specwire.common.v1 import common_pb2
 from specwire.target.v1 import target_service_pb2 as pb
-from specwire.wire.generation_config import _json_value
+from specwire.wire.generation_config import json_value
 
 __all__ = ["WatermarkDetection", "build_detect_request"]
 
@@ -65,7 +65,7 @@ class WatermarkDetection:
             confidence=column("confidence", np.float64, green),
             mean_score=column("mean_score", np.float64, not green),
             z_threshold=response.z_threshold,
-            watermarking_config={k: _json_value(v) for k, v in response.watermarking_config.fields.items()},
+            watermarking_config={k: json_value(v) for k, v in response.watermarking_config.fields.items()},
             token_ids=[list(t.ids) for t in response.token_ids],
         )
 

@@ -48,7 +48,7 @@ class GenerationJob:
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
 
 
-def _config(message: Any, field_name: str) -> GenerationConfig:
+def config_from_wire(message: Any, field_name: str) -> GenerationConfig:
     try:
         return config_from_proto(message)
     except WireFormatError as exc:
@@ -91,10 +91,10 @@ def effective_config(
     if resolved is not None:
         given = resolved.config
     elif request.WhichOneof("config_source") == "config":
-        given = _config(request.config, "config")
+        given = config_from_wire(request.config, "config")
     else:
         given = GenerationConfig()
-    overrides = _config(request.overrides, "overrides")
+    overrides = config_from_wire(request.overrides, "overrides")
     if overrides.extra:
         # transformers' generate() refuses unknown keyword arguments (typos) rather than ignoring them.
         key = sorted(overrides.extra)[0]

@@ -22,7 +22,7 @@ from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target_service.admission import PreparationPool
 from specwire.target_service.config_resolver import ConfigResolver, ResolvedConfig
 from specwire.target_service.limits import RequestLimits, check_prompts
-from specwire.target_service.requests import _config, resolve_source
+from specwire.target_service.requests import config_from_wire, resolve_source
 
 __all__ = ["detect"]
 
@@ -60,7 +60,7 @@ def _watermarking_config(
     if resolved is not None:
         given, field = resolved.config, "config_ref"
     elif request.WhichOneof("config_source") == "config":
-        given, field = _config(request.config, "config"), "config.watermarking_config"
+        given, field = config_from_wire(request.config, "config"), "config.watermarking_config"
     else:
         given, field = GenerationConfig(), "config.watermarking_config"
     merged = merge(given, loaded.generation_config)

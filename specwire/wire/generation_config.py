@@ -48,7 +48,7 @@ def _json_number(value: Any) -> Any:
     return value
 
 
-def _json_value(value: struct_pb2.Value) -> Any:
+def json_value(value: struct_pb2.Value) -> Any:
     """A Struct `Value` as Python, integral numbers as ints. Unlike `json_format.MessageToDict`, NaN and
     infinities come back as floats instead of raising (a stored config holding one must stay readable)."""
     kind = value.WhichOneof("kind")
@@ -59,9 +59,9 @@ def _json_value(value: struct_pb2.Value) -> Any:
     if kind == "bool_value":
         return value.bool_value
     if kind == "struct_value":
-        return {key: _json_value(item) for key, item in value.struct_value.fields.items()}
+        return {key: json_value(item) for key, item in value.struct_value.fields.items()}
     if kind == "list_value":
-        return [_json_value(item) for item in value.list_value.values]
+        return [json_value(item) for item in value.list_value.values]
     return None  # null_value, or no kind set
 
 
@@ -80,11 +80,11 @@ def _message_to_value(field: FieldDescriptor, msg: Any) -> Any:
     if kind == "specwire.config.v1.ExponentialDecayLengthPenalty":
         return [msg.start_index, msg.decay_factor]
     if kind == "google.protobuf.Struct":
-        return {key: _json_value(value) for key, value in msg.fields.items()}
+        return {key: json_value(value) for key, value in msg.fields.items()}
     if kind == "google.protobuf.ListValue":
-        return [_json_value(value) for value in msg.values]
+        return [json_value(value) for value in msg.values]
     if kind == "google.protobuf.Value":
-        return _json_value(msg)
+        return json_value(msg)
     raise TypeError(f"no wire mapping for message field {field.name} ({kind})")
 
 
