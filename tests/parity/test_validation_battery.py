@@ -38,13 +38,17 @@ import torch
 from specwire.generation.config import (
     DEPRECATED_FIELDS,
     REMOVED_MODE_FIELDS,
+    V4_MODE_FIELDS,
     GenerationConfig,
     errors,
     merge,
 )
 
 PROMPT = [[1, 5, 6]]
-_REMOVED_MODE_FIELDS = tuple(name for names in REMOVED_MODE_FIELDS.values() for name in names)
+# The modes transformers 5 no longer runs in core (refused by specwire, or run with 4.55.4's semantics).
+_REMOVED_MODE_FIELDS = tuple(
+    name for table in (REMOVED_MODE_FIELDS, V4_MODE_FIELDS) for names in table.values() for name in names
+)
 _SYNTHID_KEYS = {
     "ngram_len",
     "keys",

@@ -22,6 +22,7 @@ from specwire.generation.config import (
     MODE_FIELDS,
     REMOVED_MODE_FIELDS,
     UNSERVED_FIELDS,
+    V4_MODE_FIELDS,
     GenerationConfig,
     GenerationMode,
     Violation,
@@ -494,7 +495,9 @@ def test_mode_table_is_the_one_list_of_removed_deprecated_and_unserved_fields():
         "constraints": {"constraints": [{"type": "phrasal", "token_ids": [5]}]},
         "force_words_ids": {"force_words_ids": [[5]]},
     }
-    tied = {name: mode for mode, names in REMOVED_MODE_FIELDS.items() for name in names}
+    tied = {
+        name: mode for table in (REMOVED_MODE_FIELDS, V4_MODE_FIELDS) for mode, names in table.items() for name in names
+    }
     assert set(tied) == set(selecting)
     for name, data in selecting.items():
         assert transformers.GenerationConfig(**data).get_generation_mode().value == tied[name].value
@@ -519,6 +522,29 @@ def test_raise_for_errors_lists_every_error_and_ignores_warnings():
     assert error.message.startswith("invalid generation config: config.temperature=0.0: `temperature` (=0.0)")
     assert "config.top_k=-1: `top_k` (=-1) has to be a strictly positive integer" in error.message
     raise_for_errors([v for v in found if v.severity == "warning"])  # warnings alone raise nothing
+
+
+@pytest.mark.parametrize(
+    ("data", "fieldname"),
+    [
+        ({"num_beams": 4, "num_beam_groups": 2}, "diversity_penalty"),
+        ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.0}, "diversity_penalty"),
+        ({"num_beams": 5, "num_beam_groups": 2, "diversity_penalty": 1.0}, "num_beam_groups"),
+        ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "do_sample": True}, "do_sample"),
+    ],
+)
+def test_group_beam_search_is_refused_as_transformers_4_55_refuses_it(data, fieldname):
+    with pytest.raises(InvalidGenerationArgument) as caught:
+        check_runnable(GenerationConfig(**data))
+    assert [p.field for p in caught.value.violations] == [fieldname]
+    assert fieldname in str(caught.value)
+
+
+def test_group_beam_search_runs_with_a_warning_that_transformers_5_moved_it_out():
+    config = GenerationConfig(num_beams=4, num_beam_groups=2, diversity_penalty=1.0)
+    check_runnable(config)
+    warned = {v.field: v.message for v in config.validate() if v.severity == "warning"}
+    assert "4.55.4" in warned["num_beam_groups"] and "4.55.4" in warned["diversity_penalty"]
 
 
 def test_check_runnable_refuses_what_the_decoding_loop_cannot_run():

@@ -11,6 +11,7 @@ from typing import Any
 from specwire.generation.config.modes import (
     DEPRECATED_FIELDS,
     REMOVED_MODE_FIELDS,
+    V4_MODE_FIELDS,
     GenerationMode,
     generation_mode,
 )
@@ -336,6 +337,11 @@ def check_deprecated(r: Recorder) -> None:
             message = (
                 "`continuous_batching_config` in a generation config is deprecated since transformers 5.13 and "
                 "ignored by `generate()`. Remove it."
+            )
+        elif name in V4_MODE_FIELDS.get(mode, ()) or (name == "diversity_penalty" and mode in V4_MODE_FIELDS):
+            message = (
+                f"`{name}` (={value!r}) selects or configures `{mode.value}`, a decoding mode transformers v5 moved "
+                "to a Hub `custom_generate` repository; specwire runs it with transformers 4.55.4's semantics."
             )
         elif name in REMOVED_MODE_FIELDS.get(mode, ()):
             message = (

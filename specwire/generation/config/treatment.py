@@ -160,6 +160,12 @@ _WARNED: dict[str, FieldTreatment] = {
 
 
 def _mode_field_treatment(status: FieldStatus) -> FieldTreatment:
+    if status is FieldStatus.SERVED_V4:
+        return _honoured(
+            "group beam search (loops/group_beam.py, processors/diversity.py) with transformers 4.55.4's semantics; "
+            "validate() warns that transformers 5 moved the mode out (diversity_penalty without num_beam_groups > 1 "
+            "has no effect)"
+        )
     if status in (FieldStatus.REMOVED_MODE, FieldStatus.UNSERVED):
         return FieldTreatment(Treatment.REFUSED, "a decoding mode or drafting method specwire does not run")
     return FieldTreatment(Treatment.WARNED_BY_VALIDATION, "transformers 5 ignores it; validate() warns")

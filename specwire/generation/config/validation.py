@@ -23,12 +23,12 @@ from specwire.generation.argument_errors import InvalidGenerationArgument, Unsup
 from specwire.generation.config.constructor_rules import check_constructor
 from specwire.generation.config.fields import FIELD_NAMES, GenerationConfig
 from specwire.generation.config.generate_rules import check_generate
-from specwire.generation.config.modes import REMOVED_MODE_FIELDS, REMOVED_MODE_NAMES
+from specwire.generation.config.modes import REMOVED_MODE_FIELDS, REMOVED_MODE_NAMES, GenerationMode
 from specwire.generation.config.serialization import is_synthid_watermark
 from specwire.generation.config.value_types import is_int
 from specwire.generation.config.violations import Recorder, Violation, errors
 
-__all__ = ["check_runnable", "field_suggestion", "raise_for_errors", "unknown_keys", "validate"]
+__all__ = ["check_runnable", "field_suggestion", "raise_for_errors", "unknown_keys", "v4_mode_violations", "validate"]
 
 
 def validate(config: GenerationConfig, strict: bool = False) -> list[Violation]:
@@ -124,6 +124,7 @@ def check_runnable(config: GenerationConfig) -> GenerationConfig:
     resolved = config.with_defaults()
     refuse_unsupported_modes(resolved)
     raise_for_errors(config.validate())
+    raise_for_errors(v4_mode_violations(resolved))
     raise_for_errors(_loop_shape_violations(resolved))
     return resolved
 
@@ -169,6 +170,40 @@ def refuse_unsupported_modes(config: GenerationConfig) -> None:
             "{'greenlist_ratio': 0.25, 'bias': 2.0, 'seeding_scheme': 'lefthash'}",
             config.watermarking_config,
         )
+
+
+def v4_mode_violations(config: GenerationConfig) -> list[Violation]:
+    """transformers 4.55.4's rules for the v4 modes specwire runs (group beam search: its `validate()` and
+    `BeamSearchScorer`), on a config with the global defaults applied; one error violation each."""
+    if config.get_generation_mode() is not GenerationMode.GROUP_BEAM_SEARCH:
+        return []
+    prefix = "`num_beam_groups` > 1 selects group (diverse) beam search, in which "
+    groups: Any = config.num_beam_groups
+    beams: Any = config.num_beams
+    penalty: Any = config.diversity_penalty
+    found = []
+    if not is_int(groups) or not is_int(beams) or groups > beams or beams % groups:
+        found.append(
+            Violation(
+                "num_beam_groups",
+                groups,
+                prefix + f"`num_beams` (={beams!r}) must be a multiple of `num_beam_groups`; pick a divisor of it.",
+                "error",
+            )
+        )
+    if config.do_sample is True:
+        found.append(Violation("do_sample", True, prefix + "`do_sample` must be False; unset it.", "error"))
+    if not isinstance(penalty, (int, float)) or not penalty > 0.0:
+        found.append(
+            Violation(
+                "diversity_penalty",
+                penalty,
+                prefix + "`diversity_penalty` must be greater than 0.0, otherwise the groups are identical; set it, "
+                "e.g. 1.0.",
+                "error",
+            )
+        )
+    return found
 
 
 def _loop_shape_violations(config: GenerationConfig) -> list[Violation]:

@@ -28,6 +28,7 @@ import torch
 
 from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.loops.beam import beam_loop
+from specwire.generation.loops.group_beam import group_beam_loop
 from specwire.generation.loops.sample import sample_loop
 from specwire.generation.loops.sampling import make_generator
 from specwire.generation.loops.stop_codes import StopCodes
@@ -90,7 +91,7 @@ def iter_generate(
         `Generator[StepEvent, None, GenerationResult]`
 
     Raises:
-        `UnsupportedModeError`: group/constrained beam search, contrastive search, DoLa, low_memory beams,
+        `UnsupportedModeError`: constrained beam search, contrastive search, DoLa, low_memory beams,
             token healing, SynthID watermarking.
         `ValueError`: invalid combinations (see `prepare_generation`), or `stop_strings` without a tokenizer.
     """
@@ -173,7 +174,9 @@ def generate_from_plan(
     )
     generator = _request_generator(plan, generator, device)
     stop_codes = StopCodes(criteria, plan.eos_token_ids, device)
-    if plan.num_beams > 1:
+    if plan.num_beams > 1 and (config.num_beam_groups or 1) > 1:
+        loop = group_beam_loop(plan, rows, expanded_ids, processors, stop_codes)
+    elif plan.num_beams > 1:
         loop = beam_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
     else:
         loop = sample_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
