@@ -114,6 +114,46 @@ CASES: dict[str, list[dict]] = {
             "kwargs": {**_GROUP, "max_new_tokens": 8, "num_return_sequences": 2, "eos_token_id": _EOS},
         },
     ],
+    "contrastive_search": [
+        {
+            "name": "alpha_0_6_top_4",
+            "prompt": "single",
+            "kwargs": {"penalty_alpha": 0.6, "top_k": 4, "max_new_tokens": 12},
+        },
+        {
+            "name": "alpha_0_3_top_8_penalties",
+            "prompt": "single",
+            "kwargs": {
+                "penalty_alpha": 0.3,
+                "top_k": 8,
+                "max_new_tokens": 10,
+                "repetition_penalty": 1.2,
+                "no_repeat_ngram_size": 3,
+            },
+        },
+        {
+            "name": "eos_list_min_new_tokens",
+            "prompt": "single",
+            "kwargs": {
+                "penalty_alpha": 0.5,
+                "top_k": 3,
+                "max_new_tokens": 15,
+                "min_new_tokens": 2,
+                "eos_token_id": [_EOS, {"frequent": 4}],
+                "pad_token_id": 0,
+            },
+        },
+        {
+            "name": "alpha_1_top_2",
+            "prompt": "single",
+            "kwargs": {"penalty_alpha": 1.0, "top_k": 2, "max_new_tokens": 8},
+        },
+        {
+            "name": "batch_left_padding",
+            "prompt": "batch",
+            "kwargs": {"penalty_alpha": 0.6, "top_k": 5, "max_new_tokens": 10, "eos_token_id": _EOS, "pad_token_id": 0},
+        },
+    ],
 }
 
 PROMPTS = {"single": ["The quick brown"], "batch": ["The quick brown", "def add(a, b):\n    return", "Hello"]}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from specwire.generation.config import GenerationConfig, merge
-from specwire.generation.loops.generate import generate
+from specwire.generation.loops.generate import generate, iter_generate
 
 GOLDENS = Path(__file__).parent / "goldens"
 ATOL = 1e-4
@@ -28,6 +28,7 @@ def _golden(mode: str) -> dict:
 
 
 GROUP_BEAM = _golden("group_beam_search")
+CONTRASTIVE = _golden("contrastive_search")
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,44 @@ def test_diversity_penalty_changes_the_groups(tiny):
     weak_kwargs = {**case["resolved_kwargs"], "diversity_penalty": 1e-6}
     weak = run_case(tiny, GROUP_BEAM, {**case, "resolved_kwargs": weak_kwargs})
     assert ours.sequences.tolist() != weak.sequences.tolist()
+
+
+@pytest.mark.parametrize("case", CONTRASTIVE["cases"], ids=[c["name"] for c in CONTRASTIVE["cases"]])
+def test_contrastive_search_matches_transformers_4_55(tiny, case):
+    ours = run_case(tiny, CONTRASTIVE, case)
+    assert_matches(ours, case["expected"])
+
+
+def test_contrastive_search_streams_the_tokens_it_returns(tiny):
+    """One token per row per step, as greedy search streams; the final event closes every row."""
+    case = next(c for c in CONTRASTIVE["cases"] if c["name"] == "batch_left_padding")
+    prompt = CONTRASTIVE["prompts"]["batch"]
+    config = merge(GenerationConfig.from_dict(case["resolved_kwargs"]), tiny.generation_config)
+    steps = iter_generate(
+        tiny.model, torch.tensor(prompt["input_ids"]), torch.tensor(prompt["attention_mask"]), config=config
+    )
+    streamed = [[] for _ in prompt["input_ids"]]
+    reasons = [None] * len(streamed)
+    while True:
+        try:
+            event = next(steps)
+        except StopIteration as stop:
+            result = stop.value
+            break
+        for row, tokens in enumerate(event.tokens):
+            streamed[row] += tokens
+        for row, reason in enumerate(event.finish_reasons):
+            reasons[row] = reason or reasons[row]
+    prompt_length = len(prompt["input_ids"][0])
+    for row, sequence in enumerate(case["expected"]["sequences"]):
+        assert sequence[prompt_length : prompt_length + len(streamed[row])] == streamed[row]
+    assert reasons == result.finish_reasons and "eos" in reasons
+
+
+def test_penalty_alpha_changes_the_tokens(tiny):
+    """Without the degeneration penalty contrastive search is greedy search; with it, it is not."""
+    case = next(c for c in CONTRASTIVE["cases"] if c["name"] == "alpha_0_6_top_4")
+    ours = run_case(tiny, CONTRASTIVE, case)
+    greedy_kwargs = {k: v for k, v in case["resolved_kwargs"].items() if k not in ("penalty_alpha", "top_k")}
+    greedy = run_case(tiny, CONTRASTIVE, {**case, "resolved_kwargs": greedy_kwargs})
+    assert ours.sequences.tolist() != greedy.sequences.tolist()

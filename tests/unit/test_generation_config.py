@@ -531,9 +531,13 @@ def test_raise_for_errors_lists_every_error_and_ignores_warnings():
         ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.0}, "diversity_penalty"),
         ({"num_beams": 5, "num_beam_groups": 2, "diversity_penalty": 1.0}, "num_beam_groups"),
         ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "do_sample": True}, "do_sample"),
+        ({"penalty_alpha": 0.6, "use_cache": False}, "use_cache"),
+        ({"penalty_alpha": 0.6, "top_k": 4, "prefill_chunk_size": 4}, "prefill_chunk_size"),
+        ({"penalty_alpha": 0.6, "cache_implementation": "static"}, "cache_implementation"),
+        ({"penalty_alpha": 0.6, "return_dict_in_generate": True, "output_hidden_states": True}, "output_hidden_states"),
     ],
 )
-def test_group_beam_search_is_refused_as_transformers_4_55_refuses_it(data, fieldname):
+def test_v4_modes_are_refused_where_they_cannot_run(data, fieldname):
     with pytest.raises(InvalidGenerationArgument) as caught:
         check_runnable(GenerationConfig(**data))
     assert [p.field for p in caught.value.violations] == [fieldname]
@@ -549,8 +553,10 @@ def test_group_beam_search_runs_with_a_warning_that_transformers_5_moved_it_out(
 
 def test_check_runnable_refuses_what_the_decoding_loop_cannot_run():
     with pytest.raises(UnsupportedModeError) as caught:
-        check_runnable(GenerationConfig(penalty_alpha=0.6))  # contrastive search with the default top_k=50
-    assert caught.value.field == "penalty_alpha" and caught.value.code == "UNIMPLEMENTED"
+        check_runnable(GenerationConfig(dola_layers="high"))
+    assert caught.value.field == "dola_layers" and caught.value.code == "UNIMPLEMENTED"
+    # Contrastive search with the default top_k=50 runs (transformers 4.55.4's semantics).
+    assert check_runnable(GenerationConfig(penalty_alpha=0.6)).get_generation_mode().value == "contrastive_search"
     with pytest.raises(InvalidGenerationArgument, match="temperature"):
         check_runnable(GenerationConfig(do_sample=True, temperature=0.0))
     # transformers runs no return sequences without beams (one row per prompt); the loop refuses it.

@@ -175,7 +175,10 @@ def refuse_unsupported_modes(config: GenerationConfig) -> None:
 def v4_mode_violations(config: GenerationConfig) -> list[Violation]:
     """transformers 4.55.4's rules for the v4 modes specwire runs (group beam search: its `validate()` and
     `BeamSearchScorer`), on a config with the global defaults applied; one error violation each."""
-    if config.get_generation_mode() is not GenerationMode.GROUP_BEAM_SEARCH:
+    mode = config.get_generation_mode()
+    if mode is GenerationMode.CONTRASTIVE_SEARCH:
+        return _contrastive_violations(config)
+    if mode is not GenerationMode.GROUP_BEAM_SEARCH:
         return []
     prefix = "`num_beam_groups` > 1 selects group (diverse) beam search, in which "
     groups: Any = config.num_beam_groups
@@ -203,6 +206,37 @@ def v4_mode_violations(config: GenerationConfig) -> list[Violation]:
                 "error",
             )
         )
+    return found
+
+
+def _contrastive_violations(config: GenerationConfig) -> list[Violation]:
+    """What contrastive search cannot run with: no cache (transformers 4.55.4 refuses it too), and what would
+    change or return the hidden states it ranks its candidates by."""
+    prefix = "`penalty_alpha` > 0 with `top_k` > 1 selects contrastive search, which "
+    found = []
+    if not config.use_cache:
+        found.append(Violation("use_cache", config.use_cache, prefix + "needs the KV cache; unset use_cache.", "error"))
+    if config.prefill_chunk_size is not None:
+        found.append(
+            Violation(
+                "prefill_chunk_size",
+                config.prefill_chunk_size,
+                prefix + "needs the hidden states of every prompt position in one forward; unset prefill_chunk_size.",
+                "error",
+            )
+        )
+    if config.cache_implementation not in (None, "dynamic"):
+        found.append(
+            Violation(
+                "cache_implementation",
+                config.cache_implementation,
+                prefix + "repeats and selects rows of a dynamic cache; unset cache_implementation.",
+                "error",
+            )
+        )
+    for name in ("output_attentions", "output_hidden_states"):
+        if config.return_dict_in_generate and getattr(config, name):
+            found.append(Violation(name, True, prefix + f"does not return them in specwire; unset {name}.", "error"))
     return found
 
 

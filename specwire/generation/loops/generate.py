@@ -27,7 +27,9 @@ from typing import Any, cast
 import torch
 
 from specwire.generation.argument_errors import InvalidGenerationArgument
+from specwire.generation.config import GenerationMode
 from specwire.generation.loops.beam import beam_loop
+from specwire.generation.loops.contrastive import contrastive_loop
 from specwire.generation.loops.group_beam import group_beam_loop
 from specwire.generation.loops.sample import sample_loop
 from specwire.generation.loops.sampling import make_generator
@@ -143,6 +145,11 @@ def generate_from_plan(
     device = plan.input_ids.device
     expanded_ids, expanded_mask = plan.expanded()
     recorded: dict[str, Any] = {**check_model_outputs(plan, model), **static_cache(plan)}
+    contrastive = config.get_generation_mode() is GenerationMode.CONTRASTIVE_SEARCH
+    if contrastive:
+        # It ranks candidates by their last-layer hidden states, and repeats and selects cache rows: a
+        # RowBatch keeping every forward's hidden states (the config rules refuse what would change them).
+        recorded, rows_factory = {"output_hidden_states": True}, None
     rows = (rows_factory or RowBatch)(
         model,
         attention_mask=expanded_mask,
@@ -174,7 +181,9 @@ def generate_from_plan(
     )
     generator = _request_generator(plan, generator, device)
     stop_codes = StopCodes(criteria, plan.eos_token_ids, device)
-    if plan.num_beams > 1 and (config.num_beam_groups or 1) > 1:
+    if contrastive:
+        loop = contrastive_loop(plan, cast(RowBatch, rows), expanded_ids, expanded_mask, processors, stop_codes)
+    elif plan.num_beams > 1 and (config.num_beam_groups or 1) > 1:
         loop = group_beam_loop(plan, rows, expanded_ids, processors, stop_codes)
     elif plan.num_beams > 1:
         loop = beam_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
