@@ -149,3 +149,13 @@ def test_penalty_alpha_changes_the_tokens(tiny):
     greedy_kwargs = {k: v for k, v in case["resolved_kwargs"].items() if k not in ("penalty_alpha", "top_k")}
     greedy = run_case(tiny, CONTRASTIVE, {**case, "resolved_kwargs": greedy_kwargs})
     assert ours.sequences.tolist() != greedy.sequences.tolist()
+
+
+def test_contrastive_search_is_never_speculated(tiny):
+    """A target with a drafter runs contrastive search plainly: speculation would change its tokens."""
+    from specwire.generation.loops.speculative import speculation_blocker
+    from specwire.generation.planning import prepare_generation
+
+    config = merge(GenerationConfig(penalty_alpha=0.6, top_k=4, max_new_tokens=4), tiny.generation_config)
+    plan = prepare_generation(tiny.model, torch.tensor([[5, 6, 7]]), None, config=config)
+    assert "contrastive_search" in speculation_blocker(plan)
