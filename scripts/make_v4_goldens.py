@@ -154,6 +154,54 @@ CASES: dict[str, list[dict]] = {
             "kwargs": {"penalty_alpha": 0.6, "top_k": 5, "max_new_tokens": 10, "eos_token_id": _EOS, "pad_token_id": 0},
         },
     ],
+    "dola_generation": [
+        {
+            "name": "low_repetition_penalty",
+            "prompt": "single",
+            "kwargs": {"dola_layers": "low", "repetition_penalty": 1.2, "max_new_tokens": 10},
+        },
+        {"name": "high_no_penalty", "prompt": "single", "kwargs": {"dola_layers": "high", "max_new_tokens": 8}},
+        {
+            "name": "layer_list_eos_list",
+            "prompt": "single",
+            "kwargs": {
+                "dola_layers": [0, 1],
+                "repetition_penalty": 1.3,
+                "max_new_tokens": 12,
+                "eos_token_id": [_EOS, {"frequent": 4}],
+                "pad_token_id": 0,
+            },
+        },
+        {
+            "name": "layer_list_past_the_last_layer",
+            "prompt": "single",
+            "kwargs": {"dola_layers": [0, 1, 5], "repetition_penalty": 1.2, "max_new_tokens": 8},
+        },
+        {
+            "name": "sampling_seeded",
+            "prompt": "single",
+            "kwargs": {
+                "dola_layers": "low",
+                "do_sample": True,
+                "top_k": 20,
+                "temperature": 0.8,
+                "repetition_penalty": 1.2,
+                "max_new_tokens": 10,
+                "seed": 7,
+            },
+        },
+        {
+            "name": "batch_left_padding",
+            "prompt": "batch",
+            "kwargs": {
+                "dola_layers": "high",
+                "repetition_penalty": 1.2,
+                "max_new_tokens": 10,
+                "eos_token_id": _EOS,
+                "pad_token_id": 0,
+            },
+        },
+    ],
 }
 
 PROMPTS = {"single": ["The quick brown"], "batch": ["The quick brown", "def add(a, b):\n    return", "Hello"]}

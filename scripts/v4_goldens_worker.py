@@ -71,13 +71,17 @@ def main() -> None:
     cases = []
     for case in spec["cases"]:
         kwargs = _resolve(case["kwargs"], frequent)
+        # specwire's `seed` draws as transformers does after `torch.manual_seed(seed)`.
+        generate_kwargs = {name: value for name, value in kwargs.items() if name != "seed"}
+        if "seed" in kwargs:
+            torch.manual_seed(kwargs["seed"])
         with torch.no_grad():
             out = model.generate(
                 input_ids=prompts[case["prompt"]],
                 attention_mask=masks[case["prompt"]],
                 return_dict_in_generate=True,
                 output_scores=True,
-                **kwargs,
+                **generate_kwargs,
             )
         result = {"sequences": out.sequences.tolist(), "scores": _scores_summary(out.scores)}
         if getattr(out, "beam_indices", None) is not None:

@@ -430,7 +430,6 @@ def test_cancellation_stops_forward_passes(tiny, batch):
     ("kwargs", "field"),
     [
         ({"num_beams": 2, "force_words_ids": [[5]]}, "force_words_ids"),
-        ({"dola_layers": "low"}, "dola_layers"),
         ({"num_beams": 2, "low_memory": True}, "low_memory"),
     ],
 )

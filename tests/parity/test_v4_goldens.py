@@ -159,3 +159,12 @@ def test_contrastive_search_is_never_speculated(tiny):
     config = merge(GenerationConfig(penalty_alpha=0.6, top_k=4, max_new_tokens=4), tiny.generation_config)
     plan = prepare_generation(tiny.model, torch.tensor([[5, 6, 7]]), None, config=config)
     assert "contrastive_search" in speculation_blocker(plan)
+
+
+DOLA = _golden("dola_generation")
+
+
+@pytest.mark.parametrize("case", DOLA["cases"], ids=[c["name"] for c in DOLA["cases"]])
+def test_dola_matches_transformers_4_55(tiny, case):
+    ours = run_case(tiny, DOLA, case)
+    assert_matches(ours, case["expected"])

@@ -140,6 +140,17 @@ def test_contrastive_search_streams_transformers_4_55_goldens(target):
     assert "eos" in final.finish_reasons
 
 
+def test_dola_matches_transformers_4_55_goldens(target):
+    """DoLa (dola_layers, with its repetition penalty) through the client on left-padded prompts."""
+    golden = json.loads((Path(__file__).parents[1] / "parity/goldens/v4_dola_generation.json").read_text())
+    case = next(c for c in golden["cases"] if c["name"] == "batch_left_padding")
+    prompt, expected = golden["prompts"]["batch"], case["expected"]
+    out = target.generate(
+        torch.tensor(prompt["input_ids"]), attention_mask=prompt["attention_mask"], **case["resolved_kwargs"]
+    )
+    assert out.sequences.tolist() == expected["sequences"]
+
+
 def test_seeded_sampling_matches_transformers_manual_seed(target, reference):
     prompt = PROMPTS[:1]
     out = target.generate(prompt, do_sample=True, temperature=0.9, top_p=0.95, max_new_tokens=15, seed=1234)
@@ -246,8 +257,10 @@ def test_bad_requests_get_invalid_argument_naming_the_field(target, stack, loade
     assert err.violations[0].field == "prompts[0].attention_mask"
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, num_beams=4, num_beam_groups=2)
     assert err.violations[0].field == "config.diversity_penalty"
-    err = expect_code(grpc.StatusCode.UNIMPLEMENTED, target.generate, PROMPTS, dola_layers="high")
-    assert "dola_layers" in err.message
+    err = expect_code(grpc.StatusCode.UNIMPLEMENTED, target.generate, PROMPTS, num_beams=2, force_words_ids=[[5]])
+    assert "force_words_ids" in err.message
+    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, dola_layers="middle")
+    assert err.violations[0].field == "config.dola_layers"
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, penalty_alpha=0.6, use_cache=False)
     assert err.violations[0].field == "config.use_cache"
     # The server is still up and answering after all of that.

@@ -535,6 +535,8 @@ def test_raise_for_errors_lists_every_error_and_ignores_warnings():
         ({"penalty_alpha": 0.6, "top_k": 4, "prefill_chunk_size": 4}, "prefill_chunk_size"),
         ({"penalty_alpha": 0.6, "cache_implementation": "static"}, "cache_implementation"),
         ({"penalty_alpha": 0.6, "return_dict_in_generate": True, "output_hidden_states": True}, "output_hidden_states"),
+        ({"dola_layers": "middle"}, "dola_layers"),
+        ({"dola_layers": [0, "1"]}, "dola_layers"),
     ],
 )
 def test_v4_modes_are_refused_where_they_cannot_run(data, fieldname):
@@ -551,10 +553,22 @@ def test_group_beam_search_runs_with_a_warning_that_transformers_5_moved_it_out(
     assert "4.55.4" in warned["num_beam_groups"] and "4.55.4" in warned["diversity_penalty"]
 
 
+@pytest.mark.parametrize(("penalty", "warned"), [(None, True), (1.0, True), (1.19, True), (1.2, False), (1.5, False)])
+def test_dola_warns_below_the_recommended_repetition_penalty(penalty, warned):
+    config = GenerationConfig(dola_layers="low", repetition_penalty=penalty)
+    check_runnable(config)
+    found = [v for v in config.validate() if v.field == "repetition_penalty"]
+    assert bool(found) == warned and all(v.severity == "warning" and "1.2" in v.message for v in found)
+    # Only DoLa has that rule (with beams dola_layers has no effect).
+    assert not [
+        v for v in GenerationConfig(dola_layers="low", num_beams=2).validate() if v.field == "repetition_penalty"
+    ]
+
+
 def test_check_runnable_refuses_what_the_decoding_loop_cannot_run():
     with pytest.raises(UnsupportedModeError) as caught:
-        check_runnable(GenerationConfig(dola_layers="high"))
-    assert caught.value.field == "dola_layers" and caught.value.code == "UNIMPLEMENTED"
+        check_runnable(GenerationConfig(num_beams=2, force_words_ids=[[5]]))
+    assert caught.value.field == "force_words_ids" and caught.value.code == "UNIMPLEMENTED"
     # Contrastive search with the default top_k=50 runs (transformers 4.55.4's semantics).
     assert check_runnable(GenerationConfig(penalty_alpha=0.6)).get_generation_mode().value == "contrastive_search"
     with pytest.raises(InvalidGenerationArgument, match="temperature"):

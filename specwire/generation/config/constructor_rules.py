@@ -355,3 +355,13 @@ def check_deprecated(r: Recorder) -> None:
                 f"here{beams}. Unset it."
             )
         r.warn(name, value, message)
+    penalty = c.repetition_penalty
+    if mode is GenerationMode.DOLA_GENERATION and not (isinstance(penalty, (int, float)) and penalty >= 1.2):
+        # transformers 4.55.4's rule for DoLa (a minor issue there, a warning here).
+        r.warn(
+            "repetition_penalty",
+            penalty,
+            f"`dola_layers` is set to trigger DoLa decoding, but `repetition_penalty` is set to a value of {penalty}, "
+            "which could induce unwanted repetition. The recommended value for DoLa decoding is "
+            "`repetition_penalty>=1.2`.",
+        )

@@ -32,8 +32,9 @@ class GenerationMode(enum.StrEnum):
     """Decoding modes, with transformers' `GenerationMode` values.
 
     `group_beam_search`, `constrained_beam_search`, `contrastive_search` and `dola_generation` were moved to
-    Hub `custom_generate` repositories in transformers v5; specwire runs `group_beam_search` and
-    `contrastive_search` with transformers 4.55.4's semantics and refuses the others.
+    Hub `custom_generate` repositories in transformers v5; specwire runs `group_beam_search`,
+    `contrastive_search` and `dola_generation` with transformers 4.55.4's semantics and refuses
+    `constrained_beam_search`.
     """
 
     CONTRASTIVE_SEARCH = "contrastive_search"
@@ -91,7 +92,7 @@ class ModeField:
 MODE_FIELDS: tuple[ModeField, ...] = (
     ModeField("low_memory", FieldStatus.REMOVED_OPTION),
     ModeField("penalty_alpha", FieldStatus.SERVED_V4, GenerationMode.CONTRASTIVE_SEARCH),
-    ModeField("dola_layers", FieldStatus.REMOVED_MODE, GenerationMode.DOLA_GENERATION),
+    ModeField("dola_layers", FieldStatus.SERVED_V4, GenerationMode.DOLA_GENERATION),
     ModeField("diversity_penalty", FieldStatus.SERVED_V4),
     ModeField("num_beam_groups", FieldStatus.SERVED_V4, GenerationMode.GROUP_BEAM_SEARCH),
     ModeField("constraints", FieldStatus.REMOVED_MODE, GenerationMode.CONSTRAINED_BEAM_SEARCH),

@@ -166,6 +166,8 @@ _V4_MODES = {
     "diversity_penalty": "group beam search's Hamming diversity penalty (processors/diversity.py), transformers "
     "4.55.4's semantics; without num_beam_groups > 1 it has no effect (validate() warns)",
     "penalty_alpha": "contrastive search with top_k (loops/contrastive.py), transformers 4.55.4's semantics",
+    "dola_layers": "DoLa decoding with greedy search or sampling (loops/dola.py), transformers 4.55.4's semantics; "
+    "with beam search it has no effect (validate() warns, as 4.55.4 does)",
 }
 
 

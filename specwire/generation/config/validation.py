@@ -178,6 +178,18 @@ def v4_mode_violations(config: GenerationConfig) -> list[Violation]:
     mode = config.get_generation_mode()
     if mode is GenerationMode.CONTRASTIVE_SEARCH:
         return _contrastive_violations(config)
+    if mode is GenerationMode.DOLA_GENERATION:
+        layers: Any = config.dola_layers
+        if layers in ("low", "high") or (isinstance(layers, list) and all(is_int(i) for i in layers)):
+            return []
+        return [
+            Violation(
+                "dola_layers",
+                layers,
+                "`dola_layers` selects DoLa decoding and must be 'low', 'high' or a list of layer indices.",
+                "error",
+            )
+        ]
     if mode is not GenerationMode.GROUP_BEAM_SEARCH:
         return []
     prefix = "`num_beam_groups` > 1 selects group (diverse) beam search, in which "
