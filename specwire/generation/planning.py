@@ -3,9 +3,10 @@
 `prepare_generation` does what transformers 5.23's `generate()` does before decoding, for
 decoder-only models, in this order, and returns a `GenerationPlan` the loops run from:
 
-1. Refuse (`config.check_runnable`) the modes transformers 5 dropped (group/constrained beam search,
-   contrastive search, DoLa) and the ones specwire does not run (token healing)
-   with `UnsupportedModeError` naming the field; refuse token ids past the model's vocabulary.
+1. Refuse (`config.check_runnable`) the modes specwire does not run (constrained beam search,
+   low_memory beams, token healing) with `UnsupportedModeError` naming the field; group beam search,
+   contrastive search and DoLa, which transformers 5 dropped and specwire runs with transformers
+   4.55.4's semantics, get that release's rules; refuse token ids past the model's vocabulary.
 2. Apply the global defaults to unset fields (`max_length=20`, `top_k=50`, ...; the config passed in
    is already merged request > model `generation_config.json`).
 3. Special tokens: `eos_token_id` becomes a list; `pad_token_id` defaults to `eos[0]`.

@@ -22,6 +22,7 @@ from specwire.generation.config import (
     not_honoured,
     raise_for_errors,
     unknown_keys,
+    v4_mode_violations,
 )
 from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models import LoadedModel
@@ -111,7 +112,11 @@ def effective_config(
         check_config(merged, limits)  # before validation: its cost grows with the lists it checks
     violations = merged.validate()
     raise_for_errors(violations, field_prefix="config.", summary="invalid generation config")
-    # Modes transformers 5 removed (group/constrained beams, contrastive, DoLa) are refused by the
+    # The rules transformers 4.55.4 has for the v4 modes specwire runs (group beam search).
+    raise_for_errors(
+        v4_mode_violations(merged.with_defaults()), field_prefix="config.", summary="invalid generation config"
+    )
+    # Modes transformers 5 removed (constrained beams, contrastive, DoLa) are refused by the
     # decoding loop itself with UNIMPLEMENTED, naming the field; the drafting methods of UNSERVED_FIELDS
     # need the target's hidden states every round, which a separate draft service cannot have.
     for name in UNSERVED_FIELDS:

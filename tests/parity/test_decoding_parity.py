@@ -431,10 +431,7 @@ def test_cancellation_stops_forward_passes(tiny, batch):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.5}, "num_beam_groups"),
         ({"num_beams": 2, "force_words_ids": [[5]]}, "force_words_ids"),
-        ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha"),
-        ({"dola_layers": "low"}, "dola_layers"),
         ({"num_beams": 2, "low_memory": True}, "low_memory"),
     ],
 )

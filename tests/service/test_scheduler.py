@@ -305,14 +305,18 @@ def test_long_request_finishes_while_short_ones_come_and_go(loaded, sequential):
 
 
 def test_sequential_lane_runs_between_packed_forwards_on_the_scheduler_thread(sequential, batched):
-    # use_cache=False and classifier-free guidance cannot use the slot cache: they take the
-    # sequential lane, whose loops run in their own threads and whose forwards (the guidance
-    # processor's included) the scheduler thread runs between packed forwards.
+    # use_cache=False, classifier-free guidance, group beam and contrastive search cannot use the slot
+    # cache: they take the sequential lane, whose loops run in their own threads and whose forwards (the
+    # guidance processor's included) the scheduler thread runs between packed forwards.
     engine = batched.server.bindings[0].servicer.engine
     lane_forwards_before = engine.batcher.stats().lane_forwards
     lane = [
         (PROMPTS[:1], dict(max_new_tokens=10, use_cache=False)),
         (PROMPTS[1:], dict(max_new_tokens=8, guidance_scale=1.5)),
+        # Group beam search: its groups pick one after the other within a step.
+        (PROMPTS[:1], dict(max_new_tokens=6, num_beams=4, num_beam_groups=2, diversity_penalty=1.0)),
+        # Contrastive search: candidates ranked by hidden states, cache rows repeated and selected.
+        (PROMPTS[1:], dict(max_new_tokens=6, penalty_alpha=0.6, top_k=4)),
     ]
     cases = lane + MIXED[:4]
     want = expected(sequential, cases)
@@ -320,7 +324,7 @@ def test_sequential_lane_runs_between_packed_forwards_on_the_scheduler_thread(se
     got = run_concurrently(batched.address, cases)
     for (_, kw), ours, theirs in zip(cases, got, want, strict=True):
         assert torch.equal(ours, theirs), (kw, ours, theirs)
-    assert engine._lane_steps - lane_before >= 18  # the two lane requests' steps
+    assert engine._lane_steps - lane_before >= 18  # the lane requests' steps
     # Their forwards ran on the scheduler thread: one per use_cache=False step, two per guidance step.
     assert engine.batcher.stats().lane_forwards - lane_forwards_before >= 10 + 2 * 8
     assert engine.batcher.stats().shared_forwards > shared_before  # while the batched ones shared forwards

@@ -100,6 +100,57 @@ def test_beam_search_matches_transformers(target, reference):
         torch.testing.assert_close(ours, theirs)
 
 
+def test_group_beam_search_matches_transformers_4_55_goldens(target):
+    """Diverse beam search with transformers' argument names through the client, on left-padded prompts,
+    against the goldens of transformers 4.55.4 (tests/parity/goldens, scripts/make_v4_goldens.py)."""
+    golden = json.loads((Path(__file__).parents[1] / "parity/goldens/v4_group_beam_search.json").read_text())
+    case = next(c for c in golden["cases"] if c["name"] == "batch_left_padding")
+    prompt, expected = golden["prompts"]["batch"], case["expected"]
+    out = target.generate(
+        torch.tensor(prompt["input_ids"]),
+        attention_mask=prompt["attention_mask"],
+        output_scores=True,
+        return_dict_in_generate=True,
+        **case["resolved_kwargs"],
+    )
+    assert out.sequences.tolist() == expected["sequences"]
+    assert out.beam_indices.tolist() == expected["beam_indices"]
+    torch.testing.assert_close(out.sequences_scores, torch.tensor(expected["sequences_scores"]), atol=1e-4, rtol=0)
+    assert len(out.scores) == len(expected["scores"])
+    assert set(out.finish_reasons) <= {"eos", "length"} and "eos" in out.finish_reasons
+
+
+def test_contrastive_search_streams_transformers_4_55_goldens(target):
+    """Contrastive search (penalty_alpha, top_k) streamed through the client on left-padded prompts adds up
+    to the goldens of transformers 4.55.4."""
+    golden = json.loads((Path(__file__).parents[1] / "parity/goldens/v4_contrastive_search.json").read_text())
+    case = next(c for c in golden["cases"] if c["name"] == "batch_left_padding")
+    prompt, expected = golden["prompts"]["batch"], case["expected"]
+    items = list(
+        target.stream(
+            torch.tensor(prompt["input_ids"]), attention_mask=prompt["attention_mask"], **case["resolved_kwargs"]
+        )
+    )
+    final, deltas = items[-1], items[:-1]
+    assert final.sequences.tolist() == expected["sequences"]
+    width = len(prompt["input_ids"][0])
+    for row, sequence in enumerate(expected["sequences"]):
+        tokens = [t for d in deltas if d.row == row for t in d.token_ids]
+        assert tokens == sequence[width : width + len(tokens)] and tokens
+    assert "eos" in final.finish_reasons
+
+
+def test_dola_matches_transformers_4_55_goldens(target):
+    """DoLa (dola_layers, with its repetition penalty) through the client on left-padded prompts."""
+    golden = json.loads((Path(__file__).parents[1] / "parity/goldens/v4_dola_generation.json").read_text())
+    case = next(c for c in golden["cases"] if c["name"] == "batch_left_padding")
+    prompt, expected = golden["prompts"]["batch"], case["expected"]
+    out = target.generate(
+        torch.tensor(prompt["input_ids"]), attention_mask=prompt["attention_mask"], **case["resolved_kwargs"]
+    )
+    assert out.sequences.tolist() == expected["sequences"]
+
+
 def test_seeded_sampling_matches_transformers_manual_seed(target, reference):
     prompt = PROMPTS[:1]
     out = target.generate(prompt, do_sample=True, temperature=0.9, top_p=0.95, max_new_tokens=15, seed=1234)
@@ -204,17 +255,14 @@ def test_bad_requests_get_invalid_argument_naming_the_field(target, stack, loade
     assert err.violations[0].field == "overrides.temprature"
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, attention_mask=[[1, 1]] * 2)
     assert err.violations[0].field == "prompts[0].attention_mask"
-    err = expect_code(
-        grpc.StatusCode.UNIMPLEMENTED,
-        target.generate,
-        PROMPTS,
-        num_beams=4,
-        num_beam_groups=2,
-        diversity_penalty=1.0,
-    )
-    assert "num_beam_groups" in err.message
-    err = expect_code(grpc.StatusCode.UNIMPLEMENTED, target.generate, PROMPTS, penalty_alpha=0.6, top_k=4)
-    assert "penalty_alpha" in err.message
+    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, num_beams=4, num_beam_groups=2)
+    assert err.violations[0].field == "config.diversity_penalty"
+    err = expect_code(grpc.StatusCode.UNIMPLEMENTED, target.generate, PROMPTS, num_beams=2, force_words_ids=[[5]])
+    assert "force_words_ids" in err.message
+    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, dola_layers="middle")
+    assert err.violations[0].field == "config.dola_layers"
+    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, penalty_alpha=0.6, use_cache=False)
+    assert err.violations[0].field == "config.use_cache"
     # The server is still up and answering after all of that.
     assert target.generate(PROMPTS, max_new_tokens=2).sequences.shape == (2, 7)
 

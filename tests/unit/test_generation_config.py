@@ -22,6 +22,7 @@ from specwire.generation.config import (
     MODE_FIELDS,
     REMOVED_MODE_FIELDS,
     UNSERVED_FIELDS,
+    V4_MODE_FIELDS,
     GenerationConfig,
     GenerationMode,
     Violation,
@@ -494,7 +495,9 @@ def test_mode_table_is_the_one_list_of_removed_deprecated_and_unserved_fields():
         "constraints": {"constraints": [{"type": "phrasal", "token_ids": [5]}]},
         "force_words_ids": {"force_words_ids": [[5]]},
     }
-    tied = {name: mode for mode, names in REMOVED_MODE_FIELDS.items() for name in names}
+    tied = {
+        name: mode for table in (REMOVED_MODE_FIELDS, V4_MODE_FIELDS) for mode, names in table.items() for name in names
+    }
     assert set(tied) == set(selecting)
     for name, data in selecting.items():
         assert transformers.GenerationConfig(**data).get_generation_mode().value == tied[name].value
@@ -521,10 +524,53 @@ def test_raise_for_errors_lists_every_error_and_ignores_warnings():
     raise_for_errors([v for v in found if v.severity == "warning"])  # warnings alone raise nothing
 
 
+@pytest.mark.parametrize(
+    ("data", "fieldname"),
+    [
+        ({"num_beams": 4, "num_beam_groups": 2}, "diversity_penalty"),
+        ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.0}, "diversity_penalty"),
+        ({"num_beams": 5, "num_beam_groups": 2, "diversity_penalty": 1.0}, "num_beam_groups"),
+        ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "do_sample": True}, "do_sample"),
+        ({"penalty_alpha": 0.6, "use_cache": False}, "use_cache"),
+        ({"penalty_alpha": 0.6, "top_k": 4, "prefill_chunk_size": 4}, "prefill_chunk_size"),
+        ({"penalty_alpha": 0.6, "cache_implementation": "static"}, "cache_implementation"),
+        ({"penalty_alpha": 0.6, "return_dict_in_generate": True, "output_hidden_states": True}, "output_hidden_states"),
+        ({"dola_layers": "middle"}, "dola_layers"),
+        ({"dola_layers": [0, "1"]}, "dola_layers"),
+    ],
+)
+def test_v4_modes_are_refused_where_they_cannot_run(data, fieldname):
+    with pytest.raises(InvalidGenerationArgument) as caught:
+        check_runnable(GenerationConfig(**data))
+    assert [p.field for p in caught.value.violations] == [fieldname]
+    assert fieldname in str(caught.value)
+
+
+def test_group_beam_search_runs_with_a_warning_that_transformers_5_moved_it_out():
+    config = GenerationConfig(num_beams=4, num_beam_groups=2, diversity_penalty=1.0)
+    check_runnable(config)
+    warned = {v.field: v.message for v in config.validate() if v.severity == "warning"}
+    assert "4.55.4" in warned["num_beam_groups"] and "4.55.4" in warned["diversity_penalty"]
+
+
+@pytest.mark.parametrize(("penalty", "warned"), [(None, True), (1.0, True), (1.19, True), (1.2, False), (1.5, False)])
+def test_dola_warns_below_the_recommended_repetition_penalty(penalty, warned):
+    config = GenerationConfig(dola_layers="low", repetition_penalty=penalty)
+    check_runnable(config)
+    found = [v for v in config.validate() if v.field == "repetition_penalty"]
+    assert bool(found) == warned and all(v.severity == "warning" and "1.2" in v.message for v in found)
+    # Only DoLa has that rule (with beams dola_layers has no effect).
+    assert not [
+        v for v in GenerationConfig(dola_layers="low", num_beams=2).validate() if v.field == "repetition_penalty"
+    ]
+
+
 def test_check_runnable_refuses_what_the_decoding_loop_cannot_run():
     with pytest.raises(UnsupportedModeError) as caught:
-        check_runnable(GenerationConfig(penalty_alpha=0.6))  # contrastive search with the default top_k=50
-    assert caught.value.field == "penalty_alpha" and caught.value.code == "UNIMPLEMENTED"
+        check_runnable(GenerationConfig(num_beams=2, force_words_ids=[[5]]))
+    assert caught.value.field == "force_words_ids" and caught.value.code == "UNIMPLEMENTED"
+    # Contrastive search with the default top_k=50 runs (transformers 4.55.4's semantics).
+    assert check_runnable(GenerationConfig(penalty_alpha=0.6)).get_generation_mode().value == "contrastive_search"
     with pytest.raises(InvalidGenerationArgument, match="temperature"):
         check_runnable(GenerationConfig(do_sample=True, temperature=0.0))
     # transformers runs no return sequences without beams (one row per prompt); the loop refuses it.

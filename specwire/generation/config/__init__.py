@@ -35,6 +35,7 @@ from specwire.generation.config.modes import (
     REMOVED_MODE_FIELDS,
     REMOVED_MODES,
     UNSERVED_FIELDS,
+    V4_MODE_FIELDS,
     FieldStatus,
     GenerationMode,
 )
@@ -45,6 +46,7 @@ from specwire.generation.config.validation import (
     field_suggestion,
     raise_for_errors,
     unknown_keys,
+    v4_mode_violations,
     validate,
 )
 from specwire.generation.config.violations import Violation, errors
@@ -59,6 +61,7 @@ __all__ = [
     "REMOVED_MODES",
     "REMOVED_MODE_FIELDS",
     "UNSERVED_FIELDS",
+    "V4_MODE_FIELDS",
     "FieldStatus",
     "FieldTreatment",
     "GenerationConfig",
@@ -73,5 +76,6 @@ __all__ = [
     "not_honoured",
     "raise_for_errors",
     "unknown_keys",
+    "v4_mode_violations",
     "validate",
 ]

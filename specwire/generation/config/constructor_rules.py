@@ -11,6 +11,7 @@ from typing import Any
 from specwire.generation.config.modes import (
     DEPRECATED_FIELDS,
     REMOVED_MODE_FIELDS,
+    V4_MODE_FIELDS,
     GenerationMode,
     generation_mode,
 )
@@ -337,6 +338,11 @@ def check_deprecated(r: Recorder) -> None:
                 "`continuous_batching_config` in a generation config is deprecated since transformers 5.13 and "
                 "ignored by `generate()`. Remove it."
             )
+        elif name in V4_MODE_FIELDS.get(mode, ()) or (name == "diversity_penalty" and mode in V4_MODE_FIELDS):
+            message = (
+                f"`{name}` (={value!r}) selects or configures `{mode.value}`, a decoding mode transformers v5 moved "
+                "to a Hub `custom_generate` repository; specwire runs it with transformers 4.55.4's semantics."
+            )
         elif name in REMOVED_MODE_FIELDS.get(mode, ()):
             message = (
                 f"`{name}` (={value!r}) selects `{mode.value}`, a decoding mode transformers v5 moved to a Hub "
@@ -349,3 +355,13 @@ def check_deprecated(r: Recorder) -> None:
                 f"here{beams}. Unset it."
             )
         r.warn(name, value, message)
+    penalty = c.repetition_penalty
+    if mode is GenerationMode.DOLA_GENERATION and not (isinstance(penalty, (int, float)) and penalty >= 1.2):
+        # transformers 4.55.4's rule for DoLa (a minor issue there, a warning here).
+        r.warn(
+            "repetition_penalty",
+            penalty,
+            f"`dola_layers` is set to trigger DoLa decoding, but `repetition_penalty` is set to a value of {penalty}, "
+            "which could induce unwanted repetition. The recommended value for DoLa decoding is "
+            "`repetition_penalty>=1.2`.",
+        )

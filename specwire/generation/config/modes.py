@@ -19,6 +19,7 @@ __all__ = [
     "REMOVED_MODE_FIELDS",
     "REMOVED_MODE_NAMES",
     "UNSERVED_FIELDS",
+    "V4_MODE_FIELDS",
     "FieldStatus",
     "GenerationMode",
     "ModeField",
@@ -31,7 +32,9 @@ class GenerationMode(enum.StrEnum):
     """Decoding modes, with transformers' `GenerationMode` values.
 
     `group_beam_search`, `constrained_beam_search`, `contrastive_search` and `dola_generation` were moved to
-    Hub `custom_generate` repositories in transformers v5; specwire reports them but does not run them.
+    Hub `custom_generate` repositories in transformers v5; specwire runs `group_beam_search`,
+    `contrastive_search` and `dola_generation` with transformers 4.55.4's semantics and refuses
+    `constrained_beam_search`.
     """
 
     CONTRASTIVE_SEARCH = "contrastive_search"
@@ -58,6 +61,10 @@ class FieldStatus(enum.Enum):
     REMOVED_OPTION = "removed_option"
     # Moved out of `GenerationConfig` by transformers 5.13 and ignored by `generate()`; `validate()` warns.
     MOVED_OUT = "moved_out"
+    # Selects or configures a mode transformers v5 moved to a Hub `custom_generate` repository, which
+    # specwire runs with transformers 4.55.4's semantics (the last release with it in core): `validate()`
+    # still warns, as transformers 5 does, and checks the rest of the config as if it were unset.
+    SERVED_V4 = "served_v4"
     # transformers runs it, but it needs the target's hidden states every round, which a separate draft
     # service cannot have: the target service answers UNIMPLEMENTED.
     UNSERVED = "unserved"
@@ -84,10 +91,10 @@ class ModeField:
 # In the order `validate()` reports its warnings.
 MODE_FIELDS: tuple[ModeField, ...] = (
     ModeField("low_memory", FieldStatus.REMOVED_OPTION),
-    ModeField("penalty_alpha", FieldStatus.REMOVED_MODE, GenerationMode.CONTRASTIVE_SEARCH),
-    ModeField("dola_layers", FieldStatus.REMOVED_MODE, GenerationMode.DOLA_GENERATION),
-    ModeField("diversity_penalty", FieldStatus.REMOVED_OPTION),
-    ModeField("num_beam_groups", FieldStatus.REMOVED_MODE, GenerationMode.GROUP_BEAM_SEARCH),
+    ModeField("penalty_alpha", FieldStatus.SERVED_V4, GenerationMode.CONTRASTIVE_SEARCH),
+    ModeField("dola_layers", FieldStatus.SERVED_V4, GenerationMode.DOLA_GENERATION),
+    ModeField("diversity_penalty", FieldStatus.SERVED_V4),
+    ModeField("num_beam_groups", FieldStatus.SERVED_V4, GenerationMode.GROUP_BEAM_SEARCH),
     ModeField("constraints", FieldStatus.REMOVED_MODE, GenerationMode.CONSTRAINED_BEAM_SEARCH),
     ModeField("force_words_ids", FieldStatus.REMOVED_MODE, GenerationMode.CONSTRAINED_BEAM_SEARCH),
     ModeField("continuous_batching_config", FieldStatus.MOVED_OUT),
@@ -106,10 +113,13 @@ UNSERVED_FIELDS: tuple[str, ...] = tuple(f.field for f in MODE_FIELDS if f.statu
 # Each removed mode and the fields that select it, first field first (it is named when none is set, as
 # for contrastive search selected by the default `top_k` and a `penalty_alpha`).
 REMOVED_MODE_FIELDS: dict[GenerationMode, tuple[str, ...]] = {}
+# The same for the modes transformers v5 moved out and specwire runs with 4.55.4's semantics.
+V4_MODE_FIELDS: dict[GenerationMode, tuple[str, ...]] = {}
 for _row in MODE_FIELDS:
     if _row.mode is not None:
-        REMOVED_MODE_FIELDS[_row.mode] = (*REMOVED_MODE_FIELDS.get(_row.mode, ()), _row.field)
-del _row
+        _table = V4_MODE_FIELDS if _row.status is FieldStatus.SERVED_V4 else REMOVED_MODE_FIELDS
+        _table[_row.mode] = (*_table.get(_row.mode, ()), _row.field)
+del _row, _table
 
 REMOVED_MODES = frozenset(REMOVED_MODE_FIELDS)
 

@@ -160,7 +160,21 @@ _WARNED: dict[str, FieldTreatment] = {
 }
 
 
-def _mode_field_treatment(status: FieldStatus) -> FieldTreatment:
+# The v4 modes specwire runs with transformers 4.55.4's semantics (validate() warns that transformers 5
+# moved them out).
+_V4_MODES = {
+    "num_beam_groups": "group beam search (loops/group_beam.py), transformers 4.55.4's semantics",
+    "diversity_penalty": "group beam search's Hamming diversity penalty (processors/diversity.py), transformers "
+    "4.55.4's semantics; without num_beam_groups > 1 it has no effect (validate() warns)",
+    "penalty_alpha": "contrastive search with top_k (loops/contrastive.py), transformers 4.55.4's semantics",
+    "dola_layers": "DoLa decoding with greedy search or sampling (loops/dola.py), transformers 4.55.4's semantics; "
+    "with beam search it has no effect (validate() warns, as 4.55.4 does)",
+}
+
+
+def _mode_field_treatment(field: str, status: FieldStatus) -> FieldTreatment:
+    if status is FieldStatus.SERVED_V4:
+        return _honoured(_V4_MODES[field])
     if status in (FieldStatus.REMOVED_MODE, FieldStatus.UNSERVED):
         return FieldTreatment(Treatment.REFUSED, "a decoding mode or drafting method specwire does not run")
     return FieldTreatment(Treatment.WARNED_BY_VALIDATION, "transformers 5 ignores it; validate() warns")
@@ -170,7 +184,7 @@ FIELD_TREATMENT: dict[str, FieldTreatment] = {
     **{name: _honoured(why) for name, why in _HONOURED.items()},
     **_WARNED,
     "token_healing": FieldTreatment(Treatment.REFUSED, "refused (UNIMPLEMENTED) by the decoding loop's mode check"),
-    **{row.field: _mode_field_treatment(row.status) for row in MODE_FIELDS},
+    **{row.field: _mode_field_treatment(row.field, row.status) for row in MODE_FIELDS},
 }
 
 

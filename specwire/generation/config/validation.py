@@ -23,11 +23,11 @@ from specwire.generation.argument_errors import InvalidGenerationArgument, Unsup
 from specwire.generation.config.constructor_rules import check_constructor
 from specwire.generation.config.fields import FIELD_NAMES, GenerationConfig
 from specwire.generation.config.generate_rules import check_generate
-from specwire.generation.config.modes import REMOVED_MODE_FIELDS, REMOVED_MODE_NAMES
+from specwire.generation.config.modes import REMOVED_MODE_FIELDS, REMOVED_MODE_NAMES, GenerationMode
 from specwire.generation.config.value_types import is_int
 from specwire.generation.config.violations import Recorder, Violation, errors
 
-__all__ = ["check_runnable", "field_suggestion", "raise_for_errors", "unknown_keys", "validate"]
+__all__ = ["check_runnable", "field_suggestion", "raise_for_errors", "unknown_keys", "v4_mode_violations", "validate"]
 
 
 def validate(config: GenerationConfig, strict: bool = False) -> list[Violation]:
@@ -123,6 +123,7 @@ def check_runnable(config: GenerationConfig) -> GenerationConfig:
     resolved = config.with_defaults()
     refuse_unsupported_modes(resolved)
     raise_for_errors(config.validate())
+    raise_for_errors(v4_mode_violations(resolved))
     raise_for_errors(_loop_shape_violations(resolved))
     return resolved
 
@@ -158,6 +159,86 @@ def refuse_unsupported_modes(config: GenerationConfig) -> None:
         raise UnsupportedModeError(
             "token_healing", "token healing is not supported by specwire; unset token_healing", config.token_healing
         )
+
+
+def v4_mode_violations(config: GenerationConfig) -> list[Violation]:
+    """transformers 4.55.4's rules for the v4 modes specwire runs (group beam search: its `validate()` and
+    `BeamSearchScorer`), on a config with the global defaults applied; one error violation each."""
+    mode = config.get_generation_mode()
+    if mode is GenerationMode.CONTRASTIVE_SEARCH:
+        return _contrastive_violations(config)
+    if mode is GenerationMode.DOLA_GENERATION:
+        layers: Any = config.dola_layers
+        if layers in ("low", "high") or (isinstance(layers, list) and all(is_int(i) for i in layers)):
+            return []
+        return [
+            Violation(
+                "dola_layers",
+                layers,
+                "`dola_layers` selects DoLa decoding and must be 'low', 'high' or a list of layer indices.",
+                "error",
+            )
+        ]
+    if mode is not GenerationMode.GROUP_BEAM_SEARCH:
+        return []
+    prefix = "`num_beam_groups` > 1 selects group (diverse) beam search, in which "
+    groups: Any = config.num_beam_groups
+    beams: Any = config.num_beams
+    penalty: Any = config.diversity_penalty
+    found = []
+    if not is_int(groups) or not is_int(beams) or groups > beams or beams % groups:
+        found.append(
+            Violation(
+                "num_beam_groups",
+                groups,
+                prefix + f"`num_beams` (={beams!r}) must be a multiple of `num_beam_groups`; pick a divisor of it.",
+                "error",
+            )
+        )
+    if config.do_sample is True:
+        found.append(Violation("do_sample", True, prefix + "`do_sample` must be False; unset it.", "error"))
+    if not isinstance(penalty, (int, float)) or not penalty > 0.0:
+        found.append(
+            Violation(
+                "diversity_penalty",
+                penalty,
+                prefix + "`diversity_penalty` must be greater than 0.0, otherwise the groups are identical; set it, "
+                "e.g. 1.0.",
+                "error",
+            )
+        )
+    return found
+
+
+def _contrastive_violations(config: GenerationConfig) -> list[Violation]:
+    """What contrastive search cannot run with: no cache (transformers 4.55.4 refuses it too), and what would
+    change or return the hidden states it ranks its candidates by."""
+    prefix = "`penalty_alpha` > 0 with `top_k` > 1 selects contrastive search, which "
+    found = []
+    if not config.use_cache:
+        found.append(Violation("use_cache", config.use_cache, prefix + "needs the KV cache; unset use_cache.", "error"))
+    if config.prefill_chunk_size is not None:
+        found.append(
+            Violation(
+                "prefill_chunk_size",
+                config.prefill_chunk_size,
+                prefix + "needs the hidden states of every prompt position in one forward; unset prefill_chunk_size.",
+                "error",
+            )
+        )
+    if config.cache_implementation not in (None, "dynamic"):
+        found.append(
+            Violation(
+                "cache_implementation",
+                config.cache_implementation,
+                prefix + "repeats and selects rows of a dynamic cache; unset cache_implementation.",
+                "error",
+            )
+        )
+    for name in ("output_attentions", "output_hidden_states"):
+        if config.return_dict_in_generate and getattr(config, name):
+            found.append(Violation(name, True, prefix + f"does not return them in specwire; unset {name}.", "error"))
+    return found
 
 
 def _loop_shape_violations(config: GenerationConfig) -> list[Violation]:

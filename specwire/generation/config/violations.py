@@ -76,7 +76,8 @@ class Recorder:
 
 # The fields that select modes removed in v5: transformers would refuse those modes before anything else,
 # and specwire answers UNIMPLEMENTED, so the remaining flags are checked as if they were absent.
-_DROPPED = tuple(row.field for row in MODE_FIELDS if row.status is FieldStatus.REMOVED_MODE)
+# Those of the modes specwire runs with 4.55.4's semantics too: transformers 5's rules do not know them.
+_DROPPED = tuple(row.field for row in MODE_FIELDS if row.status is FieldStatus.REMOVED_MODE or row.mode is not None)
 
 
 class Effective:

@@ -27,7 +27,11 @@ from typing import Any, cast
 import torch
 
 from specwire.generation.argument_errors import InvalidGenerationArgument
+from specwire.generation.config import GenerationMode
 from specwire.generation.loops.beam import beam_loop
+from specwire.generation.loops.contrastive import contrastive_loop
+from specwire.generation.loops.dola import DolaContrast
+from specwire.generation.loops.group_beam import group_beam_loop
 from specwire.generation.loops.sample import sample_loop
 from specwire.generation.loops.sampling import make_generator
 from specwire.generation.loops.stop_codes import StopCodes
@@ -90,8 +94,7 @@ def iter_generate(
         `Generator[StepEvent, None, GenerationResult]`
 
     Raises:
-        `UnsupportedModeError`: group/constrained beam search, contrastive search, DoLa, low_memory beams,
-            token healing.
+        `UnsupportedModeError`: constrained beam search, low_memory beams, token healing.
         `ValueError`: invalid combinations (see `prepare_generation`), or `stop_strings` without a tokenizer.
     """
     plan = prepare_generation(
@@ -141,7 +144,17 @@ def generate_from_plan(
     plan.require_tokenizer(tokenizer)
     device = plan.input_ids.device
     expanded_ids, expanded_mask = plan.expanded()
-    recorded: dict[str, Any] = {**check_model_outputs(plan, model), **static_cache(plan)}
+    wanted = check_model_outputs(plan, model)
+    recorded: dict[str, Any] = {**wanted, **static_cache(plan)}
+    mode = config.get_generation_mode()
+    contrastive = mode is GenerationMode.CONTRASTIVE_SEARCH
+    if contrastive:
+        # It ranks candidates by their last-layer hidden states, and repeats and selects cache rows: a
+        # RowBatch keeping every forward's hidden states (the config rules refuse what would change them).
+        recorded, rows_factory = {"output_hidden_states": True}, None
+    elif mode is GenerationMode.DOLA_GENERATION:
+        # It reads earlier layers' hidden states through the LM head every step.
+        recorded, rows_factory = {**recorded, "output_hidden_states": True}, None
     rows = (rows_factory or RowBatch)(
         model,
         attention_mask=expanded_mask,
@@ -173,11 +186,19 @@ def generate_from_plan(
     )
     generator = _request_generator(plan, generator, device)
     stop_codes = StopCodes(criteria, plan.eos_token_ids, device)
-    if plan.num_beams > 1:
+    if contrastive:
+        loop = contrastive_loop(plan, cast(RowBatch, rows), expanded_ids, expanded_mask, processors, stop_codes)
+    elif plan.num_beams > 1 and (config.num_beam_groups or 1) > 1:
+        loop = group_beam_loop(plan, rows, expanded_ids, processors, stop_codes)
+    elif plan.num_beams > 1:
         loop = beam_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
     else:
-        loop = sample_loop(plan, rows, expanded_ids, processors, stop_codes, generator)
-    if recorded.get("output_attentions") or recorded.get("output_hidden_states"):
+        contrast = None
+        if mode is GenerationMode.DOLA_GENERATION:
+            keep = bool(wanted.get("output_hidden_states"))
+            contrast = DolaContrast(model, config.dola_layers, cast(RowBatch, rows), keep_hidden_states=keep)
+        loop = sample_loop(plan, rows, expanded_ids, processors, stop_codes, generator, contrast=contrast)
+    if wanted.get("output_attentions") or wanted.get("output_hidden_states"):
         return _with_model_outputs(loop, cast(RowBatch, rows), plan.num_beams > 1)
     return loop
 
@@ -233,7 +254,7 @@ def _with_model_outputs(
     steps = len(rows.attentions or rows.hidden_states) if beams else result.sequences.shape[1] - result.prompt_length
     if rows.output_attentions:
         result.attentions = tuple(rows.attentions[:steps])
-    if rows.output_hidden_states:
+    if rows.output_hidden_states and rows.hidden_states:  # (DoLa drops them when only attentions are wanted)
         result.hidden_states = tuple(rows.hidden_states[:steps])
     return result
 

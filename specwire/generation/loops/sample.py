@@ -7,7 +7,7 @@ finished with `pad_token_id`. The loop ends when every row finished.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -29,8 +29,10 @@ def sample_loop(
     processors: Any,
     stop_codes: StopCodes,
     generator: torch.Generator | None,
+    contrast: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
-    """Greedy and multinomial sampling over `rows` (one row per returned sequence)."""
+    """Greedy and multinomial sampling over `rows` (one row per returned sequence); `contrast` turns each
+    step's logits into the ones the processors see (DoLa, `loops.dola`), `output_logits` keeping the raw ones."""
     config = plan.config
     return_dict, keep_scores, keep_logits = outputs_wanted(config)
     names = reason_names()
@@ -48,7 +50,8 @@ def sample_loop(
     step = 0
     while True:
         with torch.no_grad():
-            next_scores = rows.process([(processors, input_ids, logits)])[0]  # [rows, V]
+            scored = logits if contrast is None else contrast(logits)
+            next_scores = rows.process([(processors, input_ids, scored)])[0]  # [rows, V]
             if keep_scores:
                 assert scores is not None  # a tuple whenever keep_scores
                 scores += (next_scores,)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from specwire.generation.config import is_synthid_watermark
+from specwire.generation.config import GenerationMode, is_synthid_watermark
 from specwire.generation.loops.generate import generate_from_plan
 from specwire.generation.loops.sampling import make_generator
 from specwire.generation.loops.speculative_rounds import SpeculativeRun
@@ -104,6 +104,10 @@ def speculation_blocker(plan: GenerationPlan) -> str:
     config = plan.config
     if plan.num_beams > 1:
         return "beam search runs without speculation (plain beam search)"
+    mode = config.get_generation_mode()
+    if mode in (GenerationMode.CONTRASTIVE_SEARCH, GenerationMode.DOLA_GENERATION):
+        # Their tokens come from each step's hidden states, not from the target's distribution alone.
+        return f"{mode.value} runs without speculation (plain {mode.value})"
     if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
         # transformers' assisted generation splits a verified block's outputs into per-token entries; plain
         # decoding returns them one forward per token, which is the layout the caller asked for.

@@ -13,6 +13,7 @@ from specwire.generation.config.serialization import SYNTHID_DEFAULTS, WATERMARK
 
 from .base import LogitsProcessor, LogitsProcessorList, token_id_list
 from .bias import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
+from .diversity import HammingDiversityLogitsProcessor
 from .guidance import UnbatchedClassifierFreeGuidanceLogitsProcessor
 from .length import (
     ForcedBOSTokenLogitsProcessor,
@@ -184,13 +185,20 @@ def _penalty_processors(
     prompt_pad_lengths: torch.Tensor | Sequence[int] | None,
     eos: list[int] | None,
 ) -> list[LogitsProcessor]:
-    """Sequence bias, (encoder) repetition penalties, (encoder) no-repeat n-grams and bad words, in that order."""
+    """Sequence bias, Hamming diversity (group beam search), (encoder) repetition penalties, (encoder)
+    no-repeat n-grams and bad words, in that order."""
     processors: list[LogitsProcessor] = []
     # transformers ignores dummy encoder inputs (filled with -100) and non-2-D ones.
     has_encoder_ids = prompt_ids is not None and prompt_ids.dim() == 2 and not bool((prompt_ids < 0).any())
     sequence_bias = _field(config, "sequence_bias")
     if sequence_bias is not None:
         processors.append(SequenceBiasLogitsProcessor(sequence_bias))
+    # Group beam search only (transformers 4.55.4 builds it here, after the sequence bias).
+    diversity_penalty, groups = _field(config, "diversity_penalty"), _field(config, "num_beam_groups")
+    if diversity_penalty is not None and diversity_penalty > 0.0 and groups is not None and groups > 1:
+        processors.append(
+            HammingDiversityLogitsProcessor(float(diversity_penalty), int(_field(config, "num_beams")), int(groups))
+        )
     encoder_penalty = _field(config, "encoder_repetition_penalty")
     if encoder_penalty is not None and encoder_penalty != 1.0:
         if has_encoder_ids:

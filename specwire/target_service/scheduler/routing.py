@@ -3,15 +3,18 @@
 The lane runs `Engine`'s per-request path (one request per forward, with a `DynamicCache`), its model
 calls posted to the scheduler thread (`BatchScheduler.forward`). It takes what the slot cache cannot
 serve: `use_cache=False`, classifier-free guidance (its processor runs its own forward), attention
-weights or hidden states in the output (the model's own forward returns them), a static cache, more rows
-than slots, longer than a slot, padding that is not left padding, and prompt rows with no unmasked
-token. A model `slot_support` refuses, or one the start-up probe refused, sends every request there.
+weights or hidden states in the output (the model's own forward returns them), group beam search (its
+groups pick one after the other within a step), contrastive search and DoLa (hidden states), a static
+cache, more rows than slots, longer than a slot, padding that is not left padding, and prompt rows with
+no unmasked token. A model `slot_support` refuses, or one the start-up probe refused, sends every
+request there.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from specwire.generation.config import GenerationMode
 from specwire.runtime.slot_cache import SlotKVCache
 
 
@@ -30,6 +33,13 @@ def lane_reason(plan: Any, cache: SlotKVCache) -> str:
         return "classifier-free guidance"
     if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
         return "output_attentions / output_hidden_states (the packed forward returns neither)"
+    if config.num_beam_groups is not None and config.num_beam_groups > 1:
+        return "group beam search (its groups pick one after the other within a step)"
+    mode = config.get_generation_mode()
+    if mode is GenerationMode.CONTRASTIVE_SEARCH:
+        return "contrastive search (it ranks its candidates by hidden states and selects cache rows)"
+    if mode is GenerationMode.DOLA_GENERATION:
+        return "DoLa decoding (it reads earlier layers' hidden states every step)"
     if config.cache_implementation == "static":
         return "cache_implementation='static' (a StaticCache of its own)"
     if rows > cache.num_slots:
