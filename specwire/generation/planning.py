@@ -63,6 +63,8 @@ class GenerationPlan:
             Beams per prompt.
         do_sample (`bool`):
             Sampling or beam-sample.
+        structured (`CompiledGrammar`, *optional*):
+            The request's structured-output spec, compiled for the model's tokenizer.
     """
 
     config: Any
@@ -75,6 +77,7 @@ class GenerationPlan:
     input_len: int
     num_beams: int
     do_sample: bool
+    structured: Any = None
 
     @property
     def rows(self) -> int:
@@ -210,6 +213,8 @@ def prepare_generation(
     *,
     config: Any,
     max_position_embeddings: int | None = None,
+    structured_output: Any = None,
+    tokenizer: Any = None,
 ) -> GenerationPlan:
     """
     Resolves a merged config against the prompts the way transformers' `generate()` does before decoding.
@@ -225,6 +230,11 @@ def prepare_generation(
             Merged request/model config (unset fields allowed).
         max_position_embeddings (`int`, *optional*):
             Context length for the default-length cap; read from the model config when `None`.
+        structured_output (`StructuredOutput`, *optional*):
+            A JSON schema, regex, grammar or choice list the output must match; compiled here (cached per
+            spec), so a spec the library refuses raises before any forward pass.
+        tokenizer (`PreTrainedTokenizerFast`, *optional*):
+            The model's tokenizer; needed for `structured_output`.
 
     Returns:
         `GenerationPlan`
@@ -253,6 +263,11 @@ def prepare_generation(
         max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
     config = _resolve_lengths(config, input_len, has_default_max_length, max_position_embeddings)
 
+    structured = None
+    if structured_output is not None:
+        from specwire.generation.structured import compile_structured_output
+
+        structured = compile_structured_output(structured_output, tokenizer, model_limits(model)[0], eos)
     num_beams = int(config.num_beams)
     return GenerationPlan(
         config=config,
@@ -265,6 +280,7 @@ def prepare_generation(
         input_len=input_len,
         num_beams=num_beams,
         do_sample=bool(config.do_sample),
+        structured=structured,
     )
 
 

@@ -51,6 +51,7 @@ def iter_generate(
     negative_prompt_attention_mask: torch.Tensor | None = None,
     max_position_embeddings: int | None = None,
     rows_factory: Callable[..., Rows] | None = None,
+    structured_output: Any = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """
     Generates with transformers `generate()` semantics, one step at a time.
@@ -84,6 +85,9 @@ def iter_generate(
         rows_factory (`Callable`, *optional*):
             Builds the model-side state (a `Rows`) instead of `RowBatch`, with its constructor arguments,
             e.g. the target service's slot-cache rows that share one forward with other requests.
+        structured_output (`StructuredOutput`, *optional*):
+            A JSON schema, regex, Lark grammar or choice list every row's output must match (needs the
+            tokenizer); see `specwire.generation.structured`.
 
     Returns:
         `Generator[StepEvent, None, GenerationResult]`
@@ -94,7 +98,13 @@ def iter_generate(
         `ValueError`: invalid combinations (see `prepare_generation`), or `stop_strings` without a tokenizer.
     """
     plan = prepare_generation(
-        model, input_ids, attention_mask, config=config, max_position_embeddings=max_position_embeddings
+        model,
+        input_ids,
+        attention_mask,
+        config=config,
+        max_position_embeddings=max_position_embeddings,
+        structured_output=structured_output,
+        tokenizer=tokenizer,
     )
     return generate_from_plan(
         model,
@@ -160,6 +170,7 @@ def generate_from_plan(
         model=model,
         negative_prompt_ids=negative_prompt_ids,
         negative_prompt_attention_mask=negative_prompt_attention_mask,
+        structured=plan.structured,
     )
     criteria = build_stopping_criteria(
         config,
@@ -202,13 +213,14 @@ def generate(
     negative_prompt_ids: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
     max_position_embeddings: int | None = None,
+    structured_output: Any = None,
 ) -> GenerationResult:
     """
     Runs `iter_generate` to the end and returns its `GenerationResult`.
 
     Args:
         model, input_ids, attention_mask, config, tokenizer, generator, negative_prompt_ids,
-        negative_prompt_attention_mask, max_position_embeddings: as for `iter_generate`.
+        negative_prompt_attention_mask, max_position_embeddings, structured_output: as for `iter_generate`.
 
     Returns:
         `GenerationResult`
@@ -223,6 +235,7 @@ def generate(
         negative_prompt_ids=negative_prompt_ids,
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         max_position_embeddings=max_position_embeddings,
+        structured_output=structured_output,
     )
     return drain(steps)
 

@@ -121,6 +121,7 @@ def iter_speculative(
     max_position_embeddings: int | None = None,
     draft_length: int | None = None,
     rows_factory: Callable[..., SpeculativeRows] | None = None,
+    structured_output: Any = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """`iter_generate` with speculative rounds when the request allows it, else plain decoding.
 
@@ -136,7 +137,13 @@ def iter_speculative(
             (a `SpeculativeRows`); passed on to plain decoding.
     """
     plan = prepare_generation(
-        model, input_ids, attention_mask, config=config, max_position_embeddings=max_position_embeddings
+        model,
+        input_ids,
+        attention_mask,
+        config=config,
+        max_position_embeddings=max_position_embeddings,
+        structured_output=structured_output,
+        tokenizer=tokenizer,
     )
     return speculate_from_plan(
         model,
@@ -237,6 +244,7 @@ def _per_row_steps(
                 prompt_ids=prompt,
                 prompt_pad_lengths=None if pad_lengths is None else pad_lengths[r : r + 1],
                 model=model,
+                structured=plan.structured,
             )
         )
         criteria = build_stopping_criteria(

@@ -233,7 +233,7 @@ class SpeculativeRun:
                 self._drafter_failed(exc)
             draft_s = time.perf_counter() - started
             self.stats.draft_seconds += draft_s
-        drafts = [list(proposal.tokens[r][: want[r]]) for r in range(len(state))]
+        drafts = [_grammar_allowed(row, list(proposal.tokens[r][: want[r]])) for r, row in enumerate(state)]
         # Finished rows are fed the pad token, as plain decoding feeds them (their scores stay exact).
         catch_up = max(cast(int, row.finish_length) for row in state) if all(row.finished for row in state) else 0
         forced = [
@@ -446,6 +446,17 @@ def _padded(pieces: Sequence[torch.Tensor | None], width: int, like: torch.Tenso
         if piece is not None:
             out[r, : piece.shape[0]] = piece
     return out
+
+
+def _grammar_allowed(row: _Row, draft: list[int]) -> list[int]:
+    """The draft cut before the first token a structured-output grammar forbids: the verify forward
+    masks that position, so the token could only be rejected, and its grammar state does not exist."""
+    if draft:
+        for processor in row.processors:
+            allowed = getattr(processor, "allowed_prefix_length", None)
+            if allowed is not None:
+                draft = draft[: allowed(row.ids()[0], draft)]
+    return draft
 
 
 def _greedy_or_sample(plan: GenerationPlan, scores: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -79,13 +79,15 @@ def build_logits_processors(
     model: Any = None,
     negative_prompt_ids: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
+    structured: Any = None,
 ) -> LogitsProcessorList:
     r"""Build the processors for one request, in transformers 5.23's order and under its conditions.
 
     Order: classifier-free guidance, sequence bias, encoder repetition penalty, repetition penalty,
     no-repeat n-gram, encoder no-repeat n-gram, bad words, min length, min new tokens, forced BOS,
     forced EOS, inf/nan removal, exponential decay length penalty, suppress tokens, suppress at begin;
-    then, only when `do_sample`, temperature, top-h, top-k, top-p, min-p, typical, epsilon, eta; then
+    then the structured-output mask, where transformers merges a user's `logits_processor` list; then,
+    only when `do_sample`, temperature, top-h, top-k, top-p, min-p, typical, epsilon, eta; then
     the watermark, and `LogitNormalization` always last.
 
     Args:
@@ -113,6 +115,9 @@ def build_logits_processors(
             last prompt token.
         negative_prompt_attention_mask (`torch.LongTensor` of shape `(1 or batch, neg_len)`, *optional*):
             Its attention mask.
+        structured (`CompiledGrammar`, *optional*):
+            The request's compiled structured-output spec (`GenerationPlan.structured`): adds a
+            `StructuredOutputLogitsProcessor` (its own matcher states, so build one list per request).
 
     Returns:
         `LogitsProcessorList`: the processors, applied in list order.
@@ -132,6 +137,11 @@ def build_logits_processors(
     )
     processors.extend(_penalty_processors(config, prompt_ids, prompt_pad_lengths, eos))
     processors.extend(_length_and_suppression_processors(config, input_len, eos))
+    if structured is not None:
+        # transformers 5.23 merges user processors here (`_merge_criteria_processor_list`), before the warpers.
+        from specwire.generation.structured import StructuredOutputLogitsProcessor
+
+        processors.append(StructuredOutputLogitsProcessor(structured, input_len))
     if _field(config, "do_sample"):
         processors.extend(_sampling_warpers(config, num_beams, eos))
     processors.extend(_final_processors(config, vocab_size))
