@@ -12,7 +12,8 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -88,9 +89,9 @@ def smollm2_tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     start = time.perf_counter()
-    value = fn()
+    value = fn(*args)
     return value, time.perf_counter() - start
 
 
@@ -195,23 +196,23 @@ class OutlinesCore:
 
 
 def measure(lib_cls: type, tokenizer: Any, vocab: int, repeats: int) -> list[dict[str, Any]]:
-    lib, setup_s = timed(lambda: lib_cls(tokenizer, vocab))
+    lib, setup_s = timed(lib_cls, tokenizer, vocab)
     rows = [{"library": lib.name, "what": "tokenizer set-up", "compile_ms": setup_s * 1e3, "mask_us": None}]
     cases = [("json", json.dumps(SCHEMAS[n]), OUTPUTS[n], f"schema {n}") for n in SCHEMAS]
     cases.append(("regex", REGEX, REGEX_OUTPUT, "regex phone"))
     for kind, spec, output, label in cases:
         compiles = []
         for _ in range(repeats):
-            compiled, seconds = timed(lambda: lib.compile(kind, spec))
+            compiled, seconds = timed(lib.compile, kind, spec)
             compiles.append(seconds)
         ids = tokenizer.encode(output, add_special_tokens=False)
         bitmask = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
         masks, firsts = [], []
         for _ in range(repeats):
-            compiled, seconds = timed(lambda: lib.compile(kind, spec))
+            compiled, seconds = timed(lib.compile, kind, spec)
             state = lib.start(compiled)
             for position, token in enumerate(ids):
-                _, mask_s = timed(lambda: lib.mask(state, bitmask))
+                _, mask_s = timed(lib.mask, state, bitmask)
                 masks.append(mask_s)
                 if position == 0:
                     firsts.append(seconds + mask_s)
@@ -240,7 +241,9 @@ def main() -> None:
     tokenizer = smollm2_tokenizer()
     vocab = len(tokenizer)
     libraries = {c.name: c for c in (Llguidance, Xgrammar, OutlinesCore)}
-    print(f"vocabulary: {vocab} tokens; median of {args.repeats} runs; mask = one row, bitmask into a preallocated buffer")
+    print(
+        f"vocabulary: {vocab} tokens; median of {args.repeats} runs; mask = one row, bitmask into a preallocated buffer"
+    )
     print("| library | what | compile (ms) | compile + first mask (ms) | mask per token, median / mean (us) |")
     print("|---|---|---|---|---|")
     for name in args.libraries.split(","):

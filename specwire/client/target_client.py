@@ -20,6 +20,7 @@ import torch
 from specwire.client.config_client import config_to_wire
 from specwire.client.errors import SpecwireRpcError, Violation, raises_rpc_errors
 from specwire.client.retrying import RetrySchedule, acall_with_retries, call_with_retries, check_retries
+from specwire.client.structured_output import structured_output_to_proto
 from specwire.common.v1 import common_pb2
 from specwire.generation.outputs import compute_transition_scores as _compute_transition_scores
 from specwire.security.channels import DEFAULT_CLIENT_MAX_MESSAGE_BYTES, secure_channel
@@ -142,9 +143,11 @@ def build_request(
     negative_prompt_ids=None,
     proposer: str | None = None,
     request_id: str = "",
+    structured_output=None,
     **kwargs,
 ):
-    """A GenerateRequest / GenerateStreamRequest from `generate()`-style arguments."""
+    """A GenerateRequest / GenerateStreamRequest from `generate()`-style arguments (`structured_output`:
+    see `specwire.client.structured_output`)."""
     if (input_ids is None) == (text is None):
         raise ValueError("pass exactly one of input_ids and text")
     if proposer not in PROPOSERS:
@@ -167,6 +170,8 @@ def build_request(
         request.overrides.CopyFrom(config_to_wire(dict(kwargs)))
     if negative_prompt_ids is not None:
         request.negative_prompt.token_ids.ids.extend(cast(list[list[int]], _rows(negative_prompt_ids))[0])
+    if structured_output is not None:
+        request.structured_output.CopyFrom(structured_output_to_proto(structured_output))
     return request
 
 
@@ -240,8 +245,10 @@ class TargetClient:
     ) -> GenerateOutput:
         """Like `model.generate()`. `generation_config` may be ours, transformers', a dict or a registry
         reference (`name`, `name@3`, `name:prod`); keyword arguments are GenerationConfig fields that win
-        over it. Also: `apply_chat_template`, `negative_prompt_ids`, `proposer`, `request_id`, and
-        `timeout` (this call's deadline in seconds, None for none; default: the client's)."""
+        over it. Also: `apply_chat_template`, `negative_prompt_ids`, `proposer`, `request_id`,
+        `structured_output` (`{"json_schema": dict or pydantic model class}`, `{"regex": str}`,
+        `{"grammar": str}` or `{"choice": [str, ...]}`: the output must match it), and `timeout` (this
+        call's deadline in seconds, None for none; default: the client's)."""
         request = build_request(
             pb.GenerateRequest,
             input_ids,

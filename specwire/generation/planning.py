@@ -31,7 +31,14 @@ from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.config import check_runnable
 from specwire.generation.rows import model_device
 
-__all__ = ["DEFAULT_NEW_TOKENS", "GenerationPlan", "check_token_ids", "model_limits", "prepare_generation"]
+__all__ = [
+    "DEFAULT_NEW_TOKENS",
+    "GenerationPlan",
+    "check_token_ids",
+    "model_limits",
+    "prepare_generation",
+    "resolved_eos_token_ids",
+]
 
 # Transformers' default when no length is set anywhere: this many *new* tokens.
 DEFAULT_NEW_TOKENS = 20
@@ -295,6 +302,11 @@ def _check_shapes(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
             tuple(attention_mask.shape),
             f"attention_mask must be 2-D with the shape of input_ids {tuple(input_ids.shape)}",
         )
+
+
+def resolved_eos_token_ids(config: Any) -> list[int] | None:
+    """The EOS ids a plan resolves from a merged config (a list, or `None` when there is none)."""
+    return _special_tokens(config)[0]
 
 
 def _special_tokens(config: Any) -> tuple[list[int] | None, int | None]:
