@@ -270,3 +270,90 @@ def test_speculation_equals_plain_constrained_decoding(tiny, batch, kind, drafte
     assert speculative.finish_reasons == plain.finish_reasons
     for a, b in zip(speculative.scores, plain.scores, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_draft_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_draft_dir).eval()
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "grammar"])
+def test_draft_model_speculation_equals_plain_constrained_decoding(tiny, batch, draft_model, kind):
+    from specwire.generation.speculation.drafters import ModelDrafter
+
+    spec = SPECS[kind]
+    config = _config(tiny, max_new_tokens=40, do_sample=False)
+    plain = generate(
+        tiny.model,
+        batch.input_ids,
+        batch.attention_mask,
+        config=config,
+        tokenizer=tiny.tokenizer,
+        structured_output=spec,
+    )
+    stats = SpeculationStats()
+    speculative = drain(
+        iter_speculative(
+            tiny.model,
+            batch.input_ids,
+            batch.attention_mask,
+            config=config,
+            open_drafter=lambda rows, resolved: ModelDrafter(draft_model, rows, resolved, tiny.vocab_size),
+            stats=stats,
+            tokenizer=tiny.tokenizer,
+            structured_output=spec,
+            draft_length=4,
+        )
+    )
+    assert not stats.fallback_reason
+    if kind == "json_schema":  # the random draft rarely proposes what the arithmetic grammar allows
+        assert stats.drafted_tokens > 0
+    assert torch.equal(speculative.sequences, plain.sequences)
+    assert speculative.finish_reasons == plain.finish_reasons
+
+
+def test_sampled_drafts_with_probabilities_keep_forbidden_tokens_for_rejection_sampling(tiny, batch, draft_model):
+    """The unconstrained draft model proposes forbidden tokens with their probabilities: they reach
+    rejection sampling uncut (p = 0 there, so they are rejected and the residual is drawn; cutting them
+    would skew the distribution), and every output still matches the spec."""
+    from specwire.generation.speculation.drafters import ModelDrafter
+
+    spec = SPECS["json_schema"]
+    config = _config(tiny, max_new_tokens=40, do_sample=True, seed=5)
+    proposed = []
+
+    class Recording(ModelDrafter):
+        def propose(self, num_tokens):
+            proposal = super().propose(num_tokens)
+            proposed.append(sum(len(tokens) for tokens in proposal.tokens))
+            return proposal
+
+    stats = SpeculationStats()
+    result = drain(
+        iter_speculative(
+            tiny.model,
+            batch.input_ids,
+            batch.attention_mask,
+            config=config,
+            open_drafter=lambda rows, resolved: Recording(
+                draft_model,
+                rows,
+                resolved,
+                tiny.vocab_size,
+                return_probs=True,
+                generator=torch.Generator().manual_seed(1),
+            ),
+            stats=stats,
+            tokenizer=tiny.tokenizer,
+            structured_output=spec,
+            draft_length=4,
+        )
+    )
+    assert not stats.fallback_reason
+    # Every proposed token was verified (none cut), and the forbidden ones were rejected.
+    assert stats.drafted_tokens == sum(proposed) > stats.accepted_tokens
+    for text, reason in zip(texts(tiny, result, batch.input_ids.shape[1]), result.finish_reasons, strict=True):
+        if reason == "eos":
+            check_output(spec, text)
