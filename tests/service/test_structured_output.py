@@ -13,6 +13,8 @@ import grpc
 import pydantic
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from specwire.client import SpecwireRpcError, TargetClient
 from specwire.models import load_model
@@ -213,3 +215,49 @@ def test_cli_json_schema_regex_choice_and_a_library_error(sequential, tmp_path, 
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
     assert main([*base, "--json-schema", str(tmp_path / "missing.json")]) != 0
     assert "--json-schema" in capsys.readouterr().err
+
+
+def test_streaming_a_choice(batched):
+    with TargetClient(batched.address) as client:
+        items = list(client.stream(text=PROMPTS[:1], max_new_tokens=20, structured_output={"choice": CHOICES}))
+    final = items[-1]
+    streamed = "".join(item.text for item in items[:-1])
+    assert final.finish_reasons == ["eos"] and final.text[0] in CHOICES and streamed == final.text[0]
+
+
+_TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40)
+_SPECS = st.one_of(
+    st.builds(lambda t: {"json_schema": t}, _TEXT),
+    st.builds(
+        lambda d: {"json_schema": d},
+        st.dictionaries(
+            st.sampled_from(
+                ["type", "enum", "pattern", "items", "properties", "minimum", "maxLength", "anyOf", "$ref"]
+            ),
+            st.one_of(_TEXT, st.integers(), st.lists(_TEXT, max_size=3)),
+            max_size=3,
+        ),
+    ),
+    st.builds(lambda t: {"regex": t}, _TEXT),
+    st.builds(lambda t: {"grammar": t}, _TEXT),
+    st.builds(lambda t: {"grammar": "start: " + t}, _TEXT),
+    st.builds(lambda c: {"choice": c}, st.lists(_TEXT, max_size=4)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    spec=_SPECS,
+    options=st.sampled_from([{}, {"do_sample": True, "seed": 1}, {"num_beams": 2}, {"prompt_lookup_num_tokens": 3}]),
+)
+def test_fuzzed_specs_never_answer_internal(batched, spec, options):
+    with TargetClient(batched.address) as client:
+        try:
+            out = client.generate(text=PROMPTS[:1], max_new_tokens=3, structured_output=spec, **options)
+        except SpecwireRpcError as error:
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+            assert error.violations and error.violations[0].field.startswith("structured_output"), error
+        except ValueError:  # the client's own check (e.g. a non-string choice)
+            pass
+        else:
+            assert len(out.text) == 1
