@@ -65,8 +65,8 @@ def _grammar_text(spec: StructuredOutput) -> str:
     M = llguidance.LLMatcher
     if spec.kind == "json_schema":
         try:
-            # Fixed separators (", " and ": ", no other whitespace) unless the schema's "x-guidance" says
-            # otherwise: with flexible whitespace a weak model can pad with newlines until max_length.
+            # Compact JSON (no whitespace between tokens) unless the schema's "x-guidance" says otherwise:
+            # with flexible whitespace a weak model can pad with newlines until max_length.
             return str(M.grammar_from_json_schema(str(spec.value), defaults=JSON_DEFAULTS))
         except ValueError as error:
             raise InvalidGenerationArgument.for_field(
