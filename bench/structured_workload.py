@@ -67,9 +67,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object",
         "properties": {
             "answer": {"type": "string", "maxLength": 60},
-            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            # An integer: a number in [0, 1] lets SmolLM2 write 0.9999... until max_new_tokens (a JSON
+            # Schema cannot bound the digits of a number, so neither can the grammar).
+            "confidence_percent": {"type": "integer", "minimum": 0, "maximum": 100},
         },
-        "required": ["answer", "confidence"],
+        "required": ["answer", "confidence_percent"],
         "additionalProperties": False,
     },
 }
@@ -123,16 +125,26 @@ def parses_and_validates(text: str, schema: dict) -> bool:
         return False
 
 
+PHRASINGS = [
+    "Describe {subject} as a JSON object with the fields {fields}.",
+    "Invent {subject} and return it as JSON with {fields}.",
+    "Write a JSON record ({fields}) for {subject}.",
+    "Give me {subject} in JSON: {fields}.",
+    "Return one JSON object about {subject}, with {fields}.",
+]
+
+
 def _requests(count: int) -> list[tuple[str, str]]:
-    """(schema name, prompt text), round-robin over the schemas and their subjects."""
+    """(schema name, prompt text), round-robin over the schemas; 25 distinct prompts per schema."""
     names = list(SCHEMAS)
     out = []
     for i in range(count):
         name = names[i % len(names)]
-        subject = SUBJECTS[name][(i // len(names)) % len(SUBJECTS[name])]
-        out.append(
-            (name, f"Describe {subject} as a JSON object with the fields {', '.join(SCHEMAS[name]['properties'])}.")
-        )
+        k = i // len(names)
+        subjects = SUBJECTS[name]
+        phrasing = PHRASINGS[(k // len(subjects)) % len(PHRASINGS)]
+        fields = ", ".join(SCHEMAS[name]["properties"])
+        out.append((name, phrasing.format(subject=subjects[k % len(subjects)], fields=fields)))
     return out
 
 
@@ -171,6 +183,7 @@ def structured(ctx: Context) -> dict:
     base = {"max_new_tokens": max_new, "proposer": "none", "do_sample": False}
     encode = ctx.reference.encode  # the chat template when the tokenizer has one, as the service applies it
     valid, outputs, constrained, free = 0, [], [], []
+    failures: list[dict] = []
     for i, (name, prompt) in enumerate(_requests(count)):
         started = time.perf_counter()
         ids = [encode(prompt)]
@@ -179,7 +192,10 @@ def structured(ctx: Context) -> dict:
         new = out.sequences.shape[1] - out.prompt_length
         constrained.append(Run(seconds, new, out.sequences[0].tolist()))
         outputs.append((name, out.sequences[0].tolist(), out.prompt_length))
-        valid += parses_and_validates(out.text[0], SCHEMAS[name])
+        if parses_and_validates(out.text[0], SCHEMAS[name]):
+            valid += 1
+        else:
+            failures.append({"schema": name, "finish_reason": out.finish_reasons[0], "text": out.text[0]})
         if i < len(SCHEMAS) * (1 if ctx.quick else 2):  # free text on a subset: same prompts, same lengths
             started = time.perf_counter()
             out = client.generate(ids, min_new_tokens=new, **{**base, "max_new_tokens": new})
@@ -233,6 +249,7 @@ def structured(ctx: Context) -> dict:
         ],
         valid=valid,
         requests=count,
+        failures=failures,
         mask_us_per_token=mask_us,
         free_step_us=step_us,
         mask_overhead=None if mask_us is None or step_us is None else mask_us / step_us,
