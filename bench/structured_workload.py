@@ -151,15 +151,31 @@ def _requests(count: int) -> list[tuple[str, str]]:
 def _mask_cost_us(ctx: Context, outputs: list[tuple[str, list[int], int]]) -> float | None:
     """Mean microseconds per token of the target's mask processor, replaying the constrained outputs."""
     from specwire.generation.planning import resolved_eos_token_ids
+
+    loaded = ctx.reference.loaded
+    eos = resolved_eos_token_ids(loaded.generation_config) or [loaded.tokenizer.eos_token_id]
+    scores = torch.zeros(1, loaded.vocab_size)
+    # The target runs a request's processors on its request thread with one torch thread; so does this
+    # replay (with the process's threads, it would measure OpenMP waking workers on a busy machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spent, tokens = _replay(outputs, loaded, eos, scores)
+    finally:
+        torch.set_num_threads(threads)
+    return spent / tokens * 1e6 if tokens else None
+
+
+def _replay(
+    outputs: list[tuple[str, list[int], int]], loaded: Any, eos: list[int], scores: torch.Tensor
+) -> tuple[float, int]:
+    """Seconds spent in the mask processor and tokens masked, over every output."""
     from specwire.generation.structured import (
         StructuredOutput,
         StructuredOutputLogitsProcessor,
         compile_structured_output,
     )
 
-    loaded = ctx.reference.loaded
-    eos = resolved_eos_token_ids(loaded.generation_config) or [loaded.tokenizer.eos_token_id]
-    scores = torch.zeros(1, loaded.vocab_size)
     spent, tokens = 0.0, 0
     for name, sequence, prompt_length in outputs:
         spec = StructuredOutput("json_schema", json.dumps(SCHEMAS[name]))
@@ -172,7 +188,7 @@ def _mask_cost_us(ctx: Context, outputs: list[tuple[str, list[int], int]]) -> fl
             processor(ids, scores)
             spent += time.perf_counter() - started
             tokens += 1
-    return spent / tokens * 1e6 if tokens else None
+    return spent, tokens
 
 
 def structured(ctx: Context) -> dict:
