@@ -144,6 +144,7 @@ def build_request(
     proposer: str | None = None,
     request_id: str = "",
     structured_output=None,
+    allowed_token_sequences=None,
     **kwargs,
 ):
     """A GenerateRequest / GenerateStreamRequest from `generate()`-style arguments (`structured_output`:
@@ -172,6 +173,8 @@ def build_request(
         request.negative_prompt.token_ids.ids.extend(cast(list[list[int]], _rows(negative_prompt_ids))[0])
     if structured_output is not None:
         request.structured_output.CopyFrom(structured_output_to_proto(structured_output))
+    for sequence in _rows(allowed_token_sequences) or []:
+        request.allowed_token_sequences.add(ids=sequence)
     return request
 
 
@@ -247,7 +250,9 @@ class TargetClient:
         reference (`name`, `name@3`, `name:prod`); keyword arguments are GenerationConfig fields that win
         over it. Also: `apply_chat_template`, `negative_prompt_ids`, `proposer`, `request_id`,
         `structured_output` (`{"json_schema": dict or pydantic model class}`, `{"regex": str}`,
-        `{"grammar": str}` or `{"choice": [str, ...]}`: the output must match it), and `timeout` (this
+        `{"grammar": str}` or `{"choice": [str, ...]}`: the output must match it),
+        `allowed_token_sequences` (lists of token ids: the generated tokens follow one of them, then EOS;
+        transformers' `prefix_allowed_tokens_fn` as data), and `timeout` (this
         call's deadline in seconds, None for none; default: the client's)."""
         request = build_request(
             pb.GenerateRequest,

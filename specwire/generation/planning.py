@@ -72,6 +72,8 @@ class GenerationPlan:
             Sampling or beam-sample.
         structured (`CompiledGrammar`, *optional*):
             The request's structured-output spec, compiled for the model's tokenizer.
+        allowed_token_sequences (`tuple[tuple[int, ...], ...]`, *optional*):
+            The serializable `prefix_allowed_tokens_fn`: generated tokens follow one of these, then EOS.
     """
 
     config: Any
@@ -85,6 +87,7 @@ class GenerationPlan:
     num_beams: int
     do_sample: bool
     structured: Any = None
+    allowed_token_sequences: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def rows(self) -> int:
@@ -222,6 +225,7 @@ def prepare_generation(
     max_position_embeddings: int | None = None,
     structured_output: Any = None,
     tokenizer: Any = None,
+    allowed_token_sequences: Any = None,
 ) -> GenerationPlan:
     """
     Resolves a merged config against the prompts the way transformers' `generate()` does before decoding.
@@ -242,6 +246,9 @@ def prepare_generation(
             spec), so a spec the library refuses raises before any forward pass.
         tokenizer (`PreTrainedTokenizerFast`, *optional*):
             The model's tokenizer; needed for `structured_output`.
+        allowed_token_sequences (`Sequence[Sequence[int]]`, *optional*):
+            Allowed generated sequences (the serializable form of `prefix_allowed_tokens_fn`, see
+            `processors.prefix`); checked here against the vocabulary.
 
     Returns:
         `GenerationPlan`
@@ -275,6 +282,7 @@ def prepare_generation(
         from specwire.generation.structured import compile_structured_output
 
         structured = compile_structured_output(structured_output, tokenizer, model_limits(model)[0], eos)
+    allowed = _checked_sequences(allowed_token_sequences, model_limits(model)[0], eos)
     num_beams = int(config.num_beams)
     return GenerationPlan(
         config=config,
@@ -288,7 +296,32 @@ def prepare_generation(
         num_beams=num_beams,
         do_sample=bool(config.do_sample),
         structured=structured,
+        allowed_token_sequences=allowed,
     )
+
+
+def _checked_sequences(sequences: Any, vocab_size: int, eos: list[int] | None) -> tuple[tuple[int, ...], ...] | None:
+    """Allowed token sequences as tuples, refused when empty, out of the vocabulary, or without an EOS id."""
+    if sequences is None:
+        return None
+    field = "allowed_token_sequences"
+    rows = tuple(tuple(int(t) for t in sequence) for sequence in sequences)
+    if not rows or not all(rows):
+        raise InvalidGenerationArgument.for_field(
+            field, [list(r) for r in rows], "give at least one sequence, and no empty sequence"
+        )
+    bad = [t for row in rows for t in row if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidGenerationArgument.for_field(
+            field, bad[0], f"token ids must be in [0, {vocab_size}) for this model's vocabulary"
+        )
+    if not eos:
+        raise InvalidGenerationArgument.for_field(
+            "eos_token_id",
+            None,
+            "allowed_token_sequences end a row with EOS once it completed a sequence; set eos_token_id",
+        )
+    return rows
 
 
 def _check_shapes(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

@@ -176,6 +176,7 @@ class Engine:
                 max_position_embeddings=self.loaded.max_position_embeddings,
                 structured_output=job.structured_output,
                 tokenizer=self.loaded.tokenizer,
+                allowed_token_sequences=job.allowed_token_sequences,
             )
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer

@@ -49,6 +49,7 @@ class GenerationJob:
     warnings: list[FieldProblem] = field(default_factory=list)
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
     structured_output: StructuredOutput | None = None
+    allowed_token_sequences: list[list[int]] | None = None  # the serializable prefix_allowed_tokens_fn
 
 
 def _config(message: Any, field_name: str) -> GenerationConfig:
@@ -271,9 +272,30 @@ def prepare_job(
         proposer=request.proposer,
         request_id=request.request_id,
         structured_output=structured,
+        allowed_token_sequences=_allowed_sequences(request, loaded.vocab_size),
         # A config served from the target's cache during a registry outage says so first.
         warnings=[*(resolved.warnings if resolved is not None else ()), *warnings],
     )
+
+
+def _allowed_sequences(request, vocab_size: int) -> list[list[int]] | None:
+    """The request's allowed token sequences (None when it sends none), checked against the vocabulary."""
+    if not request.allowed_token_sequences:
+        return None
+    sequences = [list(sequence.ids) for sequence in request.allowed_token_sequences]
+    for i, sequence in enumerate(sequences):
+        if not sequence:
+            raise InvalidArgument.for_field(
+                f"allowed_token_sequences[{i}]", [], "an allowed sequence needs at least one token id"
+            )
+        bad = [t for t in sequence if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument.for_field(
+                f"allowed_token_sequences[{i}]",
+                bad[0],
+                f"token ids must be in [0, {vocab_size}) for this model's vocabulary; use the model's tokenizer",
+            )
+    return sequences
 
 
 def check_wire_sizes(request, limits: RequestLimits) -> None:

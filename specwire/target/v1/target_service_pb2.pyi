@@ -32,7 +32,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[_common_pb2.TokenSequence, _Mapping]] = ..., text: _Optional[str] = ..., attention_mask: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "structured_output")
+    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "structured_output", "allowed_token_sequences")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONFIG_REF_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class GenerateRequest(_message.Message):
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     config: _generation_config_pb2.GenerationConfig
     config_ref: str
@@ -51,10 +52,11 @@ class GenerateRequest(_message.Message):
     proposer: Proposer
     request_id: str
     structured_output: StructuredOutput
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    allowed_token_sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "structured_output")
+    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "structured_output", "allowed_token_sequences")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONFIG_REF_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,7 @@ class GenerateStreamRequest(_message.Message):
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     config: _generation_config_pb2.GenerationConfig
     config_ref: str
@@ -73,7 +76,8 @@ class GenerateStreamRequest(_message.Message):
     proposer: Proposer
     request_id: str
     structured_output: StructuredOutput
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    allowed_token_sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "regex", "grammar", "choice")

@@ -126,6 +126,7 @@ class BatchScheduler:
             max_position_embeddings=self.max_position_embeddings,
             structured_output=job.structured_output,
             tokenizer=self.tokenizer,
+            allowed_token_sequences=job.allowed_token_sequences,
         )
         return lane_reason(plan, self.cache), plan
 
