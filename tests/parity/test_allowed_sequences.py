@@ -20,7 +20,7 @@ from .test_decoding_parity import OUTPUT_FLAGS, assert_parity
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 PROMPTS = ["The quick brown", "def add(a, b):\n    return", "Hello"]
-SEQUENCES = [[50, 60, 70, 80], [50, 61], [50, 60, 71, 81, 91], [90, 91, 92], [100]]
+SEQUENCES = [[50, 60, 70, 80], [50, 61], [50, 60, 71, 81, 91], [90, 91, 92], [90], [100]]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +77,14 @@ def test_parity_with_prefix_allowed_tokens_fn(tiny, ref, batch, kwargs):
     assert_parity(ours, theirs)
     for row in generated(ours, batch.input_ids.shape[1]):
         assert row in SEQUENCES, row
+
+
+def test_a_sequence_that_is_a_prefix_of_another_may_end_there():
+    trie = AllowedSequences([[90, 91], [90]], input_len=1, eos_token_ids=[2])
+    assert trie.next_tokens([]) == [90]
+    assert trie.next_tokens([90]) == [2, 91]
+    assert trie.next_tokens([90, 91]) == [2]
+    assert trie.next_tokens([7]) == [2]
 
 
 def test_speculation_equals_plain_decoding(tiny, batch):

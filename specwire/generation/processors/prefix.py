@@ -18,8 +18,9 @@ import torch
 
 __all__ = ["AllowedSequences", "PrefixConstrainedLogitsProcessor"]
 
-# A trie node: next token -> the node after it.
+# A trie node: next token -> the node after it; the key `_END` marks a node where a sequence ends.
 _Node = dict[int, "_Node"]
+_END = -1
 
 
 class AllowedSequences:
@@ -43,15 +44,21 @@ class AllowedSequences:
             node = self.root
             for token in sequence:
                 node = node.setdefault(int(token), {})
+            node[_END] = {}
 
     def next_tokens(self, generated: Sequence[int]) -> list[int]:
-        """The tokens allowed after `generated` (the EOS ids when no sequence continues it)."""
-        node: _Node | None = self.root
+        """The tokens allowed after `generated`: the next tokens of the sequences it is a prefix of, and
+        the EOS ids where one of them ends (or when none continues it)."""
+        node = self.root
         for token in generated:
-            node = node.get(int(token)) if node is not None else None
-            if node is None:
-                break
-        return sorted(node) if node else list(self.eos)
+            child = node.get(int(token))
+            if child is None:
+                return list(self.eos)
+            node = child
+        allowed = sorted(token for token in node if token != _END)
+        if _END in node:
+            allowed = sorted(set(allowed) | set(self.eos))
+        return allowed
 
     def __call__(self, batch_id: int, input_ids: torch.Tensor) -> list[int]:
         return self.next_tokens(input_ids[self.input_len :].tolist())
