@@ -10,7 +10,8 @@ repeat), and writes results.json, results.md and PNG plots into the output folde
   python -m bench --workloads greedy,beam --repeats 5
   python -m bench --device cuda --dtype bfloat16   on a GPU: services and transformers on the same device
 
-Workloads: greedy, sampling, beam, prompt_lookup, draft_model, concurrency, draft_length, roundtrip, memory.
+Workloads: greedy, sampling, beam, prompt_lookup, draft_model, concurrency, draft_length, structured, roundtrip,
+memory.
 """
 
 from __future__ import annotations

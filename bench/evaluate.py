@@ -97,6 +97,28 @@ def evaluate_targets(results: dict) -> list[dict]:
         )
     )
 
+    st = w.get("structured")
+    overhead = lookup(st, "mask_overhead")
+    targets.append(
+        _target(
+            "structured output: mask cost per token vs a free decode step",
+            "<= 0.1x",
+            overhead,
+            None if overhead is None else overhead <= 0.1,
+            "the target's mask processor replayed on the JSON outputs / (1 / free tokens/s)"
+            if overhead is not None
+            else lookup(st, "reason", default="workload not run"),
+        )
+    )
+    ratio_target(
+        "structured output: constrained + prompt lookup vs constrained, tokens/s",
+        1.0,
+        "structured",
+        "constrained_copy_prompt_lookup",
+        "constrained_copy",
+        "schema-copying prompt, medians (goal: faster)",
+    )
+
     mem = w.get("memory")
     peak = lookup(mem, "services", "target", "peak_rss_mb")
     budget = lookup(mem, "target_budget_mb")

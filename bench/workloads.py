@@ -23,6 +23,7 @@ from typing import Any
 
 from bench.progress import log
 from bench.service_workloads import concurrency, memory, roundtrip
+from bench.structured_workload import structured
 from bench.workload_context import (
     PROMPT_LOOKUP_TOKENS,
     SEED,
@@ -265,6 +266,7 @@ WORKLOADS: dict[str, Callable[[Context], dict]] = {
     "draft_model": draft_model,
     "concurrency": concurrency,
     "draft_length": draft_length,
+    "structured": structured,
     "roundtrip": roundtrip,  # after the speculative workloads: it also summarizes their per-round stats
     "memory": memory,  # last: peak memory over the whole run
 }

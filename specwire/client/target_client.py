@@ -20,6 +20,7 @@ import torch
 from specwire.client.config_client import config_to_wire
 from specwire.client.errors import SpecwireRpcError, Violation, raises_rpc_errors
 from specwire.client.retrying import RetrySchedule, acall_with_retries, call_with_retries, check_retries
+from specwire.client.structured_output import structured_output_to_proto
 from specwire.client.watermark import WatermarkDetection, build_detect_request
 from specwire.common.v1 import common_pb2
 from specwire.generation.outputs import compute_transition_scores as _compute_transition_scores
@@ -155,9 +156,12 @@ def build_request(
     proposer: str | None = None,
     request_id: str = "",
     use_model_defaults: bool | None = None,
+    structured_output=None,
+    allowed_token_sequences=None,
     **kwargs,
 ):
-    """A GenerateRequest / GenerateStreamRequest from `generate()`-style arguments."""
+    """A GenerateRequest / GenerateStreamRequest from `generate()`-style arguments (`structured_output`:
+    see `specwire.client.structured_output`)."""
     if input_ids is not None and text is not None:
         raise ValueError("pass input_ids or text, not both (neither: generate from bos_token_id)")
     if proposer not in PROPOSERS:
@@ -182,6 +186,10 @@ def build_request(
         request.overrides.CopyFrom(config_to_wire(dict(kwargs)))
     if negative_prompt_ids is not None:
         request.negative_prompt.token_ids.ids.extend(cast(list[list[int]], _rows(negative_prompt_ids))[0])
+    if structured_output is not None:
+        request.structured_output.CopyFrom(structured_output_to_proto(structured_output))
+    for sequence in _rows(allowed_token_sequences) or []:
+        request.allowed_token_sequences.add(ids=sequence)
     return request
 
 
@@ -276,8 +284,12 @@ class TargetClient:
         reference (`name`, `name@3`, `name:prod`); keyword arguments are GenerationConfig fields that win
         over it. Also: `apply_chat_template`, `negative_prompt_ids`, `proposer`, `request_id`,
         `use_model_defaults` (False: the model's generation_config.json is skipped but for its special
-        tokens), and
-        `timeout` (this call's deadline in seconds, None for none; default: the client's)."""
+        tokens),
+        `structured_output` (`{"json_schema": dict or pydantic model class}`, `{"regex": str}`,
+        `{"grammar": str}` or `{"choice": [str, ...]}`: the output must match it),
+        `allowed_token_sequences` (lists of token ids: the generated tokens follow one of them, then EOS;
+        transformers' `prefix_allowed_tokens_fn` as data), and `timeout` (this
+        call's deadline in seconds, None for none; default: the client's)."""
         request = build_request(
             pb.GenerateRequest,
             input_ids,

@@ -32,7 +32,14 @@ from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.config import check_runnable
 from specwire.generation.rows import model_device
 
-__all__ = ["DEFAULT_NEW_TOKENS", "GenerationPlan", "check_token_ids", "model_limits", "prepare_generation"]
+__all__ = [
+    "DEFAULT_NEW_TOKENS",
+    "GenerationPlan",
+    "check_token_ids",
+    "model_limits",
+    "prepare_generation",
+    "resolved_eos_token_ids",
+]
 
 # Transformers' default when no length is set anywhere: this many *new* tokens.
 DEFAULT_NEW_TOKENS = 20
@@ -64,6 +71,10 @@ class GenerationPlan:
             Beams per prompt.
         do_sample (`bool`):
             Sampling or beam-sample.
+        structured (`CompiledGrammar`, *optional*):
+            The request's structured-output spec, compiled for the model's tokenizer.
+        allowed_token_sequences (`tuple[tuple[int, ...], ...]`, *optional*):
+            The serializable `prefix_allowed_tokens_fn`: generated tokens follow one of these, then EOS.
     """
 
     config: Any
@@ -76,6 +87,8 @@ class GenerationPlan:
     input_len: int
     num_beams: int
     do_sample: bool
+    structured: Any = None
+    allowed_token_sequences: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def rows(self) -> int:
@@ -211,6 +224,9 @@ def prepare_generation(
     *,
     config: Any,
     max_position_embeddings: int | None = None,
+    structured_output: Any = None,
+    tokenizer: Any = None,
+    allowed_token_sequences: Any = None,
 ) -> GenerationPlan:
     """
     Resolves a merged config against the prompts the way transformers' `generate()` does before decoding.
@@ -226,6 +242,14 @@ def prepare_generation(
             Merged request/model config (unset fields allowed).
         max_position_embeddings (`int`, *optional*):
             Context length for the default-length cap; read from the model config when `None`.
+        structured_output (`StructuredOutput`, *optional*):
+            A JSON schema, regex, grammar or choice list the output must match; compiled here (cached per
+            spec), so a spec the library refuses raises before any forward pass.
+        tokenizer (`PreTrainedTokenizerFast`, *optional*):
+            The model's tokenizer; needed for `structured_output`.
+        allowed_token_sequences (`Sequence[Sequence[int]]`, *optional*):
+            Allowed generated sequences (the serializable form of `prefix_allowed_tokens_fn`, see
+            `processors.prefix`); checked here against the vocabulary.
 
     Returns:
         `GenerationPlan`
@@ -254,6 +278,12 @@ def prepare_generation(
         max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
     config = _resolve_lengths(config, input_len, has_default_max_length, max_position_embeddings)
 
+    structured = None
+    if structured_output is not None:
+        from specwire.generation.structured import compile_structured_output
+
+        structured = compile_structured_output(structured_output, tokenizer, model_limits(model)[0], eos)
+    allowed = _checked_sequences(allowed_token_sequences, model_limits(model)[0], eos)
     num_beams = int(config.num_beams)
     return GenerationPlan(
         config=config,
@@ -266,7 +296,33 @@ def prepare_generation(
         input_len=input_len,
         num_beams=num_beams,
         do_sample=bool(config.do_sample),
+        structured=structured,
+        allowed_token_sequences=allowed,
     )
+
+
+def _checked_sequences(sequences: Any, vocab_size: int, eos: list[int] | None) -> tuple[tuple[int, ...], ...] | None:
+    """Allowed token sequences as tuples, refused when empty, out of the vocabulary, or without an EOS id."""
+    if sequences is None:
+        return None
+    field = "allowed_token_sequences"
+    rows = tuple(tuple(int(t) for t in sequence) for sequence in sequences)
+    if not rows or not all(rows):
+        raise InvalidGenerationArgument.for_field(
+            field, [list(r) for r in rows], "give at least one sequence, and no empty sequence"
+        )
+    bad = [t for row in rows for t in row if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidGenerationArgument.for_field(
+            field, bad[0], f"token ids must be in [0, {vocab_size}) for this model's vocabulary"
+        )
+    if not eos:
+        raise InvalidGenerationArgument.for_field(
+            "eos_token_id",
+            None,
+            "allowed_token_sequences end a row with EOS once it completed a sequence; set eos_token_id",
+        )
+    return rows
 
 
 def _check_shapes(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -280,6 +336,11 @@ def _check_shapes(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
             tuple(attention_mask.shape),
             f"attention_mask must be 2-D with the shape of input_ids {tuple(input_ids.shape)}",
         )
+
+
+def resolved_eos_token_ids(config: Any) -> list[int] | None:
+    """The EOS ids a plan resolves from a merged config (a list, or `None` when there is none)."""
+    return _special_tokens(config)[0]
 
 
 def _special_tokens(config: Any) -> tuple[list[int] | None, int | None]:

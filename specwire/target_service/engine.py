@@ -116,7 +116,9 @@ class Engine:
         # The batched scheduler, None with SchedulerKind.SEQUENTIAL (`scheduler` is derived from it).
         self.batcher: BatchScheduler | None = None
         if kind is SchedulerKind.BATCHED:
-            self.batcher = BatchScheduler(loaded.model, self._start, scheduler_options, loaded.max_position_embeddings)
+            self.batcher = BatchScheduler(
+                loaded.model, self._start, scheduler_options, loaded.max_position_embeddings, loaded.tokenizer
+            )
         # Every forward runs on one thread (`specwire.model_thread`): the scheduler's when it runs
         # (the sequential lane posts its forwards there), else this worker of our own.
         self.executor = model_executor("specwire-model")
@@ -206,6 +208,9 @@ class Engine:
                 job.attention_mask,
                 config=job.config,
                 max_position_embeddings=self.loaded.max_position_embeddings,
+                structured_output=job.structured_output,
+                tokenizer=self.loaded.tokenizer,
+                allowed_token_sequences=job.allowed_token_sequences,
             )
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer

@@ -24,13 +24,16 @@ from specwire.generation.config import (
     unknown_keys,
     v4_mode_violations,
 )
+from specwire.generation.planning import resolved_eos_token_ids
 from specwire.generation.speculation.stats import SpeculationStats
+from specwire.generation.structured import StructuredOutput, compile_structured_output
 from specwire.models import LoadedModel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target_service.admission import PreparationPool
 from specwire.target_service.config_resolver import ConfigResolver, ResolvedConfig
 from specwire.target_service.limits import ModelShape, RequestLimits, check_config, check_job, check_prompts
 from specwire.wire.generation_config import WireFormatError, config_from_proto
+from specwire.wire.structured_output import structured_output_from_proto
 
 
 @dataclass
@@ -47,6 +50,8 @@ class GenerationJob:
     request_id: str = ""
     warnings: list[FieldProblem] = field(default_factory=list)
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    structured_output: StructuredOutput | None = None
+    allowed_token_sequences: list[list[int]] | None = None  # the serializable prefix_allowed_tokens_fn
 
 
 def config_from_wire(message: Any, field_name: str) -> GenerationConfig:
@@ -302,6 +307,12 @@ def prepare_job(
             loaded.max_position_embeddings,
             ModelShape.of(loaded.model),
         )
+    structured = structured_output_from_proto(request)
+    if structured is not None:
+        # Compiled here, in the preparation pool, so a spec the library refuses costs no model work and
+        # the scheduler's planning finds it in the cache (building a tokenizer's grammar vocabulary, once,
+        # takes ~0.25 s for SmolLM2: never on the model thread).
+        compile_structured_output(structured, loaded.tokenizer, loaded.vocab_size, resolved_eos_token_ids(config))
     negative_ids = negative_mask = None
     if request.HasField("negative_prompt"):
         negative_ids, negative_mask = prompt_tensors([request.negative_prompt], loaded, False, pad, "negative_prompt")
@@ -325,9 +336,31 @@ def prepare_job(
         negative_prompt_attention_mask=negative_mask,
         proposer=request.proposer,
         request_id=request.request_id,
+        structured_output=structured,
+        allowed_token_sequences=_allowed_sequences(request, loaded.vocab_size),
         # A config served from the target's cache during a registry outage says so first.
         warnings=[*(resolved.warnings if resolved is not None else ()), *warnings],
     )
+
+
+def _allowed_sequences(request, vocab_size: int) -> list[list[int]] | None:
+    """The request's allowed token sequences (None when it sends none), checked against the vocabulary."""
+    if not request.allowed_token_sequences:
+        return None
+    sequences = [list(sequence.ids) for sequence in request.allowed_token_sequences]
+    for i, sequence in enumerate(sequences):
+        if not sequence:
+            raise InvalidArgument.for_field(
+                f"allowed_token_sequences[{i}]", [], "an allowed sequence needs at least one token id"
+            )
+        bad = [t for t in sequence if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument.for_field(
+                f"allowed_token_sequences[{i}]",
+                bad[0],
+                f"token ids must be in [0, {vocab_size}) for this model's vocabulary; use the model's tokenizer",
+            )
+    return sequences
 
 
 def check_wire_sizes(request, limits: RequestLimits) -> None:

@@ -37,6 +37,15 @@ def add_generate_parser(sub: Any) -> None:
         default=None,
         help="speculation (default: the target's --default-proposer)",
     )
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema", metavar="FILE", default=None, help="the output is JSON valid against this JSON Schema file"
+    )
+    shape.add_argument("--regex", default=None, help="the whole output matches this regex")
+    shape.add_argument("--grammar", metavar="FILE", default=None, help="the output follows this Lark grammar file")
+    shape.add_argument(
+        "--choice", action="append", default=None, help="the output is one of these strings (repeat the option)"
+    )
     gen.add_argument(
         "--timeout",
         type=float,
@@ -45,6 +54,27 @@ def add_generate_parser(sub: Any) -> None:
     )
     add_token_option(gen)
     add_load_balancing_option(gen)
+
+
+def structured_output_of(args) -> dict[str, Any] | None:
+    """The `structured_output=` argument from `--json-schema`, `--regex`, `--grammar` or `--choice`."""
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as file:
+                return {"json_schema": file.read()}
+        except OSError as exc:
+            raise UsageError(f"--json-schema {args.json_schema}: cannot read it ({exc.strerror})") from None
+    if args.grammar is not None:
+        try:
+            with open(args.grammar, encoding="utf-8") as file:
+                return {"grammar": file.read()}
+        except OSError as exc:
+            raise UsageError(f"--grammar {args.grammar}: cannot read it ({exc.strerror})") from None
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": list(args.choice)}
+    return None
 
 
 def generate_command(args) -> int:
@@ -64,6 +94,7 @@ def generate_command(args) -> int:
             generation_config=args.config,
             apply_chat_template=not args.no_chat,
             proposer=args.proposer,
+            structured_output=structured_output_of(args),
             **overrides,
         )
         if args.stream and not args.as_json:

@@ -56,6 +56,8 @@ def iter_generate(
     negative_prompt_attention_mask: torch.Tensor | None = None,
     max_position_embeddings: int | None = None,
     rows_factory: Callable[..., Rows] | None = None,
+    structured_output: Any = None,
+    allowed_token_sequences: Any = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """
     Generates with transformers `generate()` semantics, one step at a time.
@@ -89,6 +91,12 @@ def iter_generate(
         rows_factory (`Callable`, *optional*):
             Builds the model-side state (a `Rows`) instead of `RowBatch`, with its constructor arguments,
             e.g. the target service's slot-cache rows that share one forward with other requests.
+        structured_output (`StructuredOutput`, *optional*):
+            A JSON schema, regex, Lark grammar or choice list every row's output must match (needs the
+            tokenizer); see `specwire.generation.structured`.
+        allowed_token_sequences (`Sequence[Sequence[int]]`, *optional*):
+            The serializable `prefix_allowed_tokens_fn`: every row's generated tokens follow one of
+            these sequences, then EOS (see `specwire.generation.processors.prefix`).
 
     Returns:
         `Generator[StepEvent, None, GenerationResult]`
@@ -98,7 +106,14 @@ def iter_generate(
         `ValueError`: invalid combinations (see `prepare_generation`), or `stop_strings` without a tokenizer.
     """
     plan = prepare_generation(
-        model, input_ids, attention_mask, config=config, max_position_embeddings=max_position_embeddings
+        model,
+        input_ids,
+        attention_mask,
+        config=config,
+        max_position_embeddings=max_position_embeddings,
+        structured_output=structured_output,
+        tokenizer=tokenizer,
+        allowed_token_sequences=allowed_token_sequences,
     )
     return generate_from_plan(
         model,
@@ -176,6 +191,8 @@ def generate_from_plan(
         model=model,
         negative_prompt_ids=negative_prompt_ids,
         negative_prompt_attention_mask=negative_prompt_attention_mask,
+        structured=plan.structured,
+        allowed_token_sequences=plan.allowed_token_sequences,
     )
     criteria = build_stopping_criteria(
         config,
@@ -286,13 +303,16 @@ def generate(
     negative_prompt_ids: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
     max_position_embeddings: int | None = None,
+    structured_output: Any = None,
+    allowed_token_sequences: Any = None,
 ) -> GenerationResult:
     """
     Runs `iter_generate` to the end and returns its `GenerationResult`.
 
     Args:
         model, input_ids, attention_mask, config, tokenizer, generator, negative_prompt_ids,
-        negative_prompt_attention_mask, max_position_embeddings: as for `iter_generate`.
+        negative_prompt_attention_mask, max_position_embeddings, structured_output,
+        allowed_token_sequences: as for `iter_generate`.
 
     Returns:
         `GenerationResult`
@@ -307,6 +327,8 @@ def generate(
         negative_prompt_ids=negative_prompt_ids,
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         max_position_embeddings=max_position_embeddings,
+        structured_output=structured_output,
+        allowed_token_sequences=allowed_token_sequences,
     )
     return drain(steps)
 

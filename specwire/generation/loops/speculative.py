@@ -145,6 +145,8 @@ def iter_speculative(
     max_position_embeddings: int | None = None,
     draft_length: int | None = None,
     rows_factory: Callable[..., SpeculativeRows] | None = None,
+    structured_output: Any = None,
+    allowed_token_sequences: Any = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """`iter_generate` with speculative rounds when the request allows it, else plain decoding.
 
@@ -160,7 +162,14 @@ def iter_speculative(
             (a `SpeculativeRows`); passed on to plain decoding.
     """
     plan = prepare_generation(
-        model, input_ids, attention_mask, config=config, max_position_embeddings=max_position_embeddings
+        model,
+        input_ids,
+        attention_mask,
+        config=config,
+        max_position_embeddings=max_position_embeddings,
+        structured_output=structured_output,
+        tokenizer=tokenizer,
+        allowed_token_sequences=allowed_token_sequences,
     )
     return speculate_from_plan(
         model,
@@ -261,6 +270,8 @@ def _per_row_steps(
                 prompt_ids=prompt,
                 prompt_pad_lengths=None if pad_lengths is None else pad_lengths[r : r + 1],
                 model=model,
+                structured=plan.structured,
+                allowed_token_sequences=plan.allowed_token_sequences,
             )
         )
         criteria = build_stopping_criteria(

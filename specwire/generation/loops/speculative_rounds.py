@@ -284,6 +284,13 @@ class SpeculativeRun:
             draft_s = time.perf_counter() - started
             self.stats.draft_seconds += draft_s
         drafts = [list(proposal.tokens[r][: want[r]]) for r in range(len(state))]
+        # A draft sampled with probabilities keeps its forbidden tokens when sampling: rejection sampling
+        # rejects them (the masked target gives them p = 0) and draws from the residual, which is exact;
+        # cutting them would skew the output towards the target's distribution at that position.
+        drafts = [
+            draft if self.plan.do_sample and proposal.probs[r] is not None else _grammar_allowed(state[r], draft)
+            for r, draft in enumerate(drafts)
+        ]
         # Finished rows are fed the pad token, as plain decoding feeds them (their scores stay exact).
         catch_up = max(cast(int, row.finish_length) for row in state) if all(row.finished for row in state) else 0
         forced = [
@@ -508,6 +515,18 @@ def _padded(pieces: Sequence[torch.Tensor | None], width: int, like: torch.Tenso
         if piece is not None:
             out[r, : piece.shape[0]] = piece
     return out
+
+
+def _grammar_allowed(row: _Row, draft: list[int]) -> list[int]:
+    """The draft cut before the first token a structured-output grammar forbids: the verify forward
+    masks that position, so the token could only be rejected. Exact for greedy decoding and for drafts
+    without probabilities (whatever rule proposes them, the target's own draw decides)."""
+    if draft:
+        for processor in row.processors:
+            allowed = getattr(processor, "allowed_prefix_length", None)
+            if allowed is not None:
+                draft = draft[: allowed(row.ids()[0], draft)]
+    return draft
 
 
 def _greedy_or_sample(plan: GenerationPlan, scores: torch.Tensor, generator: torch.Generator | None) -> int:

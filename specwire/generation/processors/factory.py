@@ -29,6 +29,7 @@ from .penalties import (
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
 )
+from .prefix import AllowedSequences, PrefixConstrainedLogitsProcessor
 from .suppress import SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor
 from .synthid import SynthIDTextWatermarkLogitsProcessor
 from .warpers import (
@@ -87,13 +88,17 @@ def build_logits_processors(
     model: Any = None,
     negative_prompt_ids: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
+    structured: Any = None,
+    allowed_token_sequences: Sequence[Sequence[int]] | None = None,
 ) -> LogitsProcessorList:
     r"""Build the processors for one request, in transformers 5.23's order and under its conditions.
 
     Order: classifier-free guidance, sequence bias, encoder repetition penalty, repetition penalty,
-    no-repeat n-gram, encoder no-repeat n-gram, bad words, min length, min new tokens, forced BOS,
+    no-repeat n-gram, encoder no-repeat n-gram, bad words, min length, min new tokens, allowed
+    prefixes, forced BOS,
     forced EOS, inf/nan removal, exponential decay length penalty, suppress tokens, suppress at begin;
-    then, only when `do_sample`, temperature, top-h, top-k, top-p, min-p, typical, epsilon, eta; then
+    then the structured-output mask, where transformers merges a user's `logits_processor` list; then,
+    only when `do_sample`, temperature, top-h, top-k, top-p, min-p, typical, epsilon, eta; then
     the watermark, and `LogitNormalization` always last.
 
     Args:
@@ -121,6 +126,13 @@ def build_logits_processors(
             last prompt token.
         negative_prompt_attention_mask (`torch.LongTensor` of shape `(1 or batch, neg_len)`, *optional*):
             Its attention mask.
+        structured (`CompiledGrammar`, *optional*):
+            The request's compiled structured-output spec (`GenerationPlan.structured`): adds a
+            `StructuredOutputLogitsProcessor` (its own matcher states, so build one list per request).
+        allowed_token_sequences (`Sequence[Sequence[int]]`, *optional*):
+            The serializable `prefix_allowed_tokens_fn`: the generated tokens must follow one of these
+            sequences, then EOS (`AllowedSequences`); applied where transformers puts its
+            `PrefixConstrainedLogitsProcessor` (after min new tokens, before forced BOS).
 
     Returns:
         `LogitsProcessorList`: the processors, applied in list order.
@@ -139,7 +151,15 @@ def build_logits_processors(
         _guidance_processors(config, prompt_ids, model, negative_prompt_ids, negative_prompt_attention_mask)
     )
     processors.extend(_penalty_processors(config, prompt_ids, prompt_pad_lengths, eos))
-    processors.extend(_length_and_suppression_processors(config, input_len, eos))
+    allowed = None
+    if allowed_token_sequences is not None:
+        allowed = AllowedSequences(allowed_token_sequences, input_len, eos or [])
+    processors.extend(_length_and_suppression_processors(config, input_len, eos, allowed, num_beams))
+    if structured is not None:
+        # transformers 5.23 merges user processors here (`_merge_criteria_processor_list`), before the warpers.
+        from specwire.generation.structured import StructuredOutputLogitsProcessor
+
+        processors.append(StructuredOutputLogitsProcessor(structured, input_len))
     if _field(config, "do_sample"):
         processors.extend(_sampling_warpers(config, num_beams, eos))
     processors.extend(_final_processors(config, vocab_size, prompt_ids.device if prompt_ids is not None else "cpu"))
@@ -237,7 +257,9 @@ def _penalty_processors(
     return processors
 
 
-def _length_and_suppression_processors(config: Any, input_len: int, eos: list[int] | None) -> list[LogitsProcessor]:
+def _length_and_suppression_processors(
+    config: Any, input_len: int, eos: list[int] | None, allowed: Any = None, num_beams: int = 1
+) -> list[LogitsProcessor]:
     """Min length, min new tokens, forced BOS/EOS, inf/nan removal, the exponential decay length
     penalty and token suppression, in transformers' order (inf/nan removal sits in the middle there too)."""
     processors: list[LogitsProcessor] = []
@@ -247,6 +269,8 @@ def _length_and_suppression_processors(config: Any, input_len: int, eos: list[in
     min_new_tokens = _field(config, "min_new_tokens")
     if min_new_tokens is not None and eos is not None and min_new_tokens > 0:
         processors.append(MinNewTokensLengthLogitsProcessor(input_len, min_new_tokens, eos))
+    if allowed is not None:
+        processors.append(PrefixConstrainedLogitsProcessor(allowed, num_beams))
     forced_bos = _field(config, "forced_bos_token_id")
     if forced_bos is not None:
         processors.append(ForcedBOSTokenLogitsProcessor(forced_bos))

@@ -42,7 +42,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[_common_pb2.TokenSequence, _Mapping]] = ..., text: _Optional[str] = ..., attention_mask: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults")
+    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults", "structured_output", "allowed_token_sequences")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONFIG_REF_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,8 @@ class GenerateRequest(_message.Message):
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     USE_MODEL_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     config: _generation_config_pb2.GenerationConfig
     config_ref: str
@@ -61,10 +63,12 @@ class GenerateRequest(_message.Message):
     proposer: Proposer
     request_id: str
     use_model_defaults: bool
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ...) -> None: ...
+    structured_output: StructuredOutput
+    allowed_token_sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults")
+    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults", "structured_output", "allowed_token_sequences")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONFIG_REF_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +78,8 @@ class GenerateStreamRequest(_message.Message):
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     USE_MODEL_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     config: _generation_config_pb2.GenerationConfig
     config_ref: str
@@ -83,7 +89,27 @@ class GenerateStreamRequest(_message.Message):
     proposer: Proposer
     request_id: str
     use_model_defaults: bool
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ...) -> None: ...
+    structured_output: StructuredOutput
+    allowed_token_sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "regex", "grammar", "choice")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    grammar: str
+    choice: StructuredOutputChoices
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[StructuredOutputChoices, _Mapping]] = ...) -> None: ...
+
+class StructuredOutputChoices(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GeneratedSequence(_message.Message):
     __slots__ = ("token_ids", "prompt_length", "text", "finish_reason")

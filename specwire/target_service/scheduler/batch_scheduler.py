@@ -63,8 +63,10 @@ class BatchScheduler:
         start: Callable[..., Any],
         options: SchedulerOptions | None = None,
         max_position_embeddings: int | None = None,
+        tokenizer: Any = None,
     ):
         self.model = model
+        self.tokenizer = tokenizer  # for structured output (a request's grammar is compiled for it)
         self.start = start
         self.options = options or SchedulerOptions()
         self.max_position_embeddings = max_position_embeddings
@@ -122,6 +124,9 @@ class BatchScheduler:
             job.attention_mask,
             config=job.config,
             max_position_embeddings=self.max_position_embeddings,
+            structured_output=job.structured_output,
+            tokenizer=self.tokenizer,
+            allowed_token_sequences=job.allowed_token_sequences,
         )
         return lane_reason(plan, self.cache), plan
 
