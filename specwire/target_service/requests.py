@@ -59,6 +59,21 @@ class GenerationJob:
     stopping_criteria: list[Any] = field(default_factory=list)
 
 
+# `generate()` arguments that are code, not data, and what a request sends instead (messages stay under
+# the 300 characters a field problem keeps).
+_PLUGINS_HINT = (
+    "a server plugin (a package with a specwire.logits_processors or specwire.stopping_criteria entry point, "
+    "enabled with the target's --plugins; send processors=[{'name': ..., 'args': {...}}])"
+)
+_GENERATE_ARGUMENT_HINTS = {
+    "custom_generate": f"runs a Hub repository's code, which specwire does not run; install it as {_PLUGINS_HINT}",
+    "trust_remote_code": f"specwire runs no remote code; install it as {_PLUGINS_HINT}",
+    "logits_processor": f"a Python callable cannot travel over gRPC; install it as {_PLUGINS_HINT}",
+    "prefix_allowed_tokens_fn": "a Python callable cannot travel over gRPC; send the allowed continuations as "
+    "allowed_token_sequences (lists of token ids)",
+}
+
+
 def config_from_wire(message: Any, field_name: str) -> GenerationConfig:
     try:
         return config_from_proto(message)
@@ -112,7 +127,8 @@ def effective_config(
         raise InvalidArgument.for_field(
             f"overrides.{key}",
             overrides.extra[key],
-            f"not a GenerationConfig field: {field_suggestion(key) or 'check the spelling'}",
+            _GENERATE_ARGUMENT_HINTS.get(key)
+            or f"not a GenerationConfig field: {field_suggestion(key) or 'check the spelling'}",
         )
     merged = merge(overrides, given, model_defaults(request, loaded))
     caller_set_length = any(

@@ -178,3 +178,11 @@ def test_target_service_refuses_to_start_with_a_missing_plugin(plugin_paths):
     assert done.returncode == 1
     assert "target-service: --plugins: plugin 'nope' is not installed" in done.stderr
     assert "ban_tokens" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("argument", ["custom_generate", "logits_processor"])
+def test_custom_generate_and_callables_are_refused_pointing_at_plugins(server, argument):
+    error = _refused(server, **{argument: "someone/some-repo"})
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.violations[0].field == f"overrides.{argument}"
+    assert "--plugins" in error.violations[0].message and "processors=" in error.violations[0].message
