@@ -66,18 +66,22 @@ def _reference(reference, prompts=PROMPTS, **kwargs):
         return reference.generate(prompts, max_new_tokens=8, do_sample=False, **kwargs)
 
 
-@pytest.mark.parametrize("proposer", ["none", "prompt_lookup"])
-def test_processor_plugin_matches_transformers_logits_processor(server, reference, loaded, proposer):
+@pytest.mark.parametrize(
+    "proposer, kwargs",
+    [("none", {}), ("prompt_lookup", {}), ("none", {"num_beams": 3, "num_return_sequences": 2})],
+    ids=["greedy", "speculative", "beams"],
+)
+def test_processor_plugin_matches_transformers_logits_processor(server, reference, loaded, proposer, kwargs):
     from specwire_plugin_example import BanTokens
 
-    plain = _reference(reference)
-    banned = sorted(set(plain[:, PROMPTS.shape[1] :].flatten().tolist()))[:6]  # change the greedy path
+    plain = _reference(reference, **kwargs)
+    banned = sorted(set(plain[:, PROMPTS.shape[1] :].flatten().tolist()))[:6]  # change the path
     args = {"token_ids": banned}
     with TargetClient(server.address) as client:
         out = client.generate(
-            PROMPTS, max_new_tokens=8, proposer=proposer, processors=[{"name": "ban_tokens", "args": args}]
+            PROMPTS, max_new_tokens=8, proposer=proposer, processors=[{"name": "ban_tokens", "args": args}], **kwargs
         )
-    want = _reference(reference, logits_processor=[BanTokens(banned, loaded.vocab_size, "cpu")])
+    want = _reference(reference, logits_processor=[BanTokens(banned, loaded.vocab_size, "cpu")], **kwargs)
     assert not torch.equal(want, plain)
     assert torch.equal(out.sequences, want)
     assert not set(banned) & set(out.sequences[:, PROMPTS.shape[1] :].flatten().tolist())
@@ -100,6 +104,22 @@ def test_stopping_plugin_stops_as_transformers_stopping_criteria(server, referen
     assert want.shape[1] < plain.shape[1]
     assert torch.equal(out.sequences, want)
     assert out.finish_reasons == ["stop_string"]  # a stopping rule matched (no reason of its own yet)
+
+
+def test_plugins_in_a_stream(server, reference):
+    from specwire_plugin_example import StopOnTokens
+
+    stop = int(_reference(reference, PROMPTS[:1])[0, PROMPTS.shape[1] + 2])
+    with TargetClient(server.address) as client:
+        items = list(
+            client.stream(
+                PROMPTS[:1],
+                max_new_tokens=8,
+                stopping_criteria=[{"name": "stop_on_tokens", "args": {"token_ids": [stop]}}],
+            )
+        )
+    want = _reference(reference, PROMPTS[:1], stopping_criteria=[StopOnTokens([stop], PROMPTS.shape[1])])
+    assert torch.equal(items[-1].sequences, want) and items[-1].finish_reasons == ["stop_string"]
 
 
 def _refused(server, **kwargs):
