@@ -15,13 +15,14 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "examples" / "specwire_plugin_example"
 
-# Test-only plugins: one whose processor raises, one whose factory has a bug, one that cannot import.
+# Test-only plugins: a processor and a criterion that raise, one whose factory has a bug, one that cannot import.
 TEST_ENTRY_POINTS = {
     "specwire.logits_processors": {
         "raising": "tests.plugin_samples:make_raising",
         "buggy_factory": "tests.plugin_samples:make_buggy",
         "unimportable": "tests.no_such_module_here:make",
     },
+    "specwire.stopping_criteria": {"raising_stop": "tests.plugin_samples:make_raising"},
     "specwire.generate_methods": {"whole_method": "tests.plugin_samples:make_raising"},
 }
 

@@ -26,7 +26,7 @@ from tests.plugin_packages import REPO_ROOT, install_plugin_packages
 from tests.servers import threaded_server
 
 PROMPTS = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7], [20, 21, 22, 23, 24, 20, 21, 22]])
-ENABLED = ["ban_tokens", "stop_on_tokens", "max_sentences", "raising", "buggy_factory"]
+ENABLED = ["ban_tokens", "stop_on_tokens", "max_sentences", "raising", "buggy_factory", "raising_stop"]
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,18 @@ def test_plugins_in_a_stream(server, reference):
     assert torch.equal(items[-1].sequences, want) and items[-1].finish_reasons == ["stop_string"]
 
 
+def test_max_sentences_counts_the_generated_sentences(registry, loaded):
+    from specwire.generation.plugins import PluginContext
+
+    prompt = loaded.tokenizer("Hello. Hi!", return_tensors="pt").input_ids
+    context = PluginContext(loaded.tokenizer, loaded.vocab_size, torch.device("cpu"), None, prompt.shape[1])
+    (criterion,) = registry.build("stopping_criteria", "stopping_criteria", [("max_sentences", {"n": 2})], context)
+    rows = [prompt]
+    for text in [" One", " One. Two", " One. Two?"]:
+        rows.append(torch.cat([prompt, loaded.tokenizer(text, return_tensors="pt").input_ids], dim=1))
+    assert [bool(criterion(row, None)) for row in rows] == [False, False, False, True]
+
+
 def _refused(server, **kwargs):
     with TargetClient(server.address) as client:
         with pytest.raises(SpecwireRpcError) as info:
@@ -148,9 +160,12 @@ def test_bad_plugin_args_are_invalid_argument_with_the_plugins_message(server, a
     assert "ban_tokens" in error.violations[0].message and "token_ids" in error.violations[0].message
 
 
-@pytest.mark.parametrize("name", ["raising", "buggy_factory"])
-def test_a_plugins_bug_is_internal_naming_it_and_the_server_goes_on(server, name):
-    error = _refused(server, processors=[{"name": name}])
+@pytest.mark.parametrize(
+    "field, name",
+    [("processors", "raising"), ("processors", "buggy_factory"), ("stopping_criteria", "raising_stop")],
+)
+def test_a_plugins_bug_is_internal_naming_it_and_the_server_goes_on(server, field, name):
+    error = _refused(server, **{field: [{"name": name}]})
     assert error.code() == grpc.StatusCode.INTERNAL
     assert repr(name) in error.details() and "error id" in error.details()
     assert "secret internal detail" not in error.details() and "Traceback" not in error.details()
@@ -168,6 +183,7 @@ def test_model_info_lists_the_enabled_plugins(server):
         ("buggy_factory", "logits_processor"),
         ("stop_on_tokens", "stopping_criteria"),
         ("max_sentences", "stopping_criteria"),
+        ("raising_stop", "stopping_criteria"),
     }
     assert listed[("ban_tokens", "logits_processor")].startswith("Bans token ids")
 
