@@ -222,3 +222,26 @@ def test_custom_generate_and_callables_are_refused_pointing_at_plugins(server, a
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.violations[0].field == f"overrides.{argument}"
     assert "--plugins" in error.violations[0].message and "processors=" in error.violations[0].message
+
+
+def test_cli_processor_and_stopping_criterion(server, capsys):
+    import json
+
+    from specwire.client.cli import main
+
+    base = ["generate", "Hello", "--address", server.address, "--no-chat", "--json", "--proposer", "none"]
+    base += ["--set", "max_new_tokens=6"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)["sequences"][0]
+    prompt_len = len(plain) - 6
+    banned, stop = plain[prompt_len], plain[prompt_len + 1]
+    options = ["--processor", f'ban_tokens={{"token_ids": [{banned}]}}', "--stopping-criterion", "raising_stop"]
+    assert main([*base, *options[:2]]) == 0
+    assert json.loads(capsys.readouterr().out)["sequences"][0][prompt_len] != banned
+    assert main([*base, "--stopping-criterion", f'stop_on_tokens={{"token_ids": [{stop}]}}']) == 0
+    output = json.loads(capsys.readouterr().out)
+    assert output["finish_reasons"] == ["stop_string"] and output["sequences"][0][-1] == stop
+    assert main([*base, *options[2:]]) == 1
+    assert "INTERNAL" in capsys.readouterr().err
+    assert main([*base, "--processor", "ban_tokens={not json"]) != 0
+    assert "--processor" in capsys.readouterr().err
