@@ -245,3 +245,20 @@ def test_cli_processor_and_stopping_criterion(server, capsys):
     assert "INTERNAL" in capsys.readouterr().err
     assert main([*base, "--processor", "ban_tokens={not json"]) != 0
     assert "--processor" in capsys.readouterr().err
+
+
+def test_a_plugin_with_the_structured_output_mask(server, loaded):
+    """The mask allows "yes" or "no"; banning every token that could start "yes" leaves "no" (the order of
+    the two is checked in tests/unit/test_processors_factory.py)."""
+    tokenizer = loaded.tokenizer
+    starts_yes = [i for i in range(loaded.vocab_size) if (t := tokenizer.decode([i])) and "yes".startswith(t)]
+    with TargetClient(server.address) as client:
+        free = client.generate(text="Hi", max_new_tokens=8, structured_output={"choice": ["yes", "no"]})
+        banned = client.generate(
+            text="Hi",
+            max_new_tokens=8,
+            structured_output={"choice": ["yes", "no"]},
+            processors=[{"name": "ban_tokens", "args": {"token_ids": starts_yes}}],
+        )
+    assert free.text[0] in ("yes", "no")
+    assert banned.text == ["no"] and banned.finish_reasons == ["eos"]
