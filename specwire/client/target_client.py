@@ -9,8 +9,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -158,6 +159,8 @@ def build_request(
     use_model_defaults: bool | None = None,
     structured_output=None,
     allowed_token_sequences=None,
+    processors=None,
+    stopping_criteria=None,
     **kwargs,
 ):
     """A GenerateRequest / GenerateStreamRequest from `generate()`-style arguments (`structured_output`:
@@ -190,7 +193,26 @@ def build_request(
         request.structured_output.CopyFrom(structured_output_to_proto(structured_output))
     for sequence in _rows(allowed_token_sequences) or []:
         request.allowed_token_sequences.add(ids=sequence)
+    for field_name, calls in (("processors", processors), ("stopping_criteria", stopping_criteria)):
+        for call in _plugin_calls(field_name, calls):
+            getattr(request, field_name).append(call)
     return request
+
+
+def _plugin_calls(field_name: str, calls) -> list[pb.PluginCall]:
+    """`[{"name": ..., "args": {...}}, ...]` (or bare names) as `PluginCall` messages: server plugins
+    named by their entry-point names, their arguments sent as JSON."""
+    out = []
+    for i, call in enumerate(calls or []):
+        if isinstance(call, str):
+            call = {"name": call}
+        if callable(call) or not isinstance(call, Mapping) or set(call) - {"name", "args"} or "name" not in call:
+            raise ValueError(
+                f"{field_name}[{i}] must be a dict {{'name': plugin, 'args': {{...}}}} naming a server plugin "
+                f"(GetModelInfo lists them), got {call!r}: Python callables cannot travel to the server"
+            )
+        out.append(pb.PluginCall(name=str(call["name"]), args_json=json.dumps(call.get("args") or {})))
+    return out
 
 
 # A generation's default deadline: generous (a long generation on a CPU takes minutes), but finite, so
@@ -288,7 +310,9 @@ class TargetClient:
         `structured_output` (`{"json_schema": dict or pydantic model class}`, `{"regex": str}`,
         `{"grammar": str}` or `{"choice": [str, ...]}`: the output must match it),
         `allowed_token_sequences` (lists of token ids: the generated tokens follow one of them, then EOS;
-        transformers' `prefix_allowed_tokens_fn` as data), and `timeout` (this
+        transformers' `prefix_allowed_tokens_fn` as data), `processors` and `stopping_criteria`
+        (`[{"name": plugin, "args": {...}}, ...]`: server plugins the target enabled, transformers'
+        `logits_processor` and `stopping_criteria` as data), and `timeout` (this
         call's deadline in seconds, None for none; default: the client's)."""
         request = build_request(
             pb.GenerateRequest,

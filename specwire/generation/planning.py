@@ -75,6 +75,11 @@ class GenerationPlan:
             The request's structured-output spec, compiled for the model's tokenizer.
         allowed_token_sequences (`tuple[tuple[int, ...], ...]`, *optional*):
             The serializable `prefix_allowed_tokens_fn`: generated tokens follow one of these, then EOS.
+        logits_processor (`tuple`, *optional*):
+            User logits processors (server plugins, `specwire.generation.plugins`), applied where
+            transformers merges a user `logits_processor` list, after the structured-output mask.
+        stopping_criteria (`tuple`, *optional*):
+            User stopping criteria, appended after specwire's own as transformers merges them.
     """
 
     config: Any
@@ -89,6 +94,8 @@ class GenerationPlan:
     do_sample: bool
     structured: Any = None
     allowed_token_sequences: tuple[tuple[int, ...], ...] | None = None
+    logits_processor: tuple[Any, ...] = ()
+    stopping_criteria: tuple[Any, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -227,6 +234,8 @@ def prepare_generation(
     structured_output: Any = None,
     tokenizer: Any = None,
     allowed_token_sequences: Any = None,
+    logits_processor: Any = None,
+    stopping_criteria: Any = None,
 ) -> GenerationPlan:
     """
     Resolves a merged config against the prompts the way transformers' `generate()` does before decoding.
@@ -250,6 +259,11 @@ def prepare_generation(
         allowed_token_sequences (`Sequence[Sequence[int]]`, *optional*):
             Allowed generated sequences (the serializable form of `prefix_allowed_tokens_fn`, see
             `processors.prefix`); checked here against the vocabulary.
+        logits_processor (`Sequence[LogitsProcessor]`, *optional*):
+            User processors (`(input_ids, scores) -> scores`, pure functions of their inputs: under
+            speculation they are called for every candidate position); see `GenerationPlan`.
+        stopping_criteria (`Sequence[StoppingCriteria]`, *optional*):
+            User criteria (`(input_ids, scores) -> BoolTensor (rows,)`).
 
     Returns:
         `GenerationPlan`
@@ -298,6 +312,8 @@ def prepare_generation(
         do_sample=bool(config.do_sample),
         structured=structured,
         allowed_token_sequences=allowed,
+        logits_processor=tuple(logits_processor or ()),
+        stopping_criteria=tuple(stopping_criteria or ()),
     )
 
 

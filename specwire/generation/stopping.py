@@ -516,6 +516,7 @@ def build_stopping_criteria(
     tokenizer: Any = None,
     max_position_embeddings: int | None = None,
     is_assistant: bool = False,
+    user_criteria: Sequence[Any] = (),
 ) -> StoppingCriteriaList:
     r"""Build a request's stopping criteria in transformers' order: MaxLength, MaxTime, StopString, EOS.
 
@@ -534,6 +535,8 @@ def build_stopping_criteria(
         is_assistant (`bool`, *optional*, defaults to `False`):
             Building for a draft model: appends `ConfidenceCriteria` when
             `assistant_confidence_threshold > 0` (transformers' `is_assistant` rule).
+        user_criteria (`Sequence[StoppingCriteria]`, *optional*):
+            A user's `stopping_criteria` list (server plugins), appended last as transformers merges it.
 
     Returns:
         `StoppingCriteriaList`.
@@ -562,4 +565,5 @@ def build_stopping_criteria(
     threshold = getattr(config, "assistant_confidence_threshold", None)
     if is_assistant and threshold is not None and threshold > 0:
         criteria.append(ConfidenceCriteria(threshold))
+    criteria.extend(user_criteria)
     return criteria

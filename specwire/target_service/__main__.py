@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from specwire.generation.plugins import PluginLoadError, PluginRegistry, load_plugins
 from specwire.generation.speculation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
@@ -66,6 +67,7 @@ def build_server(
     stuck_after: float = 60.0,
     config_stale_max: float = DEFAULT_STALE_MAX_S,
     access: ServerAccess | None = None,
+    plugins: PluginRegistry | None = None,
 ) -> GrpcServer:
     """A ready-to-start target server over an already loaded model.
 
@@ -76,7 +78,8 @@ def build_server(
     Health follows the engine's liveness (`stuck_after`: seconds without progress while work waits
     before it counts as stuck). `config_stale_max` is the oldest a registry config may be when it is
     served from cache because the registry is unreachable (0: never; see `ConfigResolver`). `access`
-    holds `--allow-insecure-token` (default: its environment variable).
+    holds `--allow-insecure-token` (default: its environment variable). `plugins` are the server plugins
+    requests may name (`load_plugins`, `--plugins`; none by default).
     """
     if limits is None:
         limits = RequestLimits.for_model(
@@ -92,6 +95,7 @@ def build_server(
         pool=pool,
         max_message_bytes=max_message_bytes,
         stuck_after_s=stuck_after,
+        plugins=plugins,
     )
     return GrpcServer(
         [ServiceBinding(pb_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
@@ -219,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds the model may make no progress while requests wait before health says NOT_SERVING "
         "and new requests fail UNAVAILABLE (default 60)",
+    )
+    parser.add_argument(
+        "--plugins",
+        default=os.environ.get("SPECWIRE_TARGET_PLUGINS", ""),
+        help="comma-separated server plugins to load (entry points in the groups specwire.logits_processors "
+        "and specwire.stopping_criteria of installed packages), which requests may then name; a missing or "
+        "broken one refuses to start (default: none; env SPECWIRE_TARGET_PLUGINS)",
     )
     parser.add_argument("--log-level", default="INFO")
     return parser
@@ -363,6 +374,10 @@ def main(argv: list[str] | None = None) -> None:
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     access = check_access(args)
+    try:  # before the model loads: a typo should not cost minutes
+        plugins = load_plugins(args.plugins.split(","))
+    except PluginLoadError as error:
+        raise SystemExit(f"target-service: --plugins: {error}") from None
     try:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     except ModelLoadError as error:  # what was tried and the fix, without a traceback
@@ -402,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         stuck_after=args.stuck_after,
         config_stale_max=args.config_stale_max,
         access=access,
+        plugins=plugins,
     )
     run_until_signal(server, "target-service")
 

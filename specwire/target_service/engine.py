@@ -211,6 +211,8 @@ class Engine:
                 structured_output=job.structured_output,
                 tokenizer=self.loaded.tokenizer,
                 allowed_token_sequences=job.allowed_token_sequences,
+                logits_processor=job.logits_processor,
+                stopping_criteria=job.stopping_criteria,
             )
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer

@@ -8,6 +8,7 @@ modes transformers 5 dropped are UNIMPLEMENTED.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from specwire.generation.config import (
     v4_mode_violations,
 )
 from specwire.generation.planning import resolved_eos_token_ids
+from specwire.generation.plugins import PluginContext, PluginRegistry
 from specwire.generation.speculation.stats import SpeculationStats
 from specwire.generation.structured import StructuredOutput, compile_structured_output
 from specwire.models import LoadedModel
@@ -52,6 +54,24 @@ class GenerationJob:
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
     structured_output: StructuredOutput | None = None
     allowed_token_sequences: list[list[int]] | None = None  # the serializable prefix_allowed_tokens_fn
+    # Server plugins' instances (`specwire.generation.plugins`), built in the preparation pool.
+    logits_processor: list[Any] = field(default_factory=list)
+    stopping_criteria: list[Any] = field(default_factory=list)
+
+
+# `generate()` arguments that are code, not data, and what a request sends instead (messages stay under
+# the 300 characters a field problem keeps).
+_PLUGINS_HINT = (
+    "a server plugin (a package with a specwire.logits_processors or specwire.stopping_criteria entry point, "
+    "enabled with the target's --plugins; send processors=[{'name': ..., 'args': {...}}])"
+)
+_GENERATE_ARGUMENT_HINTS = {
+    "custom_generate": f"runs a Hub repository's code, which specwire does not run; install it as {_PLUGINS_HINT}",
+    "trust_remote_code": f"specwire runs no remote code; install it as {_PLUGINS_HINT}",
+    "logits_processor": f"a Python callable cannot travel over gRPC; install it as {_PLUGINS_HINT}",
+    "prefix_allowed_tokens_fn": "a Python callable cannot travel over gRPC; send the allowed continuations as "
+    "allowed_token_sequences (lists of token ids)",
+}
 
 
 def config_from_wire(message: Any, field_name: str) -> GenerationConfig:
@@ -107,7 +127,8 @@ def effective_config(
         raise InvalidArgument.for_field(
             f"overrides.{key}",
             overrides.extra[key],
-            f"not a GenerationConfig field: {field_suggestion(key) or 'check the spelling'}",
+            _GENERATE_ARGUMENT_HINTS.get(key)
+            or f"not a GenerationConfig field: {field_suggestion(key) or 'check the spelling'}",
         )
     merged = merge(overrides, given, model_defaults(request, loaded))
     caller_set_length = any(
@@ -269,7 +290,11 @@ def pad_token_id(config: GenerationConfig, loaded: LoadedModel) -> int:
 
 
 def prepare_job(
-    request, resolved: ResolvedConfig | None, loaded: LoadedModel, limits: RequestLimits | None = None
+    request,
+    resolved: ResolvedConfig | None,
+    loaded: LoadedModel,
+    limits: RequestLimits | None = None,
+    plugins: PluginRegistry | None = None,
 ) -> GenerationJob:
     """Validate, tokenize and limit-check a request (blocking: run it in the preparation pool)."""
     config, warnings, caller_set_length = effective_config(request, resolved, loaded, limits)
@@ -313,6 +338,7 @@ def prepare_job(
         # the scheduler's planning finds it in the cache (building a tokenizer's grammar vocabulary, once,
         # takes ~0.25 s for SmolLM2: never on the model thread).
         compile_structured_output(structured, loaded.tokenizer, loaded.vocab_size, resolved_eos_token_ids(config))
+    processors, criteria = _plugin_instances(request, config, loaded, plugins or PluginRegistry(), input_ids.shape[1])
     negative_ids = negative_mask = None
     if request.HasField("negative_prompt"):
         negative_ids, negative_mask = prompt_tensors([request.negative_prompt], loaded, False, pad, "negative_prompt")
@@ -338,8 +364,49 @@ def prepare_job(
         request_id=request.request_id,
         structured_output=structured,
         allowed_token_sequences=_allowed_sequences(request, loaded.vocab_size),
+        logits_processor=processors,
+        stopping_criteria=criteria,
         # A config served from the target's cache during a registry outage says so first.
         warnings=[*(resolved.warnings if resolved is not None else ()), *warnings],
+    )
+
+
+def _plugin_calls(request: Any, field_name: str) -> list[tuple[str, dict[str, Any]]]:
+    """`[(name, args), ...]` of a request's `processors` or `stopping_criteria` (args: a JSON object)."""
+    calls = []
+    for i, call in enumerate(getattr(request, field_name)):
+        where = f"{field_name}[{i}]"
+        if not call.name:
+            raise InvalidArgument.for_field(f"{where}.name", "", "name the plugin (GetModelInfo lists those enabled)")
+        try:
+            args = json.loads(call.args_json) if call.args_json else {}
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument.for_field(f"{where}.args_json", call.args_json, f"not JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise InvalidArgument.for_field(f"{where}.args_json", call.args_json, "the arguments must be a JSON object")
+        calls.append((call.name, args))
+    return calls
+
+
+def _plugin_instances(
+    request: Any, config: GenerationConfig, loaded: LoadedModel, plugins: PluginRegistry, input_len: int
+) -> tuple[list[Any], list[Any]]:
+    """The request's plugin processors and criteria, built here (before any model work) so that bad
+    arguments are INVALID_ARGUMENT without a forward pass."""
+    processors, criteria = _plugin_calls(request, "processors"), _plugin_calls(request, "stopping_criteria")
+    if not processors and not criteria:
+        return [], []
+    context = PluginContext(
+        tokenizer=loaded.tokenizer,
+        vocab_size=loaded.vocab_size,
+        device=loaded.device,
+        config=config,
+        input_len=input_len,
+        eos_token_ids=resolved_eos_token_ids(config),
+    )
+    return (
+        plugins.build("logits_processor", "processors", processors, context),
+        plugins.build("stopping_criteria", "stopping_criteria", criteria, context),
     )
 
 
@@ -376,6 +443,7 @@ async def build_job(
     resolver: ConfigResolver,
     limits: RequestLimits | None = None,
     pool: PreparationPool | None = None,
+    plugins: PluginRegistry | None = None,
 ) -> GenerationJob:
     """Check a Generate/GenerateStream request and turn it into a job.
 
@@ -387,5 +455,5 @@ async def build_job(
     check_wire_sizes(request, limits)
     resolved = await resolve_source(request, resolver)
     if pool is None:
-        return prepare_job(request, resolved, loaded, limits)
-    return await pool.run(prepare_job, request, resolved, loaded, limits)
+        return prepare_job(request, resolved, loaded, limits, plugins)
+    return await pool.run(prepare_job, request, resolved, loaded, limits, plugins)

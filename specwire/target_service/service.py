@@ -14,6 +14,7 @@ from specwire import telemetry
 from specwire.common.v1 import common_pb2
 from specwire.errors import ResourceExhausted
 from specwire.generation.outputs import GenerationResult, StepEvent
+from specwire.generation.plugins import PluginRegistry
 from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models import LoadedModel
 from specwire.serving import handles_errors
@@ -153,8 +154,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         pool: PreparationPool | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         stuck_after_s: float = 60.0,
+        plugins: PluginRegistry | None = None,
     ):
         self.loaded = loaded
+        self.plugins = plugins or PluginRegistry()  # the server plugins requests may name (`--plugins`)
         self.resolver = resolver
         self.engine = Engine(loaded, drafting, scheduler, scheduler_options, stuck_after_s)
         meter = telemetry.get_meter()
@@ -186,7 +189,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         # The request's span (config lookup and draft stream are its children), round spans, metrics.
         with RequestObserver(self.metrics, self.loaded.model_id, rpc, request) as observed:
             self._admit()
-            job = await build_job(request, self.loaded, self.resolver, self.limits, self.pool)
+            job = await build_job(request, self.loaded, self.resolver, self.limits, self.pool, self.plugins)
             observed.job_ready(job)
             started = time.perf_counter()
             async for item in self.engine.run(job):
@@ -258,6 +261,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             architecture=type(loaded.model).__name__,
             peak_device_memory_bytes=peak_device_memory_bytes(loaded.device),
             limits=limits_to_proto(self.limits, self.max_message_bytes),
+            plugins=[pb.PluginInfo(name=p.name, kind=p.kind, description=p.description) for p in self.plugins.all()],
         )
 
     @handles_errors

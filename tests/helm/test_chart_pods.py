@@ -353,3 +353,12 @@ def test_prometheus_port_and_service_monitor(renders):
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     assert "SPECWIRE_PROMETHEUS_PORT" not in renders["default"].settings("target")
+
+
+def test_target_plugins_value_becomes_the_plugins_flag(tools, renders):
+    r = Rendered(template(tools, "--set", "target.plugins={ban_tokens,max_sentences}").stdout)
+    assert r.settings("target")["SPECWIRE_TARGET_PLUGINS"] == "ban_tokens,max_sentences"
+    args = r.container("target")["args"]
+    assert args[args.index("--plugins") + 1] == "$(SPECWIRE_TARGET_PLUGINS)"
+    # None by default: no flag, no setting.
+    assert "--plugins" not in renders["default"].container("target")["args"]

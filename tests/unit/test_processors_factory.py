@@ -292,3 +292,29 @@ def test_factory_reads_our_generation_config():
         ]
     )
     _same(procs(ids, scores), expected(ids, scores.clone()))
+
+
+def test_user_processors_go_where_transformers_merges_them():
+    """After transformers' own processors (suppress tokens here), before the sampling warpers and the watermark:
+    transformers 5.23's `_merge_criteria_processor_list` inserts a user list there."""
+    from specwire.generation.config import GenerationConfig
+
+    def user(input_ids, scores):
+        return scores
+
+    config = GenerationConfig(do_sample=True, top_k=5, suppress_tokens=[3], watermarking_config={"bias": 2.5})
+    procs = build_logits_processors(
+        config,
+        input_len=2,
+        vocab_size=50,
+        eos_token_ids=[2],
+        num_beams=1,
+        prompt_ids=torch.tensor([[4, 5]]),
+        user_processors=[user],
+    )
+    assert [type(p).__name__ for p in procs] == [
+        "SuppressTokensLogitsProcessor",
+        "function",
+        "TopKLogitsWarper",
+        "WatermarkLogitsProcessor",
+    ]

@@ -215,6 +215,9 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- $_ := set $s "SPECWIRE_PREPARE_WORKERS" (toString (int64 $l.prepareWorkers)) -}}
 {{- $_ := set $s "SPECWIRE_MAX_PREPARING" (toString (int64 $l.maxPreparing)) -}}
 {{- $_ := set $s "SPECWIRE_STUCK_AFTER" (toString $v.stuckAfterSeconds) -}}
+{{- if $v.plugins -}}
+{{- $_ := set $s "SPECWIRE_TARGET_PLUGINS" (join "," $v.plugins) -}}
+{{- end -}}
 {{- end -}}
 {{- if $root.Values.metrics.enabled -}}
 {{- $_ := set $s "SPECWIRE_PROMETHEUS_PORT" (toString $root.Values.metrics.port) -}}
@@ -284,6 +287,9 @@ the password never shows on the command line. */ -}}
 {{- end -}}
 {{- end -}}
 {{- $args = concat $args (list "--stuck-after" "$(SPECWIRE_STUCK_AFTER)") -}}
+{{- if hasKey $settings "SPECWIRE_TARGET_PLUGINS" -}}
+{{- $args = concat $args (list "--plugins" "$(SPECWIRE_TARGET_PLUGINS)") -}}
+{{- end -}}
 {{- end -}}
 {{- toYaml (concat $args ($v.extraArgs | default list)) -}}
 {{- end -}}

@@ -47,6 +47,20 @@ def add_generate_parser(sub: Any) -> None:
         "--choice", action="append", default=None, help="the output is one of these strings (repeat the option)"
     )
     gen.add_argument(
+        "--processor",
+        action="append",
+        metavar="NAME[=JSON]",
+        default=None,
+        help="a server plugin logits processor the target enabled, with its JSON arguments (repeat the option)",
+    )
+    gen.add_argument(
+        "--stopping-criterion",
+        action="append",
+        metavar="NAME[=JSON]",
+        default=None,
+        help="a server plugin stopping criterion the target enabled, with its JSON arguments (repeat the option)",
+    )
+    gen.add_argument(
         "--timeout",
         type=float,
         default=DEFAULT_GENERATE_TIMEOUT_S,
@@ -77,6 +91,21 @@ def structured_output_of(args) -> dict[str, Any] | None:
     return None
 
 
+def plugin_calls_of(values: list[str] | None, option: str) -> list[dict[str, Any]]:
+    """`[{"name": ..., "args": {...}}]` from `--processor` / `--stopping-criterion` values `NAME[=JSON]`."""
+    calls = []
+    for value in values or []:
+        name, _, text = value.partition("=")
+        try:
+            args = json.loads(text) if text else {}
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{option} {value}: the arguments after '=' are not JSON ({exc})") from None
+        if not name or not isinstance(args, dict):
+            raise UsageError(f'{option} {value}: give NAME or NAME=JSON-object, e.g. ban_tokens={{"token_ids": [5]}}')
+        calls.append({"name": name, "args": args})
+    return calls
+
+
 def generate_command(args) -> int:
     """Run `specwire generate`; the exit code."""
     from specwire.client import SpecwireRpcError, TargetClient
@@ -95,6 +124,8 @@ def generate_command(args) -> int:
             apply_chat_template=not args.no_chat,
             proposer=args.proposer,
             structured_output=structured_output_of(args),
+            processors=plugin_calls_of(args.processor, "--processor"),
+            stopping_criteria=plugin_calls_of(args.stopping_criterion, "--stopping-criterion"),
             **overrides,
         )
         if args.stream and not args.as_json:

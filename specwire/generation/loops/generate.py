@@ -193,6 +193,7 @@ def generate_from_plan(
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         structured=plan.structured,
         allowed_token_sequences=plan.allowed_token_sequences,
+        user_processors=plan.logits_processor,
     )
     criteria = build_stopping_criteria(
         config,
@@ -200,6 +201,7 @@ def generate_from_plan(
         eos_token_ids=plan.eos_token_ids,
         tokenizer=tokenizer,
         max_position_embeddings=max_position_embeddings,
+        user_criteria=plan.stopping_criteria,
     )
     generator = _request_generator(plan, generator, device)
     stop_codes = StopCodes(criteria, plan.eos_token_ids, device)

@@ -272,6 +272,7 @@ def _per_row_steps(
                 model=model,
                 structured=plan.structured,
                 allowed_token_sequences=plan.allowed_token_sequences,
+                user_processors=plan.logits_processor,
             )
         )
         criteria = build_stopping_criteria(
@@ -280,6 +281,7 @@ def _per_row_steps(
             eos_token_ids=plan.eos_token_ids,
             tokenizer=tokenizer,
             max_position_embeddings=max_position_embeddings,
+            user_criteria=plan.stopping_criteria,
         )
         row_stops.append(StopCodes(criteria, plan.eos_token_ids, plan.input_ids.device))
     return row_processors, row_stops

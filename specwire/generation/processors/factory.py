@@ -90,6 +90,7 @@ def build_logits_processors(
     negative_prompt_attention_mask: torch.Tensor | None = None,
     structured: Any = None,
     allowed_token_sequences: Sequence[Sequence[int]] | None = None,
+    user_processors: Sequence[Any] = (),
 ) -> LogitsProcessorList:
     r"""Build the processors for one request, in transformers 5.23's order and under its conditions.
 
@@ -97,7 +98,8 @@ def build_logits_processors(
     no-repeat n-gram, encoder no-repeat n-gram, bad words, min length, min new tokens, allowed
     prefixes, forced BOS,
     forced EOS, inf/nan removal, exponential decay length penalty, suppress tokens, suppress at begin;
-    then the structured-output mask, where transformers merges a user's `logits_processor` list; then,
+    then the structured-output mask, where transformers merges a user's `logits_processor` list, then
+    the user's processors (server plugins) in their order; then,
     only when `do_sample`, temperature, top-h, top-k, top-p, min-p, typical, epsilon, eta; then
     the watermark, and `LogitNormalization` always last.
 
@@ -133,6 +135,10 @@ def build_logits_processors(
             The serializable `prefix_allowed_tokens_fn`: the generated tokens must follow one of these
             sequences, then EOS (`AllowedSequences`); applied where transformers puts its
             `PrefixConstrainedLogitsProcessor` (after min new tokens, before forced BOS).
+        user_processors (`Sequence[LogitsProcessor]`, *optional*):
+            A user's `logits_processor` list (server plugins), appended where transformers merges it,
+            after the structured-output mask: the mask is the request's own constraint and comes first,
+            so a plugin sees (and may only further restrict or bias) the scores the grammar allows.
 
     Returns:
         `LogitsProcessorList`: the processors, applied in list order.
@@ -160,6 +166,7 @@ def build_logits_processors(
         from specwire.generation.structured import StructuredOutputLogitsProcessor
 
         processors.append(StructuredOutputLogitsProcessor(structured, input_len))
+    processors.extend(user_processors)
     if _field(config, "do_sample"):
         processors.extend(_sampling_warpers(config, num_beams, eos))
     processors.extend(_final_processors(config, vocab_size, prompt_ids.device if prompt_ids is not None else "cpu"))

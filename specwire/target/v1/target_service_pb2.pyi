@@ -42,7 +42,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[_common_pb2.TokenSequence, _Mapping]] = ..., text: _Optional[str] = ..., attention_mask: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults", "structured_output", "allowed_token_sequences")
+    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults", "structured_output", "allowed_token_sequences", "processors", "stopping_criteria")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONFIG_REF_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,8 @@ class GenerateRequest(_message.Message):
     USE_MODEL_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PROCESSORS_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_CRITERIA_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     config: _generation_config_pb2.GenerationConfig
     config_ref: str
@@ -65,10 +67,12 @@ class GenerateRequest(_message.Message):
     use_model_defaults: bool
     structured_output: StructuredOutput
     allowed_token_sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
+    processors: _containers.RepeatedCompositeFieldContainer[PluginCall]
+    stopping_criteria: _containers.RepeatedCompositeFieldContainer[PluginCall]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., processors: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ..., stopping_criteria: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults", "structured_output", "allowed_token_sequences")
+    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults", "structured_output", "allowed_token_sequences", "processors", "stopping_criteria")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONFIG_REF_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +84,8 @@ class GenerateStreamRequest(_message.Message):
     USE_MODEL_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PROCESSORS_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_CRITERIA_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     config: _generation_config_pb2.GenerationConfig
     config_ref: str
@@ -91,7 +97,9 @@ class GenerateStreamRequest(_message.Message):
     use_model_defaults: bool
     structured_output: StructuredOutput
     allowed_token_sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
+    processors: _containers.RepeatedCompositeFieldContainer[PluginCall]
+    stopping_criteria: _containers.RepeatedCompositeFieldContainer[PluginCall]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., processors: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ..., stopping_criteria: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "regex", "grammar", "choice")
@@ -214,7 +222,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "bos_token_id", "eos_token_ids", "pad_token_id", "max_position_embeddings", "generation_config", "device", "dtype", "architecture", "peak_device_memory_bytes", "limits")
+    __slots__ = ("model_id", "vocab_size", "bos_token_id", "eos_token_ids", "pad_token_id", "max_position_embeddings", "generation_config", "device", "dtype", "architecture", "peak_device_memory_bytes", "limits", "plugins")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +235,7 @@ class GetModelInfoResponse(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     PEAK_DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    PLUGINS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     bos_token_id: int
@@ -239,7 +248,26 @@ class GetModelInfoResponse(_message.Message):
     architecture: str
     peak_device_memory_bytes: int
     limits: RequestLimits
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., generation_config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., peak_device_memory_bytes: _Optional[int] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
+    plugins: _containers.RepeatedCompositeFieldContainer[PluginInfo]
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., generation_config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., peak_device_memory_bytes: _Optional[int] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ..., plugins: _Optional[_Iterable[_Union[PluginInfo, _Mapping]]] = ...) -> None: ...
+
+class PluginCall(_message.Message):
+    __slots__ = ("name", "args_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    args_json: str
+    def __init__(self, name: _Optional[str] = ..., args_json: _Optional[str] = ...) -> None: ...
+
+class PluginInfo(_message.Message):
+    __slots__ = ("name", "kind", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    description: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class RequestLimits(_message.Message):
     __slots__ = ("max_model_len", "max_new_tokens", "max_request_rows", "max_prompts", "max_beams", "max_stop_strings", "max_stop_string_chars", "max_bias_entries", "max_output_bytes", "max_prompt_chars", "max_message_bytes")

@@ -127,6 +127,8 @@ class BatchScheduler:
             structured_output=job.structured_output,
             tokenizer=self.tokenizer,
             allowed_token_sequences=job.allowed_token_sequences,
+            logits_processor=job.logits_processor,
+            stopping_criteria=job.stopping_criteria,
         )
         return lane_reason(plan, self.cache), plan
 
