@@ -13,6 +13,14 @@ but the call itself is left to release when it ends. (A sync stream-stream call 
 blocked on the request iterator, and reading its answers with a deadline costs a reader thread: two
 threads per stream, which leaked whenever a stream was not closed.) `close()` ends the call on every
 exit path of the decoding loop (`speculative_loop` closes its drafter in a `finally`).
+
+Co-located draft (`--draft-model`, `DraftPolicy.draft_model`): `draft_model` requests get the draft
+service's own `ModelDrafter` (`open_model_drafter`) over a draft model loaded in this process, no RPC,
+as transformers' assisted generation drafts. Its forwards run on the thread that calls `propose`: the
+request's thread in the batched scheduler (announced as a draft wait, like a remote round, so packed
+forwards of other requests go on meanwhile; the request stays batched or in the lane by the same rules
+as with a remote draft), the model thread with the sequential scheduler; never the event loop. It
+excludes `--draft-address` (refused at start: one draft model per target, no precedence to guess).
 """
 
 from __future__ import annotations
