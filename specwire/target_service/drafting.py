@@ -16,11 +16,12 @@ exit path of the decoding loop (`speculative_loop` closes its drafter in a `fina
 
 Co-located draft (`--draft-model`, `DraftPolicy.draft_model`): `draft_model` requests get the draft
 service's own `ModelDrafter` (`open_model_drafter`) over a draft model loaded in this process, no RPC,
-as transformers' assisted generation drafts. Its forwards run on the thread that calls `propose`: the
-request's thread in the batched scheduler (announced as a draft wait, like a remote round, so packed
-forwards of other requests go on meanwhile; the request stays batched or in the lane by the same rules
-as with a remote draft), the model thread with the sequential scheduler; never the event loop. It
-excludes `--draft-address` (refused at start: one draft model per target, no precedence to guess).
+as transformers' assisted generation drafts. Its forwards run on the thread that calls `propose`: in
+the batched scheduler the request's own thread (its lane thread in the lane), announced as a draft
+wait like a remote round, so the packed forwards of other requests go on meanwhile (the request is
+batched or in the lane by the same rules as with a remote draft); with the sequential scheduler the
+model thread; never the event loop. It excludes `--draft-address` (refused at start: one draft model
+per target, no precedence to guess).
 """
 
 from __future__ import annotations

@@ -144,9 +144,14 @@ def test_cancelled_and_late_requests_release_the_drafter(targets, scheduler):
         target.faults.delay_s = 0.0
 
 
-def test_drafts_run_off_the_event_loop(targets):
-    """Draft forwards run on the request's thread (batched) or the model thread, never the event loop."""
-    target = targets("batched")
+@pytest.mark.parametrize(
+    "scheduler, thread",
+    [("batched", "specwire-request"), ("lane", "specwire-lane"), ("sequential", "specwire-model")],
+)
+def test_drafts_run_off_the_event_loop(targets, scheduler, thread):
+    """Draft forwards run on the request's own thread (batched: its request thread, lane: its lane
+    thread) or the model thread (sequential), never on the event loop."""
+    target = targets(scheduler)
     names: list[str] = []
     model = target.policy.draft_model.model
     original = model.forward
@@ -158,10 +163,10 @@ def test_drafts_run_off_the_event_loop(targets):
     model.forward = forward
     try:
         with TargetClient(target.address) as client:
-            client.generate(BATCH[:1], max_new_tokens=8, **DRAFT)
+            client.generate(BATCH[:1], max_new_tokens=70 if scheduler == "lane" else 8, **DRAFT)
     finally:
         del model.forward
-    assert names and all(n.startswith("specwire-request") for n in names), set(names)
+    assert names and all(n.startswith(thread) for n in names), set(names)
 
 
 def test_another_vocabulary_is_refused(loaded, draft):
