@@ -17,12 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import torch
-
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
-from specwire.generation.speculation.drafters import Drafter, ModelDrafter, PromptLookupDrafter, Proposal
+from specwire.generation.speculation.drafters import Drafter, PromptLookupDrafter, Proposal, open_model_drafter
 from specwire.model_thread import model_executor
 from specwire.models import LoadedModel
 from specwire.serving import handles_errors
@@ -61,17 +59,7 @@ def _open_session(start: pb.DraftStart, draft_model: LoadedModel | None, prompt_
             raise FailedPrecondition(
                 "this draft service has no draft model (start it with --model); use DRAFT_METHOD_PROMPT_LOOKUP"
             )
-        generator = None
-        if config.do_sample:
-            # The session's own generator: seeding torch's global one (`torch.seed()`) would change the
-            # random stream of everything else in the process, other sessions included.
-            device = next(draft_model.model.parameters()).device
-            generator = torch.Generator(device=device)
-            if config.seed is not None:
-                generator.manual_seed(config.seed)
-            else:
-                generator.seed()
-        return ModelDrafter(draft_model.model, rows, config, start.vocab_size, start.return_probs, generator)
+        return open_model_drafter(draft_model.model, rows, config, start.vocab_size, start.return_probs)
     raise InvalidArgument.for_field(
         "start.method", start.method, "choose DRAFT_METHOD_PROMPT_LOOKUP or DRAFT_METHOD_MODEL"
     )

@@ -1,7 +1,7 @@
 """`target-service`: serves generation on one model.
 
 Usage: target-service --host 127.0.0.1 --port 50052 --model default [--config-address A]
-       [--draft-address A] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+       [--draft-address A | --draft-model M] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from specwire.serving import (
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.target_service.admission import DEFAULT_MAX_PREPARING, DEFAULT_PREPARE_WORKERS, PreparationPool
 from specwire.target_service.config_resolver import DEFAULT_STALE_MAX_S, ConfigResolver
-from specwire.target_service.drafting import DraftPolicy
+from specwire.target_service.drafting import DraftPolicy, check_draft_model
 from specwire.target_service.limits import RequestLimits, default_output_bytes
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
 from specwire.target_service.service import TargetServicer
@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-address",
         default=None,
         help="draft service: host:port, or dns:///name:port to spread streams over replicas",
+    )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="a draft model run in this process, no draft service (single-box deployments): 'default-int8', "
+        "'default', a folder, a .gguf file or a Hub id, with the target's tokenizer; excludes --draft-address",
     )
     parser.add_argument(
         "--default-proposer",
@@ -362,6 +368,19 @@ def check_access(args: argparse.Namespace) -> ServerAccess:
     return access
 
 
+def load_draft_model(args: argparse.Namespace, target):
+    """The co-located draft (`--draft-model`) on the target's device and dtype, checked against the
+    target's vocabulary; None without the flag. Exits with the reason when it cannot be used."""
+    if not args.draft_model:
+        return None
+    try:
+        draft = load_model(args.draft_model, device=args.device, dtype=args.dtype)
+        check_draft_model(target, draft)
+    except (ModelLoadError, ValueError) as error:
+        raise SystemExit(f"target-service: --draft-model {args.draft_model}: {error}") from None
+    return draft
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.config_stale_max < 0:  # before the model loads: a typo should not cost minutes
@@ -373,6 +392,11 @@ def main(argv: list[str] | None = None) -> None:
     check_transport_security("target-service")  # TLS settings that fail closed, before any model loads
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
+    if args.draft_model and args.draft_address:  # before any model loads
+        raise SystemExit(
+            "target-service: --draft-model and --draft-address both name a draft model; give one: "
+            "--draft-model runs it in this process, --draft-address on the draft service"
+        )
     access = check_access(args)
     try:  # before the model loads: a typo should not cost minutes
         plugins = load_plugins(args.plugins.split(","))
@@ -384,8 +408,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"target-service: {error}") from None
     if args.attn_implementation is not None:
         loaded.model.set_attn_implementation(args.attn_implementation)
+    draft_model = load_draft_model(args, loaded)
     drafting = DraftPolicy(
-        args.draft_address, args.default_proposer, args.draft_timeout, prompt_lookup_rule=args.prompt_lookup_rule
+        args.draft_address,
+        args.default_proposer,
+        args.draft_timeout,
+        prompt_lookup_rule=args.prompt_lookup_rule,
+        draft_model=draft_model,
     )
     options = SchedulerOptions(
         max_batch_rows=args.max_batch_rows,

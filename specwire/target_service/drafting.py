@@ -13,6 +13,15 @@ but the call itself is left to release when it ends. (A sync stream-stream call 
 blocked on the request iterator, and reading its answers with a deadline costs a reader thread: two
 threads per stream, which leaked whenever a stream was not closed.) `close()` ends the call on every
 exit path of the decoding loop (`speculative_loop` closes its drafter in a `finally`).
+
+Co-located draft (`--draft-model`, `DraftPolicy.draft_model`): `draft_model` requests get the draft
+service's own `ModelDrafter` (`open_model_drafter`) over a draft model loaded in this process, no RPC,
+as transformers' assisted generation drafts. Its forwards run on the thread that calls `propose`: in
+the batched scheduler the request's own thread (its lane thread in the lane), announced as a draft
+wait like a remote round, so the packed forwards of other requests go on meanwhile (the request is
+batched or in the lane by the same rules as with a remote draft); with the sequential scheduler the
+model thread; never the event loop. It excludes `--draft-address` (refused at start: one draft model
+per target, no precedence to guess).
 """
 
 from __future__ import annotations
@@ -32,7 +41,13 @@ from specwire.deadline import caller_deadline, remaining
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.errors import FieldProblem, InvalidArgument
-from specwire.generation.speculation.drafters import Drafter, DraftFailure, PromptLookupDrafter, Proposal
+from specwire.generation.speculation.drafters import (
+    Drafter,
+    DraftFailure,
+    PromptLookupDrafter,
+    Proposal,
+    open_model_drafter,
+)
 from specwire.security.channels import RenewingChannel
 from specwire.vocabulary import PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
 from specwire.wire.generation_config import config_to_proto
@@ -278,6 +293,9 @@ class DraftPolicy:
         prompt_lookup_tokens (`int`): draft length for prompt lookup when the request gives none.
         prompt_lookup_rule (`str`): matching rule of in-process prompt lookup (no draft service), see
             `PromptLookupDrafter`; the draft service has its own `--prompt-lookup-rule`.
+        draft_model (`LoadedModel`, *optional*): a co-located draft (`--draft-model`): `draft_model`
+            requests draft with it in this process, no RPC, like transformers' assisted generation.
+            Exclusive with `draft_address` (one draft model per target; refused at start).
     """
 
     draft_address: str | None = None
@@ -285,15 +303,28 @@ class DraftPolicy:
     round_timeout_s: float = 5.0
     prompt_lookup_tokens: int = 10
     prompt_lookup_rule: str = "longest"
+    draft_model: Any = None
 
     def __post_init__(self) -> None:
+        if self.draft_model is not None and self.draft_address is not None:
+            raise ValueError(
+                "--draft-model and --draft-address both name a draft model; give one: --draft-model runs it "
+                "in the target's process, --draft-address on the draft service"
+            )
         self._channel: DraftChannel | None = None
         self._channel_lock = threading.Lock()
+        self._local_lock = threading.Lock()
+        self._local_open = 0  # co-located drafters opened and not yet closed
 
     @property
     def open_streams(self) -> int:
-        """Draft streams opened and not yet ended (0 before the first one)."""
-        return self._channel.open_streams if self._channel is not None else 0
+        """Draft streams (or co-located drafters, which hold KV caches) opened and not yet ended."""
+        remote = self._channel.open_streams if self._channel is not None else 0
+        return remote + self._local_open
+
+    def _count_local(self, change: int) -> None:
+        with self._local_lock:
+            self._local_open += change
 
     def channel(self) -> DraftChannel:
         """The draft service's channel (one per target process, started on first use)."""
@@ -320,8 +351,12 @@ class DraftPolicy:
                     return PromptLookupDrafter(rows, config, vocab_size, self.prompt_lookup_rule)
                 method = pb.DRAFT_METHOD_PROMPT_LOOKUP
             else:
+                if self.draft_model is not None:
+                    return self._colocated(rows, config, vocab_size)
                 if self.draft_address is None:
-                    raise DraftFailure("no draft service configured (start the target with --draft-address)")
+                    raise DraftFailure(
+                        "no draft model configured (start the target with --draft-model or --draft-address)"
+                    )
                 method = pb.DRAFT_METHOD_MODEL
             return RemoteDrafter(
                 self.channel(),
@@ -336,6 +371,15 @@ class DraftPolicy:
             )
 
         return open_drafter
+
+    def _colocated(self, rows: list[list[int]], config: Any, vocab_size: int) -> Drafter:
+        """A drafter over the co-located draft model. Its forwards run where `propose` is called: the
+        request's own thread (the batched scheduler) or the model thread (sequential), never the event loop."""
+        # Probabilities when the target samples from them or a greedy ensemble mixes them in, as remotely.
+        return_probs = bool(config.do_sample) or config.assistant_ensemble_weight is not None
+        drafter = open_model_drafter(self.draft_model.model, rows, config, vocab_size, return_probs)
+        self._count_local(1)
+        return _CountedDrafter(drafter, self._count_local)
 
     def ensemble_warning(self, proposer: str, config: Any, num_beams: int) -> FieldProblem | None:
         """`assistant_ensemble_weight` in the context it runs in: mixed into the acceptance of a draft
@@ -374,3 +418,46 @@ class DraftPolicy:
             channel = self._channel
         if channel is not None:
             channel.close()
+
+
+class _CountedDrafter:
+    """A co-located drafter counted in `DraftPolicy.open_streams` until closed (the leak tests read it)."""
+
+    def __init__(self, drafter: Drafter, count):
+        self.drafter = drafter
+        self._count = count
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def propose(self, num_tokens: int) -> Proposal:
+        if self._closed:
+            raise DraftFailure("the drafter is closed")
+        return self.drafter.propose(num_tokens)
+
+    def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
+        if not self._closed:  # closed by the request's end (cancel, deadline) while its thread verified
+            self.drafter.feedback(num_accepted, appended, finished)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.drafter.close()  # drops the KV caches (a propose still running keeps its own references)
+        self._count(-1)
+
+
+def check_draft_model(target: Any, draft: Any) -> None:
+    """Refuse a co-located draft whose tokenizer differs from the target's (ValueError with the reason).
+
+    Draft token ids are verified as the target's ids, so both must map text to the same ids (transformers'
+    assisted generation assumes it as well; universal assisted decoding is not implemented).
+    """
+    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(
+            f"the draft model {draft.model_id} has another vocabulary than the target {target.model_id} "
+            f"({len(draft_vocab)} tokens against {len(target_vocab)}; differing entries e.g. {differing}): "
+            "its token ids would mean other tokens; use a draft model with the target's tokenizer"
+        )

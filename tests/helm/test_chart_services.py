@@ -304,6 +304,17 @@ def test_helm_test_pod_skips_a_disabled_draft(tools):
     assert "--draft-address" not in r.container("target")["args"]
 
 
+def test_a_colocated_draft_model_is_the_targets_flag_and_no_draft_address(tools):
+    r = Rendered(template(tools, "--set", "target.draftModel=default-int8", "--set", "draft.enabled=false").stdout)
+    assert r.settings("target")["SPECWIRE_DRAFT_MODEL"] == "default-int8"
+    args = r.container("target")["args"]
+    assert args[args.index("--draft-model") + 1] == "$(SPECWIRE_DRAFT_MODEL)"
+    assert "--draft-address" not in args and "SPECWIRE_DRAFT_ADDRESS" not in r.settings("target")
+    # With the draft service still deployed, the target still does not get its address (both are refused).
+    r = Rendered(template(tools, "--set", "target.draftModel=default-int8").stdout)
+    assert "--draft-address" not in r.container("target")["args"]
+
+
 HEALTH_SERVER = textwrap.dedent(
     """
     import sys, grpc

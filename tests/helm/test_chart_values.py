@@ -227,6 +227,10 @@ def test_every_value_is_documented():
         (["--set", "config.terminationGracePeriodSeconds=6"], "config: --grace"),
         (["--set", "target.limits.maxOutputBytes=20000000"], "is above target.maxMessageBytes"),
         (["--set", "config.replicaCount=2"], "config.replicaCount is 2 but the registry is on SQLite"),
+        (
+            ["--set", "target.draftModel=default-int8", "--set", "target.draftAddress=drafts:50053"],
+            "target.draftModel and target.draftAddress both name a draft model",
+        ),
         (["--set", "auth.existingSecret=reader"], "set tls.enabled with tls.secretName, or auth.allowInsecureToken"),
         (
             ["--set", "auth.adminExistingSecret=admin", "--set", "auth.allowInsecureToken=true"],

@@ -10,7 +10,7 @@ import torch
 from specwire.client import TargetClient
 from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.target_service.__main__ import build_server as build_target_server
-from specwire.target_service.drafting import DraftPolicy
+from specwire.target_service.drafting import DraftPolicy, check_draft_model
 from tests.servers import threaded_server
 
 CODE = '''def moving_average(values, window):
@@ -87,3 +87,23 @@ def test_int8_draft_model_equals_plain_greedy(smollm, smollm_int8):
                 spec = client.generate(proposer="draft_model", num_assistant_tokens=5, **kwargs)
     assert torch.equal(spec.sequences, plain.sequences)
     _check_stats(spec.speculation, "draft_model")
+
+
+@pytest.mark.smollm
+def test_colocated_int8_draft_model_equals_plain_greedy(smollm, smollm_int8):
+    """`target-service --draft-model default-int8`: the same draft in the target's process, no draft service."""
+    check_draft_model(smollm, smollm_int8)  # same tokenizer: accepted at start
+    policy = DraftPolicy(draft_model=smollm_int8)
+    with threaded_server(lambda: build_target_server(smollm, drafting=policy)) as server:
+        with TargetClient(server.address) as client:
+            kwargs = dict(
+                text=["What is the capital of France?", "Name three primary colors."],
+                apply_chat_template=True,
+                max_new_tokens=32,
+            )
+            plain = client.generate(**kwargs)
+            spec = client.generate(proposer="draft_model", num_assistant_tokens=5, **kwargs)
+    assert torch.equal(spec.sequences, plain.sequences)
+    _check_stats(spec.speculation, "draft_model")
+    assert spec.speculation.draft_seconds > 0
+    assert policy.open_streams == 0

@@ -1,12 +1,13 @@
 """No leaks: every way a request can end gives back what it held.
 
 On real servers over loopback, for every proposer (none, prompt lookup in-process, prompt lookup and
-a draft model through a real draft service) and both schedulers, requests end by finishing, by the
-client closing the stream midway, by their deadline, by an error inside the decoding loop (a device
-fault injected into the model's forward), and by the draft service dying or stopping mid-stream.
-After they settle, the process has as many threads as before (Python's and native ones, gRPC's
-included), the target no draft stream open, the batched scheduler all its KV slots free, and the
-draft service no session open.
+a draft model through a real draft service, a draft model co-located in the target's process) and
+both schedulers, requests end by finishing, by the client closing the stream midway, by their
+deadline, by an error inside the decoding loop (a device fault injected into the model's forward),
+and by the draft service dying or stopping mid-stream. After they settle, the process has as many
+threads as before (Python's and native ones, gRPC's included), the target no draft stream (or
+co-located drafter) open, the batched scheduler all its KV slots free, and the draft service no
+session open.
 
 The target model's forward takes a few milliseconds more than it needs (`Faults.delay_s`), so that a
 request is still running when its client cancels it or its deadline passes.
@@ -38,18 +39,17 @@ LONG = dict(max_new_tokens=200, min_new_tokens=200)  # far from done when cancel
 # "lane": the batched scheduler's sequential lane (slots of 64 positions: longer requests run there).
 SCHEDULERS = ["batched", "sequential", "lane"]
 LANE_SLOT_TOKENS = 64
-# (id, request kwargs, whether the target needs the draft service)
+DRAFT_MODEL = dict(proposer="draft_model", num_assistant_tokens=3, assistant_confidence_threshold=0.0)
+# (id, request kwargs, where the target drafts: "local" (in-process prompt lookup or none), "service"
+# (the draft service), "colocated" (a draft model in the target's process, --draft-model))
 PROPOSERS = [
-    ("none", dict(proposer="none"), False),
-    ("prompt_lookup-local", dict(proposer="prompt_lookup", prompt_lookup_num_tokens=4), False),
-    ("prompt_lookup-service", dict(proposer="prompt_lookup", prompt_lookup_num_tokens=4), True),
-    (
-        "draft_model-service",
-        dict(proposer="draft_model", num_assistant_tokens=3, assistant_confidence_threshold=0.0),
-        True,
-    ),
+    ("none", dict(proposer="none"), "local"),
+    ("prompt_lookup-local", dict(proposer="prompt_lookup", prompt_lookup_num_tokens=4), "local"),
+    ("prompt_lookup-service", dict(proposer="prompt_lookup", prompt_lookup_num_tokens=4), "service"),
+    ("draft_model-service", DRAFT_MODEL, "service"),
+    ("draft_model-colocated", DRAFT_MODEL, "colocated"),
 ]
-REMOTE = [p for p in PROPOSERS if p[2]]
+REMOTE = [p for p in PROPOSERS if p[2] == "service"]
 SETTLE_S = 30.0
 
 
@@ -164,10 +164,10 @@ def draft_server(tiny_draft_dir):
         yield server
 
 
-def start_target(stack: ExitStack, model_dir, scheduler: str, draft_address: str | None) -> Target:
+def start_target(stack: ExitStack, model_dir, scheduler: str, draft_address: str | None, draft_model=None) -> Target:
     loaded = load_model(str(model_dir), progress=False)
     faults = Faults(loaded.model, delay_s=0.01)
-    policy = DraftPolicy(draft_address, round_timeout_s=10.0)
+    policy = DraftPolicy(draft_address, round_timeout_s=10.0, draft_model=draft_model)
     # Packed forwards through `model(...)`, so that the injected faults reach them.
     options = SchedulerOptions(lean_forward=False, slot_tokens=LANE_SLOT_TOKENS if scheduler == "lane" else None)
     server = stack.enter_context(
@@ -185,16 +185,18 @@ def start_target(stack: ExitStack, model_dir, scheduler: str, draft_address: str
 
 
 @pytest.fixture(scope="module")
-def targets(tiny_model_dir, draft_server):
-    """`targets(scheduler, remote)`: a target service (built once per module) on the draft service or none."""
-    built: dict[tuple[str, bool], Target] = {}
+def targets(tiny_model_dir, tiny_draft_dir, draft_server):
+    """`targets(scheduler, where)`: a target service (built once per module) on the draft service, with a
+    co-located draft model, or with neither."""
+    built: dict[tuple[str, str], Target] = {}
     with ExitStack() as stack:
 
-        def get(scheduler: str, remote: bool) -> Target:
-            if (scheduler, remote) not in built:
-                address = draft_server.address if remote else None
-                built[scheduler, remote] = start_target(stack, tiny_model_dir, scheduler, address)
-            return built[scheduler, remote]
+        def get(scheduler: str, where: str) -> Target:
+            if (scheduler, where) not in built:
+                address = draft_server.address if where == "service" else None
+                draft = load_model(str(tiny_draft_dir), progress=False) if where == "colocated" else None
+                built[scheduler, where] = start_target(stack, tiny_model_dir, scheduler, address, draft)
+            return built[scheduler, where]
 
         yield get
 
@@ -245,16 +247,16 @@ def concurrently(fn, count: int) -> None:
 
 def _params(proposers):
     return [
-        pytest.param(scheduler, kwargs, remote, id=f"{scheduler}-{name}")
+        pytest.param(scheduler, kwargs, where, id=f"{scheduler}-{name}")
         for scheduler in SCHEDULERS
-        for name, kwargs, remote in proposers
+        for name, kwargs, where in proposers
     ]
 
 
-@pytest.mark.parametrize("scheduler, kwargs, remote", _params(PROPOSERS))
-def test_finished_requests_release_everything(targets, draft_server, scheduler, kwargs, remote):
-    target = targets(scheduler, remote)
-    drafts = draft_server if remote else None
+@pytest.mark.parametrize("scheduler, kwargs, where", _params(PROPOSERS))
+def test_finished_requests_release_everything(targets, draft_server, scheduler, kwargs, where):
+    target = targets(scheduler, where)
+    drafts = draft_server if where == "service" else None
     baseline = warmed_baseline(target, kwargs, drafts)
     with TargetClient(target.address) as client:
         for _ in range(3):
@@ -262,10 +264,10 @@ def test_finished_requests_release_everything(targets, draft_server, scheduler, 
     assert_released(baseline, target, drafts)
 
 
-@pytest.mark.parametrize("scheduler, kwargs, remote", _params(PROPOSERS))
-def test_cancelled_streams_release_everything(targets, draft_server, scheduler, kwargs, remote):
-    target = targets(scheduler, remote)
-    drafts = draft_server if remote else None
+@pytest.mark.parametrize("scheduler, kwargs, where", _params(PROPOSERS))
+def test_cancelled_streams_release_everything(targets, draft_server, scheduler, kwargs, where):
+    target = targets(scheduler, where)
+    drafts = draft_server if where == "service" else None
     baseline = warmed_baseline(target, kwargs, drafts)
     for _ in range(2):  # one after the other, then several at once
         cancel_after_two_deltas(target.address, kwargs)
@@ -273,10 +275,10 @@ def test_cancelled_streams_release_everything(targets, draft_server, scheduler, 
     assert_released(baseline, target, drafts)
 
 
-@pytest.mark.parametrize("scheduler, kwargs, remote", _params(PROPOSERS))
-def test_deadline_exceeded_requests_release_everything(targets, draft_server, scheduler, kwargs, remote):
-    target = targets(scheduler, remote)
-    drafts = draft_server if remote else None
+@pytest.mark.parametrize("scheduler, kwargs, where", _params(PROPOSERS))
+def test_deadline_exceeded_requests_release_everything(targets, draft_server, scheduler, kwargs, where):
+    target = targets(scheduler, where)
+    drafts = draft_server if where == "service" else None
     baseline = warmed_baseline(target, kwargs, drafts)
 
     def late():
@@ -290,10 +292,10 @@ def test_deadline_exceeded_requests_release_everything(targets, draft_server, sc
     assert_released(baseline, target, drafts)
 
 
-@pytest.mark.parametrize("scheduler, kwargs, remote", _params(PROPOSERS))
-def test_failed_requests_release_everything(targets, draft_server, scheduler, kwargs, remote):
-    target = targets(scheduler, remote)
-    drafts = draft_server if remote else None
+@pytest.mark.parametrize("scheduler, kwargs, where", _params(PROPOSERS))
+def test_failed_requests_release_everything(targets, draft_server, scheduler, kwargs, where):
+    target = targets(scheduler, where)
+    drafts = draft_server if where == "service" else None
     baseline = warmed_baseline(target, kwargs, drafts)
     with TargetClient(target.address) as client:
         for _ in range(2):

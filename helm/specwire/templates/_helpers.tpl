@@ -121,7 +121,9 @@ Address the target uses for the draft service: the headless Service through gRPC
 that a round_robin client opens a subchannel per draft pod and spreads its streams over them.
 */}}
 {{- define "specwire.draftAddress" -}}
-{{- if .Values.target.draftAddress -}}
+{{- if .Values.target.draftModel -}}
+{{- /* A co-located draft: the target drafts in its own process (no address; both are refused at start). */ -}}
+{{- else if .Values.target.draftAddress -}}
 {{- .Values.target.draftAddress -}}
 {{- else if .Values.draft.enabled -}}
 {{- printf "dns:///%s:%d" (include "specwire.componentHost" (dict "root" . "component" "draft")) (int .Values.draft.port) -}}
@@ -187,6 +189,9 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- end -}}
 {{- with include "specwire.draftAddress" $root -}}
 {{- $_ := set $s "SPECWIRE_DRAFT_ADDRESS" . -}}
+{{- end -}}
+{{- if $v.draftModel -}}
+{{- $_ := set $s "SPECWIRE_DRAFT_MODEL" $v.draftModel -}}
 {{- end -}}
 {{- $q := $v.scheduler -}}
 {{- $_ := set $s "SPECWIRE_SCHEDULER" $q.mode -}}
@@ -272,6 +277,9 @@ the password never shows on the command line. */ -}}
 {{- end -}}
 {{- if hasKey $settings "SPECWIRE_DRAFT_ADDRESS" -}}
 {{- $args = concat $args (list "--draft-address" "$(SPECWIRE_DRAFT_ADDRESS)") -}}
+{{- end -}}
+{{- if hasKey $settings "SPECWIRE_DRAFT_MODEL" -}}
+{{- $args = concat $args (list "--draft-model" "$(SPECWIRE_DRAFT_MODEL)") -}}
 {{- end -}}
 {{- $args = concat $args (list "--scheduler" "$(SPECWIRE_SCHEDULER)" "--max-batch-rows" "$(SPECWIRE_MAX_BATCH_ROWS)") -}}
 {{- $args = concat $args (list "--max-tokens-per-step" "$(SPECWIRE_MAX_TOKENS_PER_STEP)" "--max-queued" "$(SPECWIRE_MAX_QUEUED)") -}}
@@ -377,6 +385,9 @@ preStop sleep minus 5 s, so the server has drained and exited before the kubelet
 {{- end -}}
 {{- if and .Values.auth.adminExistingSecret (not .Values.auth.existingSecret) (not .Values.tls.enabled) -}}
 {{- fail "auth.adminExistingSecret needs auth.existingSecret: the targets read the registry and the draft service with the reader token (without TLS there is no client certificate to stand for it)" -}}
+{{- end -}}
+{{- if and .Values.target.draftModel .Values.target.draftAddress -}}
+{{- fail "target.draftModel and target.draftAddress both name a draft model (the target refuses both at start): clear target.draftAddress to draft in the target's process, or target.draftModel to use the draft service" -}}
 {{- end -}}
 {{- if and .Values.otel.enabled (not .Values.otel.endpoint) -}}
 {{- fail "otel.enabled needs otel.endpoint, e.g. http://otel-collector.observability:4317" -}}

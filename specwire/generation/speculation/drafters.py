@@ -33,7 +33,15 @@ from specwire.generation.speculation.schedules import ConfidenceStop
 if TYPE_CHECKING:
     from specwire.generation.processors.base import LogitsProcessorList
 
-__all__ = ["PROMPT_LOOKUP_RULES", "DraftFailure", "Drafter", "ModelDrafter", "PromptLookupDrafter", "Proposal"]
+__all__ = [
+    "PROMPT_LOOKUP_RULES",
+    "DraftFailure",
+    "Drafter",
+    "ModelDrafter",
+    "PromptLookupDrafter",
+    "Proposal",
+    "open_model_drafter",
+]
 
 
 class DraftFailure(RuntimeError):
@@ -288,3 +296,29 @@ class ModelDrafter:
 
     def close(self) -> None:
         self.rows = []
+
+
+def open_model_drafter(
+    model: Any, rows: list[list[int]], config: Any, vocab_size: int, return_probs: bool
+) -> ModelDrafter:
+    """A `ModelDrafter` with its own random stream when the request samples.
+
+    Shared by the draft service (one per stream) and the target's co-located draft (`--draft-model`).
+
+    Args:
+        model (`PreTrainedModel`): the draft model.
+        rows (`list[list[int]]`): each row's tokens so far.
+        config (`GenerationConfig`): the request's effective config (`do_sample`, `seed`, processors).
+        vocab_size (`int`): the target's vocabulary size.
+        return_probs (`bool`): return the draft's probabilities (the target samples, or mixes an ensemble).
+    """
+    generator = None
+    if config.do_sample:
+        # The session's own generator: seeding torch's global one (`torch.seed()`) would change the
+        # random stream of everything else in the process, other sessions included.
+        generator = torch.Generator(device=next(model.parameters()).device)
+        if config.seed is not None:
+            generator.manual_seed(config.seed)
+        else:
+            generator.seed()
+    return ModelDrafter(model, rows, config, vocab_size, return_probs, generator)
