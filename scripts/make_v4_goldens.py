@@ -38,7 +38,78 @@ MODEL = {"seed": 0, "num_hidden_layers": 2, "hidden_size": 32}
 _EOS = {"frequent": 2}
 _GROUP = {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0, "pad_token_id": 0}
 
+_CONSTRAINED = {"num_beams": 4, "pad_token_id": 0}
+
 CASES: dict[str, list[dict]] = {
+    "constrained_beam_search": [
+        {
+            "name": "phrasal",
+            "prompt": "single",
+            "kwargs": {**_CONSTRAINED, "max_new_tokens": 8, "force_words_ids": [[70, 71]]},
+        },
+        {
+            "name": "disjunctive",
+            "prompt": "single",
+            "kwargs": {**_CONSTRAINED, "max_new_tokens": 8, "force_words_ids": [[[80, 81], [82], [80, 83, 84]]]},
+        },
+        {
+            "name": "several_constraints_eos",
+            "prompt": "single",
+            "kwargs": {
+                **_CONSTRAINED,
+                "max_new_tokens": 12,
+                "force_words_ids": [[70], [[90, 91], [92]], [60, 61, 62]],
+                "eos_token_id": _EOS,
+            },
+        },
+        {
+            "name": "num_return_sequences",
+            "prompt": "single",
+            "kwargs": {
+                "num_beams": 5,
+                "max_new_tokens": 9,
+                "num_return_sequences": 3,
+                "force_words_ids": [[75, 76], [[77], [78, 79]]],
+                "eos_token_id": [_EOS, {"frequent": 4}],
+                "pad_token_id": 0,
+            },
+        },
+        {
+            "name": "left_padded_batch",
+            "prompt": "batch",
+            "kwargs": {
+                **_CONSTRAINED,
+                "max_new_tokens": 10,
+                "num_return_sequences": 2,
+                "force_words_ids": [[72, 73], [[85], [86, 87]]],
+                "eos_token_id": _EOS,
+                "repetition_penalty": 1.3,
+            },
+        },
+        {
+            "name": "early_stopping_length_penalty",
+            "prompt": "batch",
+            "kwargs": {
+                **_CONSTRAINED,
+                "max_new_tokens": 12,
+                "force_words_ids": [[{"frequent": 3}, 74]],
+                "eos_token_id": {"frequent": 1},
+                "early_stopping": True,
+                "length_penalty": 0.5,
+            },
+        },
+        {
+            "name": "frequent_word_never",
+            "prompt": "single",
+            "kwargs": {
+                **_CONSTRAINED,
+                "max_new_tokens": 10,
+                "force_words_ids": [[{"frequent": 0}, {"frequent": 1}]],
+                "eos_token_id": _EOS,
+                "early_stopping": "never",
+            },
+        },
+    ],
     "group_beam_search": [
         {"name": "two_groups", "prompt": "single", "kwargs": {**_GROUP, "max_new_tokens": 8}},
         {

@@ -3,8 +3,8 @@
 `prepare_generation` does what transformers 5.23's `generate()` does before decoding, for
 decoder-only models, in this order, and returns a `GenerationPlan` the loops run from:
 
-1. Refuse (`config.check_runnable`) the modes specwire does not run (constrained beam search,
-   low_memory beams, token healing) with `UnsupportedModeError` naming the field; group beam search,
+1. Refuse (`config.check_runnable`) the modes specwire does not run (low_memory beams, token
+   healing) with `UnsupportedModeError` naming the field; group and constrained beam search,
    contrastive search and DoLa, which transformers 5 dropped and specwire runs with transformers
    4.55.4's semantics, get that release's rules; refuse token ids past the model's vocabulary.
 2. Apply the global defaults to unset fields (`max_length=20`, `top_k=50`, ...; the config passed in
@@ -150,6 +150,8 @@ _TOKEN_ID_FIELDS = (
     "begin_suppress_tokens",
     "bad_words_ids",
     "sequence_bias",
+    "force_words_ids",
+    "constraints",
 )
 
 
@@ -165,6 +167,8 @@ def _flat_ids(name: str, value: Any) -> list[int]:
         return [t for key in keys if isinstance(key, (list, tuple)) for t in _flat_ids("", key)]
     if isinstance(value, (list, tuple)):
         return [t for item in value for t in _flat_ids("", item)]
+    if isinstance(value, dict):  # a constraint as plain data: its token ids
+        return [t for item in value.values() for t in _flat_ids("", item)]
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
     return []

@@ -142,7 +142,7 @@ def effective_config(
     raise_for_errors(
         v4_mode_violations(merged.with_defaults()), field_prefix="config.", summary="invalid generation config"
     )
-    # Modes transformers 5 removed (constrained beams, contrastive, DoLa) are refused by the
+    # Modes specwire does not run (low_memory beams, token healing) are refused by the
     # decoding loop itself with UNIMPLEMENTED, naming the field; the drafting methods of UNSERVED_FIELDS
     # need the target's hidden states every round, which a separate draft service cannot have.
     for name in UNSERVED_FIELDS:

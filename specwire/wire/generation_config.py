@@ -19,6 +19,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from specwire.config.v1 import generation_config_pb2 as pb
 from specwire.errors import InvalidArgument
 from specwire.generation.config import GenerationConfig
+from specwire.generation.config.constraint_data import constraint_parts
 
 _EARLY_STOPPING_TO_VALUE: dict[int, bool | str] = {
     pb.EARLY_STOPPING_TRUE: True,
@@ -177,11 +178,47 @@ def dict_from_proto(message: pb.GenerationConfig) -> dict[str, Any]:
                     "EARLY_STOPPING_NEVER",
                 )
             out[field.name] = _EARLY_STOPPING_TO_VALUE[value]
+        elif field.name == "typed_constraints":
+            if message.HasField("constraints"):
+                raise WireFormatError(
+                    "typed_constraints", None, "set constraints or typed_constraints, not both (they are one field)"
+                )
+            out["constraints"] = [_constraint_value(item) for item in value.items]
         elif field.type == FieldDescriptor.TYPE_MESSAGE:
             out[field.name] = _message_to_value(field, value)
         else:
             out[field.name] = value
     return out
+
+
+def _constraint_value(item: Any) -> dict[str, Any]:
+    """A typed `Constraint` as the plain data `GenerationConfig.constraints` holds."""
+    if item.WhichOneof("kind") == "disjunctive":
+        return {"type": "disjunctive", "token_ids": [list(s.ids) for s in item.disjunctive.sequences]}
+    return {"type": "phrasal", "token_ids": list(item.phrasal.ids)}
+
+
+def _typed_constraints(value: Any) -> pb.ConstraintList | None:
+    """`constraints` as typed messages, or `None` when one item is not a well-formed constraint (it then
+    travels as JSON, and validation refuses it with the field and the fix)."""
+    if not isinstance(value, (list, tuple)) or not value:  # [] keeps its presence as JSON
+        return None
+    typed = pb.ConstraintList()
+    for item in value:
+        parts = constraint_parts(item)
+        ids = parts[1] if parts else None
+        try:
+            if parts and parts[0] == "phrasal":
+                typed.items.add().phrasal.ids.extend(_int_list("constraints", ids))
+            elif parts:
+                sequences = typed.items.add().disjunctive
+                for row in ids if isinstance(ids, (list, tuple)) else [None]:
+                    sequences.sequences.add().ids.extend(_int_list("constraints", row))
+            else:
+                return None
+        except (WireFormatError, ValueError, OverflowError):
+            return None
+    return typed
 
 
 def dict_to_proto(values: dict[str, Any]) -> pb.GenerationConfig:
@@ -195,6 +232,9 @@ def dict_to_proto(values: dict[str, Any]) -> pb.GenerationConfig:
             extra[name] = value
             continue
         if value is None:
+            continue
+        if name == "constraints" and (typed := _typed_constraints(value)) is not None:
+            message.typed_constraints.CopyFrom(typed)
             continue
         if field.type == FieldDescriptor.TYPE_ENUM:
             if value is True:

@@ -431,7 +431,6 @@ def test_cancellation_stops_forward_passes(tiny, batch):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"num_beams": 2, "force_words_ids": [[5]]}, "force_words_ids"),
         ({"num_beams": 2, "low_memory": True}, "low_memory"),
     ],
 )

@@ -168,3 +168,42 @@ DOLA = _golden("dola_generation")
 def test_dola_matches_transformers_4_55(tiny, case):
     ours = run_case(tiny, DOLA, case)
     assert_matches(ours, case["expected"])
+
+
+CONSTRAINED = _golden("constrained_beam_search")
+
+
+@pytest.mark.parametrize("case", CONSTRAINED["cases"], ids=[c["name"] for c in CONSTRAINED["cases"]])
+def test_constrained_beam_search_matches_transformers_4_55(tiny, case):
+    ours = run_case(tiny, CONSTRAINED, case)
+    assert_matches(ours, case["expected"])
+    assert len(ours.finish_reasons) == len(case["expected"]["sequences"])
+    # 4.55.4 returns none when its first hypothesis completes no constraint (added by the fallback).
+    assert (ours.beam_indices is None) == ("beam_indices" not in case["expected"])
+
+
+def _contains(row: list[int], phrase: list[int]) -> bool:
+    return any(row[i : i + len(phrase)] == phrase for i in range(len(row)))
+
+
+def test_constrained_beam_search_forces_its_words(tiny):
+    """The returned hypothesis holds the forced phrase, which plain beam search does not produce: the test
+    fails if the constraints are dropped."""
+    case = next(c for c in CONSTRAINED["cases"] if c["name"] == "phrasal")
+    prompt_length = len(CONSTRAINED["prompts"]["single"]["input_ids"][0])
+    (phrase,) = case["resolved_kwargs"]["force_words_ids"]
+    ours = run_case(tiny, CONSTRAINED, case)
+    assert all(_contains(row[prompt_length:], phrase) for row in ours.sequences.tolist())
+    plain_kwargs = {k: v for k, v in case["resolved_kwargs"].items() if k != "force_words_ids"}
+    plain = run_case(tiny, CONSTRAINED, {**case, "resolved_kwargs": plain_kwargs})
+    assert not any(_contains(row[prompt_length:], phrase) for row in plain.sequences.tolist())
+
+
+def test_constraints_as_plain_data_equal_force_words_ids(tiny):
+    """`constraints` ({'phrasal': ...} / {'disjunctive': ...}) build the same constraints as `force_words_ids`."""
+    case = next(c for c in CONSTRAINED["cases"] if c["name"] == "num_return_sequences")
+    phrase, choices = case["resolved_kwargs"]["force_words_ids"]
+    kwargs = {k: v for k, v in case["resolved_kwargs"].items() if k != "force_words_ids"}
+    kwargs["constraints"] = [{"phrasal": phrase}, {"disjunctive": choices}]
+    ours = run_case(tiny, CONSTRAINED, {**case, "resolved_kwargs": kwargs})
+    assert_matches(ours, case["expected"])

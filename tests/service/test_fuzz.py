@@ -162,6 +162,13 @@ MESSAGE_STRATEGIES = {
     ),
     "constraints": st.lists(JSON, max_size=2),
     "force_words_ids": st.lists(st.lists(id_lists(max_size=2), max_size=2), max_size=2),
+    "typed_constraints": st.lists(
+        st.one_of(
+            st.tuples(st.just("phrasal"), id_lists(max_size=3)),
+            st.tuples(st.just("disjunctive"), st.lists(id_lists(max_size=2), max_size=2)),
+        ),
+        max_size=2,
+    ),
     "extra": st.dictionaries(
         st.one_of(st.text(max_size=8), st.sampled_from(["top_k", "max_new_tokens", "assistant_model", "streamer"])),
         JSON,
@@ -307,6 +314,17 @@ def fill_config(message: gc_pb.GenerationConfig, values: dict) -> None:
         elif name in ("constraints", "force_words_ids"):
             getattr(message, name).extend(value)
             getattr(message, name).SetInParent()
+        elif name == "typed_constraints":
+            for kind, ids in value:
+                item = message.typed_constraints.items.add()
+                if kind == "phrasal":
+                    item.phrasal.ids.extend(ids)
+                    item.phrasal.SetInParent()
+                else:
+                    for row in ids:
+                        item.disjunctive.sequences.add().ids.extend(row)
+                    item.disjunctive.SetInParent()
+            message.typed_constraints.SetInParent()
         else:
             setattr(message, name, value)
 

@@ -330,6 +330,15 @@ def test_sequential_lane_runs_between_packed_forwards_on_the_scheduler_thread(se
     assert engine.batcher.stats().shared_forwards > shared_before  # while the batched ones shared forwards
 
 
+def test_constrained_beam_search_takes_the_sequential_lane(sequential, batched):
+    # Its candidates depend on each hypothesis' constraint progress: the slot cache's beam step cannot run it.
+    engine = batched.server.bindings[0].servicer.engine
+    cases = [(PROMPTS, dict(max_new_tokens=6, num_beams=3, force_words_ids=[[70, 71], [[72], [73, 74]]]))]
+    lane_before = engine._lane_steps
+    assert torch.equal(expected(batched, cases)[0], expected(sequential, cases)[0])
+    assert engine._lane_steps - lane_before >= 6
+
+
 @pytest.mark.smollm
 def test_bfloat16_smollm_keeps_the_batched_scheduler_and_the_lean_forward():
     # Packed and RowBatch forwards round bfloat16 sums in a different order (one ulp, 0.125, on

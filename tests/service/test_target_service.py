@@ -151,6 +151,38 @@ def test_dola_matches_transformers_4_55_goldens(target):
     assert out.sequences.tolist() == expected["sequences"]
 
 
+def test_constrained_beam_search_matches_transformers_4_55_goldens(target):
+    """Constrained beam search through the client on left-padded prompts: `force_words_ids` (phrasal and
+    disjunctive), then the same constraints as `constraints` plain data (transformers' class/attribute
+    names), against the goldens of transformers 4.55.4."""
+    golden = json.loads((Path(__file__).parents[1] / "parity/goldens/v4_constrained_beam_search.json").read_text())
+    case = next(c for c in golden["cases"] if c["name"] == "left_padded_batch")
+    prompt, expected, kwargs = golden["prompts"]["batch"], case["expected"], case["resolved_kwargs"]
+    phrase, choices = kwargs["force_words_ids"]
+    as_constraints = {k: v for k, v in kwargs.items() if k != "force_words_ids"}
+    as_constraints["constraints"] = [
+        {"type": "phrasal", "token_ids": phrase},
+        {"type": "disjunctive", "token_ids": choices},
+    ]
+    for request in (kwargs, as_constraints):
+        out = target.generate(
+            torch.tensor(prompt["input_ids"]),
+            attention_mask=prompt["attention_mask"],
+            output_scores=True,
+            return_dict_in_generate=True,
+            **request,
+        )
+        assert out.sequences.tolist() == expected["sequences"]
+        torch.testing.assert_close(out.sequences_scores, torch.tensor(expected["sequences_scores"]), atol=1e-4, rtol=0)
+        assert len(out.scores) == len(expected["scores"])
+    err = expect_code(
+        grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, num_beams=2, force_words_ids=[[100000]]
+    )
+    assert err.violations[0].field.endswith("force_words_ids") and "vocabulary" in err.message
+    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, num_beams=2, constraints=[{"x": 1}])
+    assert err.violations[0].field == "config.constraints"
+
+
 def test_seeded_sampling_matches_transformers_manual_seed(target, reference):
     prompt = PROMPTS[:1]
     out = target.generate(prompt, do_sample=True, temperature=0.9, top_p=0.95, max_new_tokens=15, seed=1234)
@@ -257,8 +289,8 @@ def test_bad_requests_get_invalid_argument_naming_the_field(target, stack, loade
     assert err.violations[0].field == "prompts[0].attention_mask"
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, num_beams=4, num_beam_groups=2)
     assert err.violations[0].field == "config.diversity_penalty"
-    err = expect_code(grpc.StatusCode.UNIMPLEMENTED, target.generate, PROMPTS, num_beams=2, force_words_ids=[[5]])
-    assert "force_words_ids" in err.message
+    err = expect_code(grpc.StatusCode.UNIMPLEMENTED, target.generate, PROMPTS, token_healing=True)
+    assert "token_healing" in err.message
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, dola_layers="middle")
     assert err.violations[0].field == "config.dola_layers"
     err = expect_code(grpc.StatusCode.INVALID_ARGUMENT, target.generate, PROMPTS, penalty_alpha=0.6, use_cache=False)

@@ -567,8 +567,23 @@ def test_dola_warns_below_the_recommended_repetition_penalty(penalty, warned):
 
 def test_check_runnable_refuses_what_the_decoding_loop_cannot_run():
     with pytest.raises(UnsupportedModeError) as caught:
-        check_runnable(GenerationConfig(num_beams=2, force_words_ids=[[5]]))
-    assert caught.value.field == "force_words_ids" and caught.value.code == "UNIMPLEMENTED"
+        check_runnable(GenerationConfig(num_beams=2, low_memory=True))
+    assert caught.value.field == "low_memory" and caught.value.code == "UNIMPLEMENTED"
+    # Constrained beam search runs (transformers 4.55.4's semantics); its rules are INVALID_ARGUMENT.
+    assert check_runnable(GenerationConfig(num_beams=2, force_words_ids=[[5]])).get_generation_mode().value == (
+        "constrained_beam_search"
+    )
+    for bad, field in (
+        ({"force_words_ids": [[5]]}, "num_beams"),
+        ({"num_beams": 2, "force_words_ids": [[5]], "do_sample": True}, "do_sample"),
+        ({"num_beams": 2, "force_words_ids": [[[5], [5, 6]]]}, "force_words_ids"),
+        ({"num_beams": 2, "force_words_ids": [[-1]]}, "force_words_ids"),
+        ({"num_beams": 2, "constraints": [{"type": "phrasal", "token_ids": []}]}, "constraints"),
+        ({"num_beams": 2, "constraints": [{"kind": "phrasal"}]}, "constraints"),
+    ):
+        with pytest.raises(InvalidGenerationArgument) as invalid:
+            check_runnable(GenerationConfig(**bad))
+        assert field in [v.field for v in invalid.value.violations], bad
     # Contrastive search with the default top_k=50 runs (transformers 4.55.4's semantics).
     assert check_runnable(GenerationConfig(penalty_alpha=0.6)).get_generation_mode().value == "contrastive_search"
     with pytest.raises(InvalidGenerationArgument, match="temperature"):

@@ -98,7 +98,8 @@ class GenerationConfig:
         compile_config (`dict`, *optional*):
             `CompileConfig` arguments, completed with its defaults.
         constraints (`list[dict]`, *optional*):
-            v4.56 constrained beam search constraints as plain data (the mode is not run by specwire).
+            Constrained beam search constraints as plain data: `{"type": "phrasal", "token_ids": [ids]}` or
+            `{"type": "disjunctive", "token_ids": [[ids], ...]}` (run with transformers 4.55.4's semantics).
         seed (`int`, *optional*):
             specwire extension: seeds the sampling generator of this request (not a transformers field).
         extra (`dict[str, Any]`, defaults to `{}`):

@@ -169,6 +169,10 @@ _V4_MODES = {
     "penalty_alpha": "contrastive search with top_k (loops/contrastive.py), transformers 4.55.4's semantics",
     "dola_layers": "DoLa decoding with greedy search or sampling (loops/dola.py), transformers 4.55.4's semantics; "
     "with beam search it has no effect (validate() warns, as 4.55.4 does)",
+    "force_words_ids": "constrained beam search (loops/constrained_beam.py): each entry a phrasal or disjunctive "
+    "constraint, transformers 4.55.4's semantics",
+    "constraints": "constrained beam search (loops/constrained_beam.py) with phrasal / disjunctive constraints "
+    "given as plain data, transformers 4.55.4's semantics",
 }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from specwire.errors import FieldProblem
 from specwire.generation.argument_errors import InvalidGenerationArgument, UnsupportedModeError
+from specwire.generation.config.constraint_data import constraint_parts
 from specwire.generation.config.constructor_rules import check_constructor
 from specwire.generation.config.fields import FIELD_NAMES, GenerationConfig
 from specwire.generation.config.generate_rules import check_generate
@@ -179,6 +180,8 @@ def v4_mode_violations(config: GenerationConfig) -> list[Violation]:
                 "error",
             )
         ]
+    if mode is GenerationMode.CONSTRAINED_BEAM_SEARCH:
+        return _constrained_violations(config)
     if mode is not GenerationMode.GROUP_BEAM_SEARCH:
         return []
     prefix = "`num_beam_groups` > 1 selects group (diverse) beam search, in which "
@@ -260,4 +263,70 @@ def _loop_shape_violations(config: GenerationConfig) -> list[Violation]:
                     "error",
                 )
             )
+    return found
+
+
+def _token_lists(value: Any) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(is_int(t) and t >= 0 for t in value)
+
+
+def _disjunctive_ok(value: Any) -> bool:
+    # Non-empty token lists, none a prefix of another (4.55.4's `DisjunctiveTrie` refuses subsets).
+    if not isinstance(value, list) or not value or not all(_token_lists(s) for s in value):
+        return False
+    return not any(a != b and b[: len(a)] == a for a in value for b in value) and len(set(map(tuple, value))) == len(
+        value
+    )
+
+
+def _constraint_ok(parts: tuple[str, Any] | None) -> bool:
+    if parts is None:
+        return False
+    return _token_lists(parts[1]) if parts[0] == "phrasal" else _disjunctive_ok(parts[1])
+
+
+def _constrained_violations(config: GenerationConfig) -> list[Violation]:
+    """4.55.4's rules for constrained beam search: its `validate()`, `generate()` and constraint classes."""
+    suffix = "constraints / force_words_ids select constrained beam search, in which "
+    found = []
+    beams: Any = config.num_beams
+    if not is_int(beams) or beams < 2:
+        found.append(Violation("num_beams", beams, suffix + "`num_beams` must be > 1; set num_beams.", "error"))
+    if config.do_sample is True:
+        found.append(Violation("do_sample", True, suffix + "`do_sample` must be False; unset it.", "error"))
+    groups: Any = config.num_beam_groups
+    if groups is not None and groups != 1:
+        found.append(Violation("num_beam_groups", groups, suffix + "`num_beam_groups` must be 1; unset it.", "error"))
+    words: Any = config.force_words_ids
+    if words is not None and not (
+        isinstance(words, list)
+        and words
+        and all(
+            _disjunctive_ok(w) if isinstance(w, list) and w and isinstance(w[0], list) else _token_lists(w)
+            for w in words
+        )
+    ):
+        found.append(
+            Violation(
+                "force_words_ids",
+                words,
+                "`force_words_ids` must be a non-empty list of token-id lists (each a phrase) or of lists of "
+                "token-id lists (each a choice of phrases, none a prefix of another).",
+                "error",
+            )
+        )
+    items: Any = config.constraints
+    if items is not None and not (
+        isinstance(items, list) and items and all(_constraint_ok(constraint_parts(c)) for c in items)
+    ):
+        found.append(
+            Violation(
+                "constraints",
+                items,
+                "`constraints` must be a non-empty list of {'type': 'phrasal', 'token_ids': [ids]} or "
+                "{'type': 'disjunctive', 'token_ids': [[ids], ...]} (PhrasalConstraint / DisjunctiveConstraint as "
+                "plain data; {'phrasal': ...} / {'disjunctive': ...} too).",
+                "error",
+            )
+        )
     return found

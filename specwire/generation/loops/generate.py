@@ -29,6 +29,7 @@ import torch
 from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.config import GenerationMode
 from specwire.generation.loops.beam import beam_loop
+from specwire.generation.loops.constrained_beam import constrained_beam_loop
 from specwire.generation.loops.contrastive import contrastive_loop
 from specwire.generation.loops.dola import DolaContrast
 from specwire.generation.loops.group_beam import group_beam_loop
@@ -207,6 +208,8 @@ def generate_from_plan(
     stop_codes = StopCodes(criteria, plan.eos_token_ids, device)
     if contrastive:
         loop = contrastive_loop(plan, cast(RowBatch, rows), expanded_ids, expanded_mask, processors, stop_codes)
+    elif mode is GenerationMode.CONSTRAINED_BEAM_SEARCH:
+        loop = constrained_beam_loop(plan, rows, expanded_ids, processors, stop_codes)
     elif plan.num_beams > 1 and (config.num_beam_groups or 1) > 1:
         loop = group_beam_loop(plan, rows, expanded_ids, processors, stop_codes)
     elif plan.num_beams > 1:

@@ -36,6 +36,8 @@ def lane_reason(plan: Any, cache: SlotKVCache) -> str:
     if config.num_beam_groups is not None and config.num_beam_groups > 1:
         return "group beam search (its groups pick one after the other within a step)"
     mode = config.get_generation_mode()
+    if mode is GenerationMode.CONSTRAINED_BEAM_SEARCH:
+        return "constrained beam search (its candidates depend on each hypothesis' constraint progress)"
     if mode is GenerationMode.CONTRASTIVE_SEARCH:
         return "contrastive search (it ranks its candidates by hidden states and selects cache rows)"
     if mode is GenerationMode.DOLA_GENERATION:
