@@ -25,6 +25,7 @@ from specwire.generation.config import (
     unknown_keys,
     v4_mode_violations,
 )
+from specwire.generation.healing import heal_same_shape
 from specwire.generation.planning import resolved_eos_token_ids
 from specwire.generation.plugins import PluginContext, PluginRegistry
 from specwire.generation.speculation.stats import SpeculationStats
@@ -142,7 +143,7 @@ def effective_config(
     raise_for_errors(
         v4_mode_violations(merged.with_defaults()), field_prefix="config.", summary="invalid generation config"
     )
-    # Modes specwire does not run (low_memory beams, token healing) are refused by the
+    # Modes specwire does not run (low_memory beams) are refused by the
     # decoding loop itself with UNIMPLEMENTED, naming the field; the drafting methods of UNSERVED_FIELDS
     # need the target's hidden states every round, which a separate draft service cannot have.
     for name in UNSERVED_FIELDS:
@@ -311,6 +312,9 @@ def prepare_job(
         input_ids, attention_mask = prompt_tensors(request.prompts, loaded, request.apply_chat_template, pad)
     else:
         input_ids, attention_mask = bos_prompt(config, loaded), None
+    if config.token_healing:
+        # Here, where the tokenizer is: the decoding loops then run on the healed prompts (speculation too).
+        input_ids = heal_same_shape(loaded.model, loaded.tokenizer, input_ids)
     if request.apply_chat_template and not any(p.WhichOneof("input") == "text" for p in request.prompts):
         warnings.append(
             FieldProblem(
