@@ -118,6 +118,7 @@ def _biased_greedy_token(model: Any, row: torch.Tensor, biases: dict[int, float]
     inferred from the pad token unless pad is an EOS token (then every position attends, as there)."""
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    row = row.to(model.device)  # the target prepares prompts on the CPU
     mask = (row != pad).long() if pad is not None and pad not in eos_ids else torch.ones_like(row)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     logits = model(input_ids=row[None], attention_mask=mask[None], position_ids=positions[None]).logits

@@ -312,9 +312,6 @@ def prepare_job(
         input_ids, attention_mask = prompt_tensors(request.prompts, loaded, request.apply_chat_template, pad)
     else:
         input_ids, attention_mask = bos_prompt(config, loaded), None
-    if config.token_healing:
-        # Here, where the tokenizer is: the decoding loops then run on the healed prompts (speculation too).
-        input_ids = heal_same_shape(loaded.model, loaded.tokenizer, input_ids)
     if request.apply_chat_template and not any(p.WhichOneof("input") == "text" for p in request.prompts):
         warnings.append(
             FieldProblem(
@@ -336,6 +333,10 @@ def prepare_job(
             loaded.max_position_embeddings,
             ModelShape.of(loaded.model),
         )
+    if config.token_healing:
+        # Here, where the tokenizer is, after the limits (it runs the model once per healed row): the
+        # decoding loops then run on the healed prompts, speculation included.
+        input_ids = heal_same_shape(loaded.model, loaded.tokenizer, input_ids)
     structured = structured_output_from_proto(request)
     if structured is not None:
         # Compiled here, in the preparation pool, so a spec the library refuses costs no model work and
