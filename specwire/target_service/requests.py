@@ -25,6 +25,7 @@ from specwire.generation.config import (
     unknown_keys,
     v4_mode_violations,
 )
+from specwire.generation.healing import heal_same_shape
 from specwire.generation.planning import resolved_eos_token_ids
 from specwire.generation.plugins import PluginContext, PluginRegistry
 from specwire.generation.speculation.stats import SpeculationStats
@@ -142,7 +143,7 @@ def effective_config(
     raise_for_errors(
         v4_mode_violations(merged.with_defaults()), field_prefix="config.", summary="invalid generation config"
     )
-    # Modes specwire does not run (low_memory beams, token healing) are refused by the
+    # Modes specwire does not run (low_memory beams) are refused by the
     # decoding loop itself with UNIMPLEMENTED, naming the field; the drafting methods of UNSERVED_FIELDS
     # need the target's hidden states every round, which a separate draft service cannot have.
     for name in UNSERVED_FIELDS:
@@ -332,6 +333,10 @@ def prepare_job(
             loaded.max_position_embeddings,
             ModelShape.of(loaded.model),
         )
+    if config.token_healing:
+        # Here, where the tokenizer is, after the limits (it runs the model once per healed row): the
+        # decoding loops then run on the healed prompts, speculation included.
+        input_ids = heal_same_shape(loaded.model, loaded.tokenizer, input_ids)
     structured = structured_output_from_proto(request)
     if structured is not None:
         # Compiled here, in the preparation pool, so a spec the library refuses costs no model work and

@@ -19,6 +19,7 @@ EFFECT_TESTS = [
     "tests/parity/test_model_outputs.py",
     "tests/parity/test_static_cache.py",
     "tests/parity/test_v4_goldens.py",
+    "tests/parity/test_token_healing.py",
     "tests/unit/test_processors_parity.py",
     "tests/unit/processor_cases.py",
     "tests/unit/test_processors_known_values.py",

@@ -187,7 +187,7 @@ def _mode_field_treatment(field: str, status: FieldStatus) -> FieldTreatment:
 FIELD_TREATMENT: dict[str, FieldTreatment] = {
     **{name: _honoured(why) for name, why in _HONOURED.items()},
     **_WARNED,
-    "token_healing": FieldTreatment(Treatment.REFUSED, "refused (UNIMPLEMENTED) by the decoding loop's mode check"),
+    "token_healing": _honoured("the target heals the tokenized prompts (specwire.generation.healing) before decoding"),
     **{row.field: _mode_field_treatment(row.field, row.status) for row in MODE_FIELDS},
 }
 

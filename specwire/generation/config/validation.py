@@ -156,10 +156,6 @@ def refuse_unsupported_modes(config: GenerationConfig) -> None:
             "sequential (low_memory) beam search was removed in transformers 5; unset low_memory",
             config.low_memory,
         )
-    if config.token_healing:
-        raise UnsupportedModeError(
-            "token_healing", "token healing is not supported by specwire; unset token_healing", config.token_healing
-        )
 
 
 def v4_mode_violations(config: GenerationConfig) -> list[Violation]:

@@ -28,6 +28,7 @@ import torch
 
 from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.config import GenerationMode
+from specwire.generation.healing import heal_same_shape
 from specwire.generation.loops.beam import beam_loop
 from specwire.generation.loops.constrained_beam import constrained_beam_loop
 from specwire.generation.loops.contrastive import contrastive_loop
@@ -79,7 +80,7 @@ def iter_generate(
         config (`GenerationConfig`):
             Merged request > model config; unset fields get transformers' global defaults.
         tokenizer (`PreTrainedTokenizerBase`, *optional*):
-            Needed for `stop_strings`.
+            Needed for `stop_strings` and `token_healing`.
         generator (`torch.Generator`, *optional*):
             Randomness for sampling, on the model's device. Defaults to one seeded with `config.seed`
             (or from OS entropy when no seed is set); the global RNG is never used.
@@ -103,9 +104,11 @@ def iter_generate(
         `Generator[StepEvent, None, GenerationResult]`
 
     Raises:
-        `UnsupportedModeError`: constrained beam search, low_memory beams, token healing.
+        `UnsupportedModeError`: low_memory beams.
         `ValueError`: invalid combinations (see `prepare_generation`), or `stop_strings` without a tokenizer.
     """
+    if config.token_healing:  # as transformers: the prompts are healed, then decoded as usual
+        input_ids = heal_same_shape(model, tokenizer, input_ids)
     plan = prepare_generation(
         model,
         input_ids,

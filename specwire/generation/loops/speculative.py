@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from specwire.generation.config import GenerationMode, is_synthid_watermark
+from specwire.generation.healing import heal_same_shape
 from specwire.generation.loops.generate import generate_from_plan
 from specwire.generation.loops.sampling import make_generator
 from specwire.generation.loops.speculative_rounds import SpeculativeRun
@@ -161,6 +162,8 @@ def iter_speculative(
         rows_factory (`Callable`, *optional*): builds the model-side state instead of `RaggedRows`
             (a `SpeculativeRows`); passed on to plain decoding.
     """
+    if config.token_healing:  # as transformers: the prompts are healed, then decoded as usual
+        input_ids = heal_same_shape(model, tokenizer, input_ids)
     plan = prepare_generation(
         model,
         input_ids,
