@@ -41,7 +41,6 @@ from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import GenerationPlan, model_limits, prepare_generation
 from specwire.generation.processors import build_logits_processors
 from specwire.generation.rows import RowBatch, Rows
-from specwire.generation.stopping import build_stopping_criteria
 
 __all__ = ["drain", "generate", "generate_from_plan", "iter_generate"]
 
@@ -199,16 +198,8 @@ def generate_from_plan(
         allowed_token_sequences=plan.allowed_token_sequences,
         user_processors=plan.logits_processor,
     )
-    criteria = build_stopping_criteria(
-        config,
-        max_length=plan.max_length,
-        eos_token_ids=plan.eos_token_ids,
-        tokenizer=tokenizer,
-        max_position_embeddings=max_position_embeddings,
-        user_criteria=plan.stopping_criteria,
-    )
     generator = _request_generator(plan, generator, device)
-    stop_codes = StopCodes(criteria, plan.eos_token_ids, device)
+    stop_codes = StopCodes.for_plan(plan, config, tokenizer, max_position_embeddings, device)
     if contrastive:
         loop = contrastive_loop(plan, cast(RowBatch, rows), expanded_ids, expanded_mask, processors, stop_codes)
     elif mode is GenerationMode.CONSTRAINED_BEAM_SEARCH:

@@ -45,7 +45,6 @@ from specwire.generation.processors import build_logits_processors
 from specwire.generation.rows import RaggedRows, SpeculativeRows
 from specwire.generation.speculation.drafters import Drafter
 from specwire.generation.speculation.stats import SpeculationStats
-from specwire.generation.stopping import build_stopping_criteria
 
 __all__ = ["iter_speculative", "speculate_from_plan", "speculation_blocker", "speculative_loop"]
 
@@ -278,13 +277,5 @@ def _per_row_steps(
                 user_processors=plan.logits_processor,
             )
         )
-        criteria = build_stopping_criteria(
-            config,
-            max_length=plan.max_length,
-            eos_token_ids=plan.eos_token_ids,
-            tokenizer=tokenizer,
-            max_position_embeddings=max_position_embeddings,
-            user_criteria=plan.stopping_criteria,
-        )
-        row_stops.append(StopCodes(criteria, plan.eos_token_ids, plan.input_ids.device))
+        row_stops.append(StopCodes.for_plan(plan, config, tokenizer, max_position_embeddings, plan.input_ids.device))
     return row_processors, row_stops

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from specwire.generation.stopping import build_stopping_criteria
 from specwire.vocabulary import FINISH_REASON_NAMES, FinishReason
 
 __all__ = ["StopCodes", "reason_names"]
@@ -35,6 +36,29 @@ class StopCodes:
     def __init__(self, criteria: Any, eos_token_ids: list[int] | None, device: torch.device):
         self.criteria = criteria
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device) if eos_token_ids else None
+
+    @classmethod
+    def for_plan(
+        cls, plan: Any, config: Any, tokenizer: Any, max_position_embeddings: int | None, device: torch.device
+    ) -> StopCodes:
+        """The codes of `plan`'s stopping criteria (transformers' own for `config`, then the plugins').
+
+        Args:
+            plan (`GenerationPlan`): the planned request (its length, EOS ids and plugin criteria).
+            config (`GenerationConfig`): the config with the global defaults applied.
+            tokenizer (*optional*): for stop strings.
+            max_position_embeddings (`int`, *optional*): the model's context length.
+            device (`torch.device`): the device of the sequences the codes are computed for.
+        """
+        criteria = build_stopping_criteria(
+            config,
+            max_length=plan.max_length,
+            eos_token_ids=plan.eos_token_ids,
+            tokenizer=tokenizer,
+            max_position_embeddings=max_position_embeddings,
+            user_criteria=plan.stopping_criteria,
+        )
+        return cls(criteria, plan.eos_token_ids, device)
 
     def __call__(self, input_ids: torch.Tensor, scores: Any) -> torch.Tensor:
         """`FinishReason` code per row `[rows]` (0 = still running) for `input_ids` `[rows, len]`."""
