@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from specwire.generation.loops.sample import StepStops
 from specwire.generation.loops.stop_codes import StopCodes, reason_names
 from specwire.generation.outputs import GenerationResult, StepEvent, outputs_wanted
 from specwire.generation.planning import GenerationPlan
@@ -119,25 +120,13 @@ def contrastive_loop(
             if pad_finished:
                 tokens = torch.where(running, tokens, pad)
             input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
-            codes = stop_codes(input_ids, scores)  # [rows]
-            stopped = codes != 0
-            newly = running & stopped
-            reason_codes = torch.where(newly, codes, reason_codes)
-            was_running = running
-            running = running & ~stopped
+            step_stops = StepStops.after(stop_codes(input_ids, scores), running)
+            reason_codes = torch.where(step_stops.newly, step_stops.codes, reason_codes)
+            running = step_stops.running
 
-        host = torch.stack([tokens, was_running.long(), newly.long(), codes, running.long()]).tolist()
-        token_list, was_list, newly_list, codes_list, running_list = host
-        done = not any(running_list)
-        yield StepEvent(
-            step=step,
-            tokens=[[token_list[r]] if was_list[r] else [] for r in range(num_rows)],
-            finish_reasons=[
-                names.get(codes_list[r], FINISH_LENGTH) if newly_list[r] else None for r in range(num_rows)
-            ],
-            final=done,
-        )
-        if done:
+        event = step_stops.event(step, tokens, names)
+        yield event
+        if event.final:
             break
         step += 1
 

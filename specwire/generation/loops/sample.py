@@ -8,6 +8,7 @@ finished with `pad_token_id`. The loop ends when every row finished.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from specwire.generation.planning import GenerationPlan
 from specwire.generation.rows import Rows
 from specwire.vocabulary import FINISH_LENGTH
 
-__all__ = ["sample_loop"]
+__all__ = ["StepStops", "sample_loop"]
 
 
 def sample_loop(
@@ -62,26 +63,13 @@ def sample_loop(
             if pad_finished:
                 tokens = torch.where(running, tokens, pad)
             input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
-            codes = stop_codes(input_ids, scores)  # [rows] FinishReason codes, 0 = running
-            stopped = codes != 0
-            newly = running & stopped
-            reason_codes = torch.where(newly, codes, reason_codes)
-            was_running = running
-            running = running & ~stopped
+            step_stops = StepStops.after(stop_codes(input_ids, scores), running)
+            reason_codes = torch.where(step_stops.newly, step_stops.codes, reason_codes)
+            running = step_stops.running
 
-        # One device-to-host copy per step for everything the event needs.
-        host = torch.stack([tokens, was_running.long(), newly.long(), codes, running.long()]).tolist()
-        token_list, was_list, newly_list, codes_list, running_list = host
-        done = not any(running_list)
-        yield StepEvent(
-            step=step,
-            tokens=[[token_list[r]] if was_list[r] else [] for r in range(num_rows)],
-            finish_reasons=[
-                names.get(codes_list[r], FINISH_LENGTH) if newly_list[r] else None for r in range(num_rows)
-            ],
-            final=done,
-        )
-        if done:
+        event = step_stops.event(step, tokens, names)
+        yield event
+        if event.final:
             break
         step += 1
         logits = rows.decode(tokens)
@@ -94,3 +82,39 @@ def sample_loop(
         finish_reasons=finish,
         prompt_length=plan.input_len,
     )
+
+
+@dataclass
+class StepStops:
+    """Which rows one decoding step stopped, from its `StopCodes` (all `[rows]` tensors).
+
+    Args:
+        codes: the `FinishReason` code of each row after the step, 0 for still running.
+        was_running: the rows running before the step (their token counts).
+        newly: the rows this step stopped.
+        running: the rows still running after the step.
+    """
+
+    codes: torch.Tensor
+    was_running: torch.Tensor
+    newly: torch.Tensor
+    running: torch.Tensor
+
+    @classmethod
+    def after(cls, codes: torch.Tensor, running: torch.Tensor) -> StepStops:
+        stopped = codes != 0
+        return cls(codes, running, running & stopped, running & ~stopped)
+
+    def event(self, step: int, tokens: torch.Tensor, names: dict[int, str]) -> StepEvent:
+        """The step's `StepEvent`, with one device-to-host copy for everything it needs."""
+        host = torch.stack([tokens, self.was_running.long(), self.newly.long(), self.codes, self.running.long()])
+        token_list, was_list, newly_list, codes_list, running_list = host.tolist()
+        return StepEvent(
+            step=step,
+            tokens=[[token] if was else [] for token, was in zip(token_list, was_list, strict=True)],
+            finish_reasons=[
+                names.get(code, FINISH_LENGTH) if newly else None
+                for code, newly in zip(codes_list, newly_list, strict=True)
+            ],
+            final=not any(running_list),
+        )
