@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 import time
@@ -34,7 +35,8 @@ from typing import Any
 
 import torch
 
-from specwire.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specwire.errors import FieldProblem, InvalidArgument, ResourceExhausted, Unavailable
+from specwire.generation.compilation import compile_warning, compiled_call
 from specwire.generation.loops.generate import generate_from_plan
 from specwire.generation.loops.speculative import speculate_from_plan
 from specwire.generation.outputs import GenerationResult, StepEvent
@@ -227,6 +229,9 @@ class Engine:
         ensemble = self.drafting.ensemble_warning(proposer, job.config, plan.num_beams)
         if ensemble is not None:
             job.warnings.append(ensemble)
+        compiling = compile_warning(model, job.config)
+        if compiling is not None:
+            job.warnings.append(FieldProblem("config.compile_config", job.config.compile_config, compiling, "warning"))
         if proposer == PROPOSER_NONE:
             return generate_from_plan(model, plan, **common)
         with self._lock:
@@ -393,6 +398,11 @@ class _ForwardsOn:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._scheduler.forward(self._model, *args, **kwargs)
+
+    def compiled_forward(self, options: dict[str, Any]) -> Callable[..., Any]:
+        """The model's compiled call (`specwire.generation.compilation`), also run on the scheduler thread."""
+        compiled = compiled_call(self._model, options)
+        return functools.partial(self._scheduler.forward, compiled)
 
 
 class _AnnouncedDrafter:

@@ -125,10 +125,11 @@ _HONOURED: dict[str, str] = {
     "assistant_ensemble_weight": _DRAFTING + " with a draft model, greedy and sampling; refused with prompt "
     "lookup (as transformers refuses it); the target warns when the request runs without a draft model",
     "prefill_chunk_size": "the rows' prefill (in chunks of that many tokens)",
+    "disable_compile": "the static-cache decoding steps run through torch.compile where transformers' rule compiles "
+    "them (generation/compilation.py); True decodes without it",
     "seed": "the request's sampling generator (specwire extension)",
 }
 
-_NO_COMPILE = "specwire does not compile the decoding step (torch.compile); outputs are those of eager execution"
 _CACHES = "specwire decodes with a dynamic KV cache, or a static one with cache_implementation='static'"
 
 # Fields accepted and not acted on: a request that sets one gets a warning naming it.
@@ -142,9 +143,15 @@ _WARNED: dict[str, FieldTreatment] = {
         "it sizes a static cache, and this request does not use one (set cache_implementation='static')",
         honoured=lambda value, config: config.cache_implementation == "static",
     ),
-    "compile_config": _warned(_NO_COMPILE),
-    # True is what specwire always does; False would let transformers compile a static-cache decode.
-    "disable_compile": _warned(_NO_COMPILE, honoured=lambda value, config: value is True),
+    # Honoured with a static cache unless compilation is disabled; on a device transformers does not compile
+    # on (the CPU without `_compile_all_devices`), the target adds the warning (`compilation.compile_warning`).
+    "compile_config": _warned(
+        "transformers compiles the decoding steps only with a static cache (cache_implementation='static') and "
+        "without disable_compile=True; this request decodes without torch.compile",
+        honoured=lambda value, config: (
+            config.cache_implementation == "static" and config.use_cache is not False and not config.disable_compile
+        ),
+    ),
     "decoder_start_token_id": _warned(
         "it starts the decoder of encoder-decoder models; the served model is decoder-only (transformers ignores "
         "it there too)"
