@@ -250,7 +250,13 @@ class RowBatch:
             inputs["output_attentions"] = True
         if self.output_hidden_states:
             inputs["output_hidden_states"] = True
-        call = self.compiled_forward if compiled and self.compiled_forward is not None else self.model
+        call = self.model
+        if compiled and self.compiled_forward is not None:
+            call = self.compiled_forward
+            # A one-position slice keeps its row stride (the sequence length so far), which torch.compile
+            # guards on: fresh row-major copies keep one graph for every step.
+            for name in ("input_ids", "position_ids"):
+                inputs[name] = inputs[name].clone(memory_format=torch.contiguous_format)
         outputs = call(**inputs)
         if self.output_attentions:
             self.attentions.append(tuple(layer.detach().clone() for layer in outputs.attentions))
