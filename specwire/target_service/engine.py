@@ -126,6 +126,11 @@ class Engine:
         self.executor = model_executor("specwire-model")
         # The lane's requests' model: the served one, with every call posted to the scheduler thread.
         self._lane_model = _ForwardsOn(loaded.model, self._serving) if self._serving is not None else None
+        # The served model for model work that a preparation thread starts (token healing): every call runs
+        # on the model thread, the scheduler's or this engine's worker, and the calling thread waits for it.
+        self.on_model_thread: Any = (
+            self._lane_model if self._lane_model is not None else _CallsOn(loaded.model, self.executor)
+        )
 
     @property
     def scheduler(self) -> SchedulerKind:
@@ -403,6 +408,21 @@ class _ForwardsOn:
         """The model's compiled call (`specwire.generation.compilation`), also run on the scheduler thread."""
         compiled = compiled_call(self._model, options)
         return functools.partial(self._scheduler.forward, compiled)
+
+
+class _CallsOn:
+    """A model whose calls run on `executor` (the engine's model thread), in inference mode; every other
+    attribute is the model's."""
+
+    def __init__(self, model: Any, executor: Executor):
+        self._model = model
+        self._executor = executor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._executor.submit(_in_inference_mode, functools.partial(self._model, *args, **kwargs)).result()
 
 
 class _AnnouncedDrafter:
