@@ -238,10 +238,22 @@ class Engine:
         if compiling is not None:
             job.warnings.append(FieldProblem("config.compile_config", job.config.compile_config, compiling, "warning"))
         if proposer == PROPOSER_NONE:
+            if job.config.assistant_early_exit is not None:
+                job.warnings.append(
+                    FieldProblem(
+                        "config.assistant_early_exit",
+                        job.config.assistant_early_exit,
+                        "not honoured: the request asks for proposer none (plain decoding, no early-exit draft)",
+                        "warning",
+                    )
+                )
             return generate_from_plan(model, plan, **common)
         with self._lock:
             opened = self._drafters.get(id(job))
-        open_drafter = _opener(self.drafting.opener(proposer, self.loaded.vocab_size), drafting, opened)
+        opener = self.drafting.opener(
+            proposer, self.loaded.vocab_size, self.loaded.model, job.config.assistant_early_exit
+        )
+        open_drafter = _opener(opener, drafting, opened)
         return speculate_from_plan(
             model,
             plan,

@@ -29,6 +29,7 @@ EFFECT_TESTS = [
     "tests/unit/test_prompt_lookup.py",
     "tests/service/test_speculation.py",
     "tests/service/test_ensemble_speculation.py",
+    "tests/service/test_early_exit.py",
     "tests/service/test_target_service.py",
 ]
 

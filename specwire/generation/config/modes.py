@@ -99,7 +99,6 @@ MODE_FIELDS: tuple[ModeField, ...] = (
     ModeField("force_words_ids", FieldStatus.SERVED_V4, GenerationMode.CONSTRAINED_BEAM_SEARCH),
     ModeField("continuous_batching_config", FieldStatus.MOVED_OUT),
     ModeField("use_mtp", FieldStatus.UNSERVED),
-    ModeField("assistant_early_exit", FieldStatus.UNSERVED),
     ModeField("speculation_type", FieldStatus.UNSERVED),
 )
 

@@ -121,6 +121,8 @@ _HONOURED: dict[str, str] = {
     "num_assistant_tokens_schedule": _DRAFTING,
     "assistant_confidence_threshold": _DRAFTING,
     "prompt_lookup_num_tokens": _DRAFTING,
+    "assistant_early_exit": _DRAFTING + " with the target's own first N layers and LM head "
+    "(speculation/early_exit.py, proposer early_exit)",
     "max_matching_ngram_size": _DRAFTING,
     "assistant_ensemble_weight": _DRAFTING + " with a draft model, greedy and sampling; refused with prompt "
     "lookup (as transformers refuses it); the target warns when the request runs without a draft model",
