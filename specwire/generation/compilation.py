@@ -6,7 +6,7 @@ when all of these hold:
 
 - `disable_compile` is not set;
 - the cache is compileable and not a `DynamicCache`: for the decoder-only models specwire serves, a
-  `StaticCache` (`cache_implementation="static"` with `use_cache`);
+  `StaticCache` (`cache_implementation="static"`, or a deprecated alias of it, with `use_cache`);
 - the model runs on an accelerator (`cuda`, `xpu`, `neuron`, `tpu`), or the request's `compile_config`
   asks for every device (`_compile_all_devices`, transformers' flag for compiling on the CPU);
 - the model is not quantized with a method that cannot compile, nor offloaded to the CPU or disk;
@@ -35,6 +35,7 @@ from typing import Any, cast
 import torch
 
 from specwire.generation.argument_errors import InvalidGenerationArgument
+from specwire.generation.config import uses_static_cache
 from specwire.generation.rows import model_device
 
 __all__ = [
@@ -107,7 +108,7 @@ def decide_compile(model: Any, config: Any) -> CompileDecision:
     """
     if config.disable_compile:
         return CompileDecision(None, "disable_compile=True")
-    if config.cache_implementation != "static" or config.use_cache is False:
+    if not uses_static_cache(config):
         return CompileDecision(None, "only a static cache (cache_implementation='static') is compiled")
     given: dict[str, Any] = dict(config.compile_config or {})
     all_devices = bool(given.pop(ALL_DEVICES, None))
@@ -142,9 +143,7 @@ def compile_warning(model: Any, config: Any) -> str | None:
         config (`GenerationConfig`):
             The request's merged config.
     """
-    if config.compile_config is None or config.disable_compile or config.cache_implementation != "static":
-        return None
-    if config.use_cache is False:
+    if config.compile_config is None or config.disable_compile or not uses_static_cache(config):
         return None
     decision = decide_compile(model, config)
     if decision.options is not None:

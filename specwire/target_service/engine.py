@@ -37,6 +37,7 @@ import torch
 
 from specwire.errors import FieldProblem, InvalidArgument, ResourceExhausted, Unavailable
 from specwire.generation.compilation import compile_warning, compiled_call
+from specwire.generation.config import uses_static_cache
 from specwire.generation.loops.generate import generate_from_plan
 from specwire.generation.loops.speculative import speculate_from_plan
 from specwire.generation.outputs import GenerationResult, StepEvent
@@ -223,11 +224,11 @@ class Engine:
             )
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer
-        if proposer != PROPOSER_NONE and plan.num_beams == 1 and job.config.cache_implementation == "static":
+        if proposer != PROPOSER_NONE and plan.num_beams == 1 and uses_static_cache(job.config):
             # Rejected drafts are cropped from the cache, which a StaticCache cannot do.
             raise InvalidArgument.for_field(
                 "config.cache_implementation",
-                "static",
+                job.config.cache_implementation,
                 f"speculative decoding ({proposer}) does not run with a static cache (transformers refuses "
                 "assisted generation with one too): unset cache_implementation or use proposer='none'",
             )

@@ -76,6 +76,8 @@ def test_a_warned_field_is_named_with_its_value(name):
         {"output_attentions": True},
         {"cache_implementation": "dynamic"},
         {"cache_implementation": "static", "max_cache_len": 64},
+        {"cache_implementation": "sliding_window", "max_cache_len": 64},
+        {"cache_implementation": "hybrid"},
         {"disable_compile": True},
         {"disable_compile": False},
         {"cache_implementation": "static", "compile_config": {"fullgraph": True}},

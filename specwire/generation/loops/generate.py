@@ -30,7 +30,7 @@ import torch
 
 from specwire.generation.argument_errors import InvalidGenerationArgument
 from specwire.generation.compilation import decide_compile, decoding_call
-from specwire.generation.config import GenerationMode
+from specwire.generation.config import GenerationMode, uses_static_cache
 from specwire.generation.healing import heal_same_shape
 from specwire.generation.loops.beam import beam_loop
 from specwire.generation.loops.constrained_beam import constrained_beam_loop
@@ -223,12 +223,13 @@ def generate_from_plan(
 
 
 def static_cache(plan: GenerationPlan, model: Any) -> dict[str, Any]:
-    """The `RowBatch` arguments for `cache_implementation="static"`: transformers' size, `max_length - 1`
+    """The `RowBatch` arguments for a static `cache_implementation` (`"static"`, or the deprecated aliases
+    transformers still builds a `StaticCache` for, `config.STATIC_CACHES`): transformers' size, `max_length - 1`
     positions, or `max_cache_len` when larger (transformers also keeps the largest size any earlier call
     used on the same model object; a service does not let one request's size depend on another's), and
     the compiled decoding call where transformers' rule compiles (`specwire.generation.compilation`)."""
     config = plan.config
-    if config.cache_implementation != "static" or not config.use_cache:
+    if not uses_static_cache(config):
         return {}
     found: dict[str, Any] = {"static_cache_len": max(plan.max_length - 1, int(config.max_cache_len or 0))}
     decision = decide_compile(model, config)
