@@ -64,6 +64,18 @@ def test_greedy_equals_plain_greedy_and_transformers(target, model_dir, layers):
     assert not ours.warnings
 
 
+@pytest.mark.parametrize("weight", [0.3, 0.7])
+def test_the_ensemble_weight_mixes_the_early_exit_draft_as_transformers_does(target, model_dir, weight):
+    kwargs = dict(assistant_early_exit=1, assistant_ensemble_weight=weight, num_assistant_tokens=3, max_new_tokens=12)
+    ours = target.generate([PROMPT], do_sample=False, **kwargs)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    want = reference.generate(torch.tensor([PROMPT]), do_sample=False, **kwargs)
+    plain = reference.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=12)
+    assert ours.sequences.tolist() == want.tolist()
+    assert want.tolist() != plain.tolist()  # lossy by design: the weight changes the output
+    assert not ours.warnings
+
+
 def test_a_batch_equals_plain_greedy(target):
     ours = target.generate(BATCH, assistant_early_exit=2, **GREEDY)
     assert ours.sequences.tolist() == target.generate(BATCH, **GREEDY).sequences.tolist()
