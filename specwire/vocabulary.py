@@ -24,7 +24,10 @@ from typing import Final
 PROPOSER_NONE: Final = "none"
 PROPOSER_PROMPT_LOOKUP: Final = "prompt_lookup"
 PROPOSER_DRAFT_MODEL: Final = "draft_model"
-PROPOSERS: Final = (PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP, PROPOSER_DRAFT_MODEL)
+# Self-speculation: the target's first `assistant_early_exit` layers draft (a request's choice only: it needs
+# the request's layer count, so it is no server default).
+PROPOSER_EARLY_EXIT: Final = "early_exit"
+PROPOSERS: Final = (PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP, PROPOSER_DRAFT_MODEL, PROPOSER_EARLY_EXIT)
 # What a client shows for the wire's zero value (a response that names no proposer).
 PROPOSER_UNSPECIFIED: Final = "unspecified"
 

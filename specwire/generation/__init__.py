@@ -5,11 +5,12 @@ Its parts, in the order a request meets them:
 - `config`: `GenerationConfig` and its validation; `argument_errors`: the errors callers get.
 - `planning`: `prepare_generation` resolves a config against the prompts into a `GenerationPlan`.
 - `rows`: the model-side state of a batch of rows (`Rows`: `RowBatch`, `RaggedRows`; the target
-  service's `specwire.runtime.slot_cache.SlotRows` implements it too).
+  service's `specwire.runtime.slot_cache.SlotRows` implements it too); `compilation`: when a
+  static-cache request's decoding steps run through `torch.compile` (transformers' rule).
 - `processors/`: logits processors and warpers; `stopping`: stopping criteria.
 - `loops/`: `generate` (`iter_generate`), the sample and beam loops (`sample`, `beam`, with
   `sampling` and `beam_search`), and `speculative` (`iter_speculative`: draft, verify, accept).
 - `speculation/`: `acceptance` (greedy, rejection sampling, the cut at stops), `drafters`,
-  `prompt_lookup`, `schedules` and `stats`.
+  `early_exit` (the target's first layers as its own draft), `prompt_lookup`, `schedules` and `stats`.
 - `outputs`: `StepEvent`, `GenerationResult`, transition scores.
 """

@@ -24,7 +24,7 @@ names the interface the loops use, which three types implement:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -138,6 +138,9 @@ class RowBatch:
         static_cache_len (`int`, *optional*):
             Use a `StaticCache` of this many positions per row instead of a `DynamicCache`
             (`cache_implementation="static"`; the loops that roll back use a dynamic one).
+        compiled_forward (`Callable`, *optional*):
+            Runs the model's decoding forwards, and a chunked prefill's chunks, instead of `model(...)`: the
+            compiled call (`specwire.generation.compilation`), used where transformers uses it.
     """
 
     def __init__(
@@ -152,8 +155,10 @@ class RowBatch:
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         static_cache_len: int | None = None,
+        compiled_forward: Callable[..., Any] | None = None,
     ):
         self.model = model
+        self.compiled_forward = compiled_forward
         self.output_attentions = output_attentions
         self.output_hidden_states = output_hidden_states
         self.attentions: list[tuple[torch.Tensor, ...]] = []
@@ -215,8 +220,11 @@ class RowBatch:
             self.attention_mask = torch.cat([self.attention_mask, ones], dim=-1)
 
     @torch.no_grad()
-    def _forward(self, new_ids: torch.Tensor, keep: int, upto: int | None = None) -> torch.Tensor:
-        """Runs the model on `new_ids` (the positions not yet in the cache) and returns float32 logits."""
+    def _forward(
+        self, new_ids: torch.Tensor, keep: int, upto: int | None = None, compiled: bool = True
+    ) -> torch.Tensor:
+        """Runs the model on `new_ids` (the positions not yet in the cache) and returns float32 logits;
+        through `compiled_forward` when there is one, unless `compiled=False` (a prefill in one piece)."""
         total = self.position_ids.shape[1] if upto is None else upto
         n = new_ids.shape[1]
         if self.cache is None:
@@ -242,7 +250,14 @@ class RowBatch:
             inputs["output_attentions"] = True
         if self.output_hidden_states:
             inputs["output_hidden_states"] = True
-        outputs = self.model(**inputs)
+        call = self.model
+        if compiled and self.compiled_forward is not None:
+            call = self.compiled_forward
+            # A one-position slice keeps its row stride (the sequence length so far), which torch.compile
+            # guards on: fresh row-major copies keep one graph for every step.
+            for name in ("input_ids", "position_ids"):
+                inputs[name] = inputs[name].clone(memory_format=torch.contiguous_format)
+        outputs = call(**inputs)
         if self.output_attentions:
             self.attentions.append(tuple(layer.detach().clone() for layer in outputs.attentions))
         if self.output_hidden_states:
@@ -264,13 +279,15 @@ class RowBatch:
         input_ids = input_ids.to(self.device)
         if self.cache is None:
             self.tokens = input_ids
-            return self._forward(input_ids, 1)[:, -1]
+            return self._forward(input_ids, 1, compiled=False)[:, -1]
         length = input_ids.shape[1]
         chunk = self.prefill_chunk_size or length
         logits: torch.Tensor | None = None
         for start in range(0, length, chunk):
             end = min(start + chunk, length)
-            logits = self._forward(input_ids[:, start:end], 1, upto=end)
+            # transformers runs a chunked prefill's chunks through the compiled call, a whole prefill eagerly.
+            chunked = self.prefill_chunk_size is not None
+            logits = self._forward(input_ids[:, start:end], 1, upto=end, compiled=chunked)
             if end < length:  # transformers returns the outputs of a chunked prefill's last chunk only
                 del self.attentions[len(self.attentions) - int(self.output_attentions) :]
                 del self.hidden_states[len(self.hidden_states) - int(self.output_hidden_states) :]

@@ -39,7 +39,7 @@ from specwire.target_service.limits import RequestLimits, default_output_bytes
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
 from specwire.target_service.service import TargetServicer
 from specwire.telemetry import setup_telemetry
-from specwire.vocabulary import PROPOSER_NONE, PROPOSERS
+from specwire.vocabulary import PROPOSER_EARLY_EXIT, PROPOSER_NONE, PROPOSERS
 
 SERVICE_NAME = "specwire.target.v1.TargetService"
 # The scheduler when none is given; SPECWIRE_TARGET_SCHEDULER overrides it (deployments, and running
@@ -141,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--default-proposer",
         default=PROPOSER_NONE,
-        choices=list(PROPOSERS),
-        help="drafter for requests that choose none (prompt_lookup_num_tokens always picks prompt lookup)",
+        # early_exit needs each request's layer count (assistant_early_exit), which also selects it.
+        choices=[p for p in PROPOSERS if p != PROPOSER_EARLY_EXIT],
+        help="drafter for requests that choose none (prompt_lookup_num_tokens always picks prompt lookup, "
+        "assistant_early_exit the early-exit draft)",
     )
     parser.add_argument(
         "--draft-timeout",

@@ -48,8 +48,9 @@ from specwire.generation.speculation.drafters import (
     Proposal,
     open_model_drafter,
 )
+from specwire.generation.speculation.early_exit import early_exit_model
 from specwire.security.channels import RenewingChannel
-from specwire.vocabulary import PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
+from specwire.vocabulary import PROPOSER_EARLY_EXIT, PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
 from specwire.wire.generation_config import config_to_proto
 from specwire.wire.proposers import PROPOSER_FROM_PROTO
 from specwire.wire.tensors import tensor_from_proto
@@ -334,18 +335,44 @@ class DraftPolicy:
             return self._channel
 
     def proposer(self, requested: int, config: Any) -> str:
-        """The proposer a request runs with: its own choice, else the config's, else the server default."""
+        """The proposer a request runs with: its own choice, else the config's (`assistant_early_exit` first,
+        then `prompt_lookup_num_tokens`, transformers' order), else the server default."""
+        early_exit = config.assistant_early_exit
         if requested in PROPOSER_FROM_PROTO:
-            return PROPOSER_FROM_PROTO[requested]
+            chosen = PROPOSER_FROM_PROTO[requested]
+            if chosen == PROPOSER_EARLY_EXIT and early_exit is None:
+                raise InvalidArgument.for_field(
+                    "config.assistant_early_exit",
+                    None,
+                    "proposer early_exit drafts with the target's first N decoder layers: set assistant_early_exit=N",
+                )
+            if early_exit is not None and chosen not in (PROPOSER_EARLY_EXIT, PROPOSER_NONE):
+                raise InvalidArgument.for_field(
+                    "config.assistant_early_exit",
+                    early_exit,
+                    f"it selects the early-exit draft and the request asks for proposer {chosen}: unset one of them",
+                )
+            return chosen
+        if early_exit is not None:
+            return PROPOSER_EARLY_EXIT
         if config.prompt_lookup_num_tokens is not None:
             return PROPOSER_PROMPT_LOOKUP
         return self.default_proposer
 
-    def opener(self, proposer: str, vocab_size: int):
-        """`open_drafter(rows, resolved_config) -> Drafter` for the decoding loop."""
+    def opener(self, proposer: str, vocab_size: int, target: Any = None, early_exit: int | None = None):
+        """`open_drafter(rows, resolved_config) -> Drafter` for the decoding loop.
+
+        `target` and `early_exit` (the request's `assistant_early_exit`) make the early-exit draft, checked
+        here, before any forward (INVALID_ARGUMENT for a layer count the served model does not have).
+        """
+        draft_view = None
+        if proposer == PROPOSER_EARLY_EXIT:
+            draft_view = early_exit_model(target, cast(int, early_exit), field="config.assistant_early_exit")
 
         def open_drafter(rows: list[list[int]], config: Any) -> Drafter:
             sampling = bool(config.do_sample)
+            if draft_view is not None:
+                return self._local(draft_view, rows, config, vocab_size)
             if proposer == PROPOSER_PROMPT_LOOKUP:
                 if self.draft_address is None:
                     return PromptLookupDrafter(rows, config, vocab_size, self.prompt_lookup_rule)
@@ -373,11 +400,16 @@ class DraftPolicy:
         return open_drafter
 
     def _colocated(self, rows: list[list[int]], config: Any, vocab_size: int) -> Drafter:
-        """A drafter over the co-located draft model. Its forwards run where `propose` is called: the
-        request's own thread (the batched scheduler) or the model thread (sequential), never the event loop."""
+        """A drafter over the co-located draft model (see `_local`)."""
+        return self._local(self.draft_model.model, rows, config, vocab_size)
+
+    def _local(self, model: Any, rows: list[list[int]], config: Any, vocab_size: int) -> Drafter:
+        """A drafter over a model in this process: the co-located draft model, or the target's early-exit view
+        (which shares the target's weights). Its forwards run where `propose` is called: the request's own
+        thread (the batched scheduler) or the model thread (sequential), never the event loop."""
         # Probabilities when the target samples from them or a greedy ensemble mixes them in, as remotely.
         return_probs = bool(config.do_sample) or config.assistant_ensemble_weight is not None
-        drafter = open_model_drafter(self.draft_model.model, rows, config, vocab_size, return_probs)
+        drafter = open_model_drafter(model, rows, config, vocab_size, return_probs)
         self._count_local(1)
         return _CountedDrafter(drafter, self._count_local)
 

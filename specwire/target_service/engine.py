@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 import time
@@ -34,7 +35,9 @@ from typing import Any
 
 import torch
 
-from specwire.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specwire.errors import FieldProblem, InvalidArgument, ResourceExhausted, Unavailable
+from specwire.generation.compilation import compile_warning, compiled_call
+from specwire.generation.config import uses_static_cache
 from specwire.generation.loops.generate import generate_from_plan
 from specwire.generation.loops.speculative import speculate_from_plan
 from specwire.generation.outputs import GenerationResult, StepEvent
@@ -124,6 +127,11 @@ class Engine:
         self.executor = model_executor("specwire-model")
         # The lane's requests' model: the served one, with every call posted to the scheduler thread.
         self._lane_model = _ForwardsOn(loaded.model, self._serving) if self._serving is not None else None
+        # The served model for model work that a preparation thread starts (token healing): every call runs
+        # on the model thread, the scheduler's or this engine's worker, and the calling thread waits for it.
+        self.on_model_thread: Any = (
+            self._lane_model if self._lane_model is not None else _CallsOn(loaded.model, self.executor)
+        )
 
     @property
     def scheduler(self) -> SchedulerKind:
@@ -216,22 +224,37 @@ class Engine:
             )
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer
-        if proposer != PROPOSER_NONE and plan.num_beams == 1 and job.config.cache_implementation == "static":
+        if proposer != PROPOSER_NONE and plan.num_beams == 1 and uses_static_cache(job.config):
             # Rejected drafts are cropped from the cache, which a StaticCache cannot do.
             raise InvalidArgument.for_field(
                 "config.cache_implementation",
-                "static",
+                job.config.cache_implementation,
                 f"speculative decoding ({proposer}) does not run with a static cache (transformers refuses "
                 "assisted generation with one too): unset cache_implementation or use proposer='none'",
             )
         ensemble = self.drafting.ensemble_warning(proposer, job.config, plan.num_beams)
         if ensemble is not None:
             job.warnings.append(ensemble)
+        compiling = compile_warning(model, job.config)
+        if compiling is not None:
+            job.warnings.append(FieldProblem("config.compile_config", job.config.compile_config, compiling, "warning"))
         if proposer == PROPOSER_NONE:
+            if job.config.assistant_early_exit is not None:
+                job.warnings.append(
+                    FieldProblem(
+                        "config.assistant_early_exit",
+                        job.config.assistant_early_exit,
+                        "not honoured: the request asks for proposer none (plain decoding, no early-exit draft)",
+                        "warning",
+                    )
+                )
             return generate_from_plan(model, plan, **common)
         with self._lock:
             opened = self._drafters.get(id(job))
-        open_drafter = _opener(self.drafting.opener(proposer, self.loaded.vocab_size), drafting, opened)
+        opener = self.drafting.opener(
+            proposer, self.loaded.vocab_size, self.loaded.model, job.config.assistant_early_exit
+        )
+        open_drafter = _opener(opener, drafting, opened)
         return speculate_from_plan(
             model,
             plan,
@@ -393,6 +416,26 @@ class _ForwardsOn:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._scheduler.forward(self._model, *args, **kwargs)
+
+    def compiled_forward(self, options: dict[str, Any]) -> Callable[..., Any]:
+        """The model's compiled call (`specwire.generation.compilation`), also run on the scheduler thread."""
+        compiled = compiled_call(self._model, options)
+        return functools.partial(self._scheduler.forward, compiled)
+
+
+class _CallsOn:
+    """A model whose calls run on `executor` (the engine's model thread), in inference mode; every other
+    attribute is the model's."""
+
+    def __init__(self, model: Any, executor: Executor):
+        self._model = model
+        self._executor = executor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._executor.submit(_in_inference_mode, functools.partial(self._model, *args, **kwargs)).result()
 
 
 class _AnnouncedDrafter:

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from specwire.errors import FieldProblem, InvalidArgument, Unimplemented
+from specwire.deadline import remaining
+from specwire.errors import DeadlineExceeded, FieldProblem, InvalidArgument, Unimplemented
 from specwire.generation.config import (
     UNSERVED_FIELDS,
     GenerationConfig,
@@ -296,8 +297,13 @@ def prepare_job(
     loaded: LoadedModel,
     limits: RequestLimits | None = None,
     plugins: PluginRegistry | None = None,
+    model: Any = None,
 ) -> GenerationJob:
-    """Validate, tokenize and limit-check a request (blocking: run it in the preparation pool)."""
+    """Validate, tokenize and limit-check a request (blocking: run it in the preparation pool).
+
+    `model` is the served model as preparation may call it (token healing's forwards): one whose calls run on
+    the model thread (`Engine.on_model_thread`); `loaded.model` itself, called here, without it.
+    """
     config, warnings, caller_set_length = effective_config(request, resolved, loaded, limits)
     if isinstance(request, pb.GenerateStreamRequest) and (config.num_beams or 1) > 1:
         # transformers refuses a streamer with beam search for the same reason.
@@ -335,8 +341,10 @@ def prepare_job(
         )
     if config.token_healing:
         # Here, where the tokenizer is, after the limits (it runs the model once per healed row): the
-        # decoding loops then run on the healed prompts, speculation included.
-        input_ids = heal_same_shape(loaded.model, loaded.tokenizer, input_ids)
+        # decoding loops then run on the healed prompts, speculation included. Its tokenizer and vocabulary
+        # work stays on this thread; its forwards run on the model thread, each after a deadline check.
+        healer = _Deadlined(model if model is not None else loaded.model)
+        input_ids = heal_same_shape(healer, loaded.tokenizer, input_ids)
     structured = structured_output_from_proto(request)
     if structured is not None:
         # Compiled here, in the preparation pool, so a spec the library refuses costs no model work and
@@ -449,16 +457,33 @@ async def build_job(
     limits: RequestLimits | None = None,
     pool: PreparationPool | None = None,
     plugins: PluginRegistry | None = None,
+    model: Any = None,
 ) -> GenerationJob:
     """Check a Generate/GenerateStream request and turn it into a job.
 
     The order is the cost order: the wire sizes (counts, no tokenizing), then the registry lookup
     (awaited, no CPU), then validation, tokenization and the limits in `pool` (a worker thread; without
-    a pool, inline).
+    a pool, inline). `model`: as for `prepare_job`.
     """
     limits = limits or RequestLimits.for_model(loaded.max_position_embeddings)
     check_wire_sizes(request, limits)
     resolved = await resolve_source(request, resolver)
     if pool is None:
-        return prepare_job(request, resolved, loaded, limits, plugins)
-    return await pool.run(prepare_job, request, resolved, loaded, limits, plugins)
+        return prepare_job(request, resolved, loaded, limits, plugins, model)
+    return await pool.run(prepare_job, request, resolved, loaded, limits, plugins, model)
+
+
+class _Deadlined:
+    """A model whose every call first checks the caller's deadline (DEADLINE_EXCEEDED once it passed), so a
+    request healing many rows stops asking the model thread for forwards when its caller has gone."""
+
+    def __init__(self, model: Any):
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if remaining() == 0:
+            raise DeadlineExceeded("the request's deadline passed while its prompts were being healed")
+        return self._model(*args, **kwargs)

@@ -189,7 +189,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         # The request's span (config lookup and draft stream are its children), round spans, metrics.
         with RequestObserver(self.metrics, self.loaded.model_id, rpc, request) as observed:
             self._admit()
-            job = await build_job(request, self.loaded, self.resolver, self.limits, self.pool, self.plugins)
+            job = await build_job(
+                request, self.loaded, self.resolver, self.limits, self.pool, self.plugins, self.engine.on_model_thread
+            )
             observed.job_ready(job)
             started = time.perf_counter()
             async for item in self.engine.run(job):

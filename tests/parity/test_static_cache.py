@@ -92,3 +92,38 @@ def test_speculation_with_a_static_cache_is_refused_as_transformers_refuses_it(t
 def test_max_cache_len_without_a_static_cache_is_a_warning(target):
     out = target.generate(IDS, attention_mask=MASK, max_new_tokens=3, max_cache_len=64)
     assert [w for w in out.warnings if w.field == "config.max_cache_len" and "not honoured" in w.message]
+
+
+@pytest.mark.parametrize("alias", ["sliding_window", "hybrid_chunked"])
+def test_the_deprecated_static_aliases_use_a_static_cache_as_transformers_does(target, tiny_model_dir, alias):
+    kwargs = dict(max_new_tokens=7, **SCORES)
+    ours = target.generate(IDS, attention_mask=MASK, cache_implementation=alias, **kwargs)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    want = reference.generate(IDS, attention_mask=MASK, cache_implementation=alias, **kwargs)
+    assert type(want.past_key_values).__name__ == "StaticCache"
+    assert ours.sequences.tolist() == want.sequences.tolist()
+    _close(ours.scores, want.scores)
+    assert not [w for w in ours.warnings if w.field == "config.cache_implementation"]
+    with pytest.raises(SpecwireRpcError) as info:  # a static cache: no speculation, as for "static"
+        target.generate(IDS[1:], max_new_tokens=4, cache_implementation=alias, proposer="prompt_lookup")
+    assert info.value.code().name == "INVALID_ARGUMENT"
+
+
+def test_an_alias_really_builds_a_static_cache(loaded, monkeypatch):
+    made = []
+    original = transformers.StaticCache.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(kwargs.get("max_cache_len"))
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.StaticCache, "__init__", spy)
+    generate(loaded.model, IDS, MASK, config=GenerationConfig(cache_implementation="sliding_window", max_new_tokens=3))
+    generate(loaded.model, IDS, MASK, config=GenerationConfig(cache_implementation="hybrid", max_new_tokens=3))
+    assert made == [IDS.shape[1] + 3 - 1]  # "hybrid" is unset by transformers: a dynamic cache
+
+
+def test_hybrid_is_the_dynamic_cache_without_a_warning(target):
+    out = target.generate(IDS, attention_mask=MASK, max_new_tokens=4, cache_implementation="hybrid")
+    assert out.sequences.tolist() == target.generate(IDS, attention_mask=MASK, max_new_tokens=4).sequences.tolist()
+    assert not [w for w in out.warnings if w.field == "config.cache_implementation"]

@@ -18,6 +18,7 @@ EFFECT_TESTS = [
     "tests/parity/test_no_prompt_and_defaults.py",
     "tests/parity/test_model_outputs.py",
     "tests/parity/test_static_cache.py",
+    "tests/parity/test_compiled_decoding.py",
     "tests/parity/test_v4_goldens.py",
     "tests/parity/test_token_healing.py",
     "tests/unit/test_processors_parity.py",
@@ -28,6 +29,7 @@ EFFECT_TESTS = [
     "tests/unit/test_prompt_lookup.py",
     "tests/service/test_speculation.py",
     "tests/service/test_ensemble_speculation.py",
+    "tests/service/test_early_exit.py",
     "tests/service/test_target_service.py",
 ]
 
@@ -36,8 +38,7 @@ WARNED_VALUES = {
     "cache_implementation": "offloaded",
     "cache_config": {"max_batch_size": 1},
     "max_cache_len": 64,
-    "compile_config": {"fullgraph": True},
-    "disable_compile": False,
+    "compile_config": {"fullgraph": True},  # without a static cache
     "decoder_start_token_id": 0,
     "assistant_lookbehind": 5,
     "target_lookbehind": 5,
@@ -75,7 +76,11 @@ def test_a_warned_field_is_named_with_its_value(name):
         {"output_attentions": True},
         {"cache_implementation": "dynamic"},
         {"cache_implementation": "static", "max_cache_len": 64},
+        {"cache_implementation": "sliding_window", "max_cache_len": 64},
+        {"cache_implementation": "hybrid"},
         {"disable_compile": True},
+        {"disable_compile": False},
+        {"cache_implementation": "static", "compile_config": {"fullgraph": True}},
     ],
 )
 def test_honoured_values_are_not_warned_about(kwargs):
@@ -85,3 +90,9 @@ def test_honoured_values_are_not_warned_about(kwargs):
 def test_the_cache_warning_names_the_value():
     (warning,) = not_honoured(GenerationConfig(cache_implementation="quantized"))
     assert "'quantized'" in warning.message
+
+
+def test_a_compile_config_that_compilation_disables_is_a_warning():
+    config = GenerationConfig(cache_implementation="static", compile_config={"fullgraph": True}, disable_compile=True)
+    (warning,) = not_honoured(config)
+    assert warning.field == "compile_config" and "disable_compile=True" in warning.message

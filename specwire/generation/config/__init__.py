@@ -34,10 +34,12 @@ from specwire.generation.config.modes import (
     MODE_FIELDS,
     REMOVED_MODE_FIELDS,
     REMOVED_MODES,
+    STATIC_CACHES,
     UNSERVED_FIELDS,
     V4_MODE_FIELDS,
     FieldStatus,
     GenerationMode,
+    uses_static_cache,
 )
 from specwire.generation.config.serialization import is_synthid_watermark
 from specwire.generation.config.treatment import FIELD_TREATMENT, FieldTreatment, Treatment, not_honoured
@@ -61,6 +63,7 @@ __all__ = [
     "REMOVED_MODES",
     "REMOVED_MODE_FIELDS",
     "UNSERVED_FIELDS",
+    "STATIC_CACHES",
     "V4_MODE_FIELDS",
     "FieldStatus",
     "FieldTreatment",
@@ -76,6 +79,7 @@ __all__ = [
     "not_honoured",
     "raise_for_errors",
     "unknown_keys",
+    "uses_static_cache",
     "v4_mode_violations",
     "validate",
 ]

@@ -16,7 +16,7 @@ from specwire.generation.config.modes import (
     generation_mode,
 )
 from specwire.generation.config.serialization import (
-    COMPILE_DEFAULTS,
+    COMPILE_KEYS,
     SYNTHID_KEYS,
     SYNTHID_REQUIRED,
     WATERMARK_DEFAULTS,
@@ -148,11 +148,11 @@ def check_cache_and_compile(r: Recorder) -> None:
             "`max_cache_len`.",
         )
     cc = c.compile_config
-    if cc is not None and (not isinstance(cc, dict) or not set(cc) <= set(COMPILE_DEFAULTS)):
+    if cc is not None and (not isinstance(cc, dict) or not set(cc) <= COMPILE_KEYS):
         r.error(
             "compile_config",
             cc,
-            f"`compile_config` (={cc!r}) must be a dict of `CompileConfig` arguments ({sorted(COMPILE_DEFAULTS)}).",
+            f"`compile_config` (={cc!r}) must be a dict of `CompileConfig` arguments ({sorted(COMPILE_KEYS)}).",
         )
 
 

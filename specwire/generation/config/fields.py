@@ -25,6 +25,7 @@ from typing import Any
 
 from specwire.generation.config.modes import GenerationMode, generation_mode
 from specwire.generation.config.serialization import (
+    COMPILE_ALL_DEVICES,
     METADATA_KEYS,
     json_safe,
     normalize_compile_config,
@@ -96,7 +97,8 @@ class GenerationConfig:
         sequence_bias (`list[[list[int], float]]`, *optional*):
             Also accepts transformers' legacy `dict[tuple[int, ...], float]`, stored as the list form.
         compile_config (`dict`, *optional*):
-            `CompileConfig` arguments, completed with its defaults.
+            `CompileConfig` arguments, completed with its defaults; `"_compile_all_devices": True` is
+            transformers' `CompileConfig._compile_all_devices` (compile on the CPU too).
         constraints (`list[dict]`, *optional*):
             Constrained beam search constraints as plain data: `{"type": "phrasal", "token_ids": [ids]}` or
             `{"type": "disjunctive", "token_ids": [[ids], ...]}` (run with transformers 4.55.4's semantics).
@@ -366,7 +368,10 @@ class GenerationConfig:
             if key in defaults and value == defaults[key]:
                 continue
             if dataclasses.is_dataclass(value) and hasattr(value, "to_dict"):
+                all_devices = getattr(value, COMPILE_ALL_DEVICES, None) if key == "compile_config" else None
                 value = value.to_dict()
+                if all_devices is not None:  # an attribute that `CompileConfig.to_dict()` leaves out
+                    value[COMPILE_ALL_DEVICES] = all_devices
             data[key] = value
         return cls.from_dict(data)
 

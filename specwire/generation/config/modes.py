@@ -14,6 +14,8 @@ from typing import Any
 
 __all__ = [
     "DEPRECATED_FIELDS",
+    "STATIC_CACHES",
+    "uses_static_cache",
     "MODE_FIELDS",
     "REMOVED_MODES",
     "REMOVED_MODE_FIELDS",
@@ -99,7 +101,6 @@ MODE_FIELDS: tuple[ModeField, ...] = (
     ModeField("force_words_ids", FieldStatus.SERVED_V4, GenerationMode.CONSTRAINED_BEAM_SEARCH),
     ModeField("continuous_batching_config", FieldStatus.MOVED_OUT),
     ModeField("use_mtp", FieldStatus.UNSERVED),
-    ModeField("assistant_early_exit", FieldStatus.UNSERVED),
     ModeField("speculation_type", FieldStatus.UNSERVED),
 )
 
@@ -135,6 +136,17 @@ def _greater(value: Any, bound: Any) -> bool:
     # transformers compares these fields with numbers; any other value would raise there, and counts as
     # unset here.
     return isinstance(value, (int, float)) and value > bound
+
+
+# The `cache_implementation` values for which transformers 5.23's `generate()` builds a `StaticCache` on any
+# device: "static", and the deprecated aliases whose layer structure it now infers from the model config.
+# (`"hybrid"` is unset before generation, a dynamic cache; the `offloaded*` ones need CUDA to offload.)
+STATIC_CACHES = ("static", "sliding_window", "hybrid_chunked")
+
+
+def uses_static_cache(cfg: Any) -> bool:
+    """Whether a config decodes with a `StaticCache` (a static `cache_implementation` and `use_cache`)."""
+    return cfg.cache_implementation in STATIC_CACHES and cfg.use_cache is not False
 
 
 def generation_mode(cfg: Any, *, assisted_triggers: bool) -> GenerationMode:

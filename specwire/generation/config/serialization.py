@@ -11,7 +11,9 @@ from types import MappingProxyType
 from typing import Any
 
 __all__ = [
+    "COMPILE_ALL_DEVICES",
     "COMPILE_DEFAULTS",
+    "COMPILE_KEYS",
     "METADATA_KEYS",
     "SYNTHID_DEFAULTS",
     "SYNTHID_KEYS",
@@ -52,6 +54,10 @@ SYNTHID_KEYS = frozenset(SYNTHID_DEFAULTS) | frozenset(SYNTHID_REQUIRED)
 COMPILE_DEFAULTS = MappingProxyType(
     {"fullgraph": False, "dynamic": None, "backend": "inductor", "mode": "reduce-overhead", "options": None}
 )
+# transformers' `CompileConfig._compile_all_devices` (compile on the CPU too): an attribute, not a dataclass
+# field, so it has no default to complete and `to_dict()` leaves it out; the dict form carries it as a key.
+COMPILE_ALL_DEVICES = "_compile_all_devices"
+COMPILE_KEYS = frozenset(COMPILE_DEFAULTS) | {COMPILE_ALL_DEVICES}
 
 
 def normalize_sequence_bias(value: Any) -> Any:
@@ -94,7 +100,7 @@ def normalize_watermarking(value: Any) -> Any:
 
 def normalize_compile_config(value: Any) -> Any:
     """A compile-config dict with only known keys, completed with `CompileConfig`'s defaults."""
-    if isinstance(value, dict) and set(value) <= set(COMPILE_DEFAULTS):
+    if isinstance(value, dict) and set(value) <= COMPILE_KEYS:
         return {**COMPILE_DEFAULTS, **value}
     return value
 
@@ -156,5 +162,9 @@ def transformers_objects(kwargs: dict[str, Any]) -> dict[str, Any]:
         else:
             kwargs["watermarking_config"] = transformers.WatermarkingConfig(**wm)
     if isinstance(kwargs.get("compile_config"), dict):
-        kwargs["compile_config"] = transformers.CompileConfig(**kwargs["compile_config"])
+        given = dict(kwargs["compile_config"])
+        all_devices = given.pop(COMPILE_ALL_DEVICES, None)
+        kwargs["compile_config"] = transformers.CompileConfig(**given)
+        if all_devices is not None:
+            kwargs["compile_config"]._compile_all_devices = all_devices
     return kwargs

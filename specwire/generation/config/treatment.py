@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specwire.generation.config.modes import MODE_FIELDS, FieldStatus
+from specwire.generation.config.modes import MODE_FIELDS, STATIC_CACHES, FieldStatus, uses_static_cache
 from specwire.generation.config.violations import Violation
 
 __all__ = ["FIELD_TREATMENT", "FieldTreatment", "Treatment", "not_honoured"]
@@ -121,30 +121,41 @@ _HONOURED: dict[str, str] = {
     "num_assistant_tokens_schedule": _DRAFTING,
     "assistant_confidence_threshold": _DRAFTING,
     "prompt_lookup_num_tokens": _DRAFTING,
+    "assistant_early_exit": _DRAFTING + " with the target's own first N layers and LM head "
+    "(speculation/early_exit.py, proposer early_exit)",
     "max_matching_ngram_size": _DRAFTING,
     "assistant_ensemble_weight": _DRAFTING + " with a draft model, greedy and sampling; refused with prompt "
     "lookup (as transformers refuses it); the target warns when the request runs without a draft model",
     "prefill_chunk_size": "the rows' prefill (in chunks of that many tokens)",
+    "disable_compile": "the static-cache decoding steps run through torch.compile where transformers' rule compiles "
+    "them (generation/compilation.py); True decodes without it",
     "seed": "the request's sampling generator (specwire extension)",
 }
 
-_NO_COMPILE = "specwire does not compile the decoding step (torch.compile); outputs are those of eager execution"
-_CACHES = "specwire decodes with a dynamic KV cache, or a static one with cache_implementation='static'"
+_CACHES = (
+    "specwire decodes with a dynamic KV cache, or a static one with cache_implementation 'static' (or its aliases "
+    "'sliding_window', 'hybrid_chunked')"
+)
 
 # Fields accepted and not acted on: a request that sets one gets a warning naming it.
 _WARNED: dict[str, FieldTreatment] = {
     "cache_implementation": _warned(
         f"{_CACHES}; a {{value!r}} cache is not used (outputs are those of the dynamic cache)",
-        honoured=lambda value, config: value in ("dynamic", "static"),
+        # "hybrid": transformers unsets it before generating (a dynamic cache), as specwire does.
+        honoured=lambda value, config: value in ("dynamic", "hybrid", *STATIC_CACHES),
     ),
     "cache_config": _warned(f"{_CACHES}, which take no cache configuration"),
     "max_cache_len": _warned(
         "it sizes a static cache, and this request does not use one (set cache_implementation='static')",
-        honoured=lambda value, config: config.cache_implementation == "static",
+        honoured=lambda value, config: config.cache_implementation in STATIC_CACHES,
     ),
-    "compile_config": _warned(_NO_COMPILE),
-    # True is what specwire always does; False would let transformers compile a static-cache decode.
-    "disable_compile": _warned(_NO_COMPILE, honoured=lambda value, config: value is True),
+    # Honoured with a static cache unless compilation is disabled; on a device transformers does not compile
+    # on (the CPU without `_compile_all_devices`), the target adds the warning (`compilation.compile_warning`).
+    "compile_config": _warned(
+        "transformers compiles the decoding steps only with a static cache (cache_implementation='static') and "
+        "without disable_compile=True; this request decodes without torch.compile",
+        honoured=lambda value, config: uses_static_cache(config) and not config.disable_compile,
+    ),
     "decoder_start_token_id": _warned(
         "it starts the decoder of encoder-decoder models; the served model is decoder-only (transformers ignores "
         "it there too)"

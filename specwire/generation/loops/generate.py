@@ -15,8 +15,10 @@ resolution order). Assisted-generation flags (`prompt_lookup_num_tokens`, `assis
 `use_mtp`) are ignored here: speculation is the target service's strategy built on `verify`, and it
 keeps this loop's output (identical tokens for greedy, the same distribution for sampling).
 Attention weights and hidden states are returned as transformers returns them
-(`check_model_outputs`); the KV cache is always a `DynamicCache` (another `cache_implementation` is
-a warning in the target's response, `config.treatment`).
+(`check_model_outputs`); the KV cache is a `DynamicCache`, or a `StaticCache` with
+`cache_implementation="static"`, whose decoding steps run through `torch.compile` where transformers'
+rule compiles them (`specwire.generation.compilation`); another `cache_implementation` is a warning
+in the target's response (`config.treatment`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import Any, cast
 import torch
 
 from specwire.generation.argument_errors import InvalidGenerationArgument
-from specwire.generation.config import GenerationMode
+from specwire.generation.compilation import decide_compile, decoding_call
+from specwire.generation.config import GenerationMode, uses_static_cache
 from specwire.generation.healing import heal_same_shape
 from specwire.generation.loops.beam import beam_loop
 from specwire.generation.loops.constrained_beam import constrained_beam_loop
@@ -163,7 +166,7 @@ def generate_from_plan(
     device = plan.input_ids.device
     expanded_ids, expanded_mask = plan.expanded()
     wanted = check_model_outputs(plan, model)
-    recorded: dict[str, Any] = {**wanted, **static_cache(plan)}
+    recorded: dict[str, Any] = {**wanted, **static_cache(plan, model)}
     mode = config.get_generation_mode()
     contrastive = mode is GenerationMode.CONTRASTIVE_SEARCH
     if contrastive:
@@ -219,14 +222,20 @@ def generate_from_plan(
     return loop
 
 
-def static_cache(plan: GenerationPlan) -> dict[str, int]:
-    """The `RowBatch` argument for `cache_implementation="static"`: transformers' size, `max_length - 1`
-    positions, or `max_cache_len` when larger. (transformers also keeps the largest size any earlier call
-    used on the same model object; a service does not let one request's size depend on another's.)"""
+def static_cache(plan: GenerationPlan, model: Any) -> dict[str, Any]:
+    """The `RowBatch` arguments for a static `cache_implementation` (`"static"`, or the deprecated aliases
+    transformers still builds a `StaticCache` for, `config.STATIC_CACHES`): transformers' size, `max_length - 1`
+    positions, or `max_cache_len` when larger (transformers also keeps the largest size any earlier call
+    used on the same model object; a service does not let one request's size depend on another's), and
+    the compiled decoding call where transformers' rule compiles (`specwire.generation.compilation`)."""
     config = plan.config
-    if config.cache_implementation != "static" or not config.use_cache:
+    if not uses_static_cache(config):
         return {}
-    return {"static_cache_len": max(plan.max_length - 1, int(config.max_cache_len or 0))}
+    found: dict[str, Any] = {"static_cache_len": max(plan.max_length - 1, int(config.max_cache_len or 0))}
+    decision = decide_compile(model, config)
+    if decision.options is not None:
+        found["compiled_forward"] = decoding_call(model, decision.options)
+    return found
 
 
 def check_model_outputs(plan: GenerationPlan, model: Any) -> dict[str, bool]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from specwire.generation.config import GenerationMode, is_synthid_watermark
+from specwire.generation.config import GenerationMode, is_synthid_watermark, uses_static_cache
 from specwire.generation.healing import heal_same_shape
 from specwire.generation.loops.generate import generate_from_plan
 from specwire.generation.loops.sampling import make_generator
@@ -112,10 +112,13 @@ def speculation_blocker(plan: GenerationPlan) -> str:
         # transformers' assisted generation splits a verified block's outputs into per-token entries; plain
         # decoding returns them one forward per token, which is the layout the caller asked for.
         return "output_attentions / output_hidden_states run without speculation (plain decoding)"
-    if config.cache_implementation == "static" and config.use_cache:
+    if uses_static_cache(config):
         # Rejected drafts are cropped from the cache, which a StaticCache cannot do (the target service
         # refuses the combination, as transformers does; the library runs plain decoding with it).
-        return "cache_implementation='static' runs without speculation (plain decoding with a static cache)"
+        return (
+            f"cache_implementation={config.cache_implementation!r} runs without speculation (plain decoding with a "
+            "static cache)"
+        )
     if not config.use_cache:
         return "speculation needs use_cache=True"
     if config.guidance_scale is not None and config.guidance_scale != 1:

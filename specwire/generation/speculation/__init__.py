@@ -1,1 +1,2 @@
-"""Speculative decoding's parts: acceptance rules, drafters, prompt lookup, draft schedules and statistics."""
+"""Speculative decoding's parts: acceptance rules, drafters (the early-exit draft among them), prompt lookup, draft
+schedules and statistics."""

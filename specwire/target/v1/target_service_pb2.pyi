@@ -17,6 +17,7 @@ class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROPOSER_NONE: _ClassVar[Proposer]
     PROPOSER_PROMPT_LOOKUP: _ClassVar[Proposer]
     PROPOSER_DRAFT_MODEL: _ClassVar[Proposer]
+    PROPOSER_EARLY_EXIT: _ClassVar[Proposer]
 
 class WatermarkKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ PROPOSER_UNSPECIFIED: Proposer
 PROPOSER_NONE: Proposer
 PROPOSER_PROMPT_LOOKUP: Proposer
 PROPOSER_DRAFT_MODEL: Proposer
+PROPOSER_EARLY_EXIT: Proposer
 WATERMARK_KIND_UNSPECIFIED: WatermarkKind
 WATERMARK_KIND_GREEN_LIST: WatermarkKind
 WATERMARK_KIND_SYNTHID: WatermarkKind

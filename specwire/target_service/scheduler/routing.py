@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specwire.generation.config import GenerationMode
+from specwire.generation.config import GenerationMode, uses_static_cache
 from specwire.runtime.slot_cache import SlotKVCache
 
 
@@ -42,8 +42,8 @@ def lane_reason(plan: Any, cache: SlotKVCache) -> str:
         return "contrastive search (it ranks its candidates by hidden states and selects cache rows)"
     if mode is GenerationMode.DOLA_GENERATION:
         return "DoLa decoding (it reads earlier layers' hidden states every step)"
-    if config.cache_implementation == "static":
-        return "cache_implementation='static' (a StaticCache of its own)"
+    if uses_static_cache(config):
+        return f"cache_implementation={config.cache_implementation!r} (a StaticCache of its own)"
     if rows > cache.num_slots:
         return f"{rows} rows > {cache.num_slots} slots"
     if plan.max_length > cache.slot_tokens:
