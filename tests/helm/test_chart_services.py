@@ -78,7 +78,7 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
 
 def test_scheduler_values_reach_the_target_command_line(tools, renders):
     """The expanded args parse with the target's real CLI: the chart's defaults are the server's."""
-    from specwire.target_service.__main__ import build_parser
+    from specwire.target_service.__main__ import build_parser, resolve_scheduler
 
     def parsed(r):
         data = r.settings("target")
@@ -87,6 +87,7 @@ def test_scheduler_values_reach_the_target_command_line(tools, renders):
 
     defaults = parsed(renders["default"])
     cli_defaults = build_parser().parse_args([])
+    cli_defaults.scheduler = resolve_scheduler(cli_defaults, 1)  # unset on the command line: the default
     names = ("scheduler", "max_batch_rows", "max_tokens_per_step", "max_queued", "max_lane_requests")
     for name in (*names, "slot_tokens", "kv_cache_mb"):
         assert getattr(defaults, name) == getattr(cli_defaults, name), name
@@ -124,7 +125,7 @@ LIMIT_FLAGS = (
 
 def test_limit_values_reach_the_target_command_line(tools, renders):
     """Request limits, message size and RPC cap: the chart's defaults are the server's, and values reach it."""
-    from specwire.target_service.__main__ import build_parser
+    from specwire.target_service.__main__ import build_parser, resolve_scheduler
 
     def parsed(r):
         data = r.settings("target")
@@ -133,6 +134,7 @@ def test_limit_values_reach_the_target_command_line(tools, renders):
 
     defaults = parsed(renders["default"])
     cli_defaults = build_parser().parse_args([])
+    cli_defaults.scheduler = resolve_scheduler(cli_defaults, 1)  # unset on the command line: the default
     for name in LIMIT_FLAGS:
         if name != "grace":  # derived from the pod's termination period
             assert getattr(defaults, name) == getattr(cli_defaults, name), name
@@ -224,7 +226,7 @@ def test_session_and_liveness_values_reach_the_right_servers(tools, renders, tmp
     """draft.maxSessions, draft.sessionIdleTimeoutSeconds and target.stuckAfterSeconds become the draft's
     --max-sessions/--session-idle-timeout and the target's --stuck-after, with the servers' defaults."""
     from specwire.draft_service.__main__ import _idle_timeout, _positive_int
-    from specwire.target_service.__main__ import build_parser
+    from specwire.target_service.__main__ import build_parser, resolve_scheduler
 
     draft_help = subprocess.run(
         [sys.executable, "-m", "specwire.draft_service", "--help"],
@@ -370,7 +372,7 @@ def test_the_rendered_health_check_script_works(renders, tmp_path):
 def test_config_stale_max_reaches_the_target(tools, renders, tmp_path):
     """target.configStaleMaxSeconds becomes the target's --config-stale-max, with the server's default; 0
     (no stale serving) is passed through, not dropped."""
-    from specwire.target_service.__main__ import build_parser
+    from specwire.target_service.__main__ import build_parser, resolve_scheduler
 
     target = expanded_args(renders["default"], "target")
     assert build_parser().parse_args(target).config_stale_max == build_parser().parse_args([]).config_stale_max == 300
