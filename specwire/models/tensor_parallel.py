@@ -187,6 +187,16 @@ class MirroredModel:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
+    @property
+    def architecture(self) -> str:
+        """The wrapped model's class name (what the service reports)."""
+        return type(self._model).__name__
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the model is sharded over."""
+        return self._world.world_size
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             fresh = next(self._handles)

@@ -226,7 +226,7 @@ def test_session_and_liveness_values_reach_the_right_servers(tools, renders, tmp
     """draft.maxSessions, draft.sessionIdleTimeoutSeconds and target.stuckAfterSeconds become the draft's
     --max-sessions/--session-idle-timeout and the target's --stuck-after, with the servers' defaults."""
     from specwire.draft_service.__main__ import _idle_timeout, _positive_int
-    from specwire.target_service.__main__ import build_parser, resolve_scheduler
+    from specwire.target_service.__main__ import build_parser
 
     draft_help = subprocess.run(
         [sys.executable, "-m", "specwire.draft_service", "--help"],
@@ -372,7 +372,7 @@ def test_the_rendered_health_check_script_works(renders, tmp_path):
 def test_config_stale_max_reaches_the_target(tools, renders, tmp_path):
     """target.configStaleMaxSeconds becomes the target's --config-stale-max, with the server's default; 0
     (no stale serving) is passed through, not dropped."""
-    from specwire.target_service.__main__ import build_parser, resolve_scheduler
+    from specwire.target_service.__main__ import build_parser
 
     target = expanded_args(renders["default"], "target")
     assert build_parser().parse_args(target).config_stale_max == build_parser().parse_args([]).config_stale_max == 300

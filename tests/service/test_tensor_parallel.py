@@ -132,6 +132,13 @@ def test_sharded_scores_are_not_bitwise_those_of_one_process(services):
     assert 0.0 < float((got - want).abs().max()) <= SCORE_TOLERANCE
 
 
+def test_model_info_names_the_sharded_architecture(services):
+    _, sharded_address, _ = services
+    with TargetClient(sharded_address) as client:
+        info = client.model_info()
+    assert info.architecture == "LlamaForCausalLM" and info.device == "cpu"
+
+
 def test_refused_when_heads_do_not_divide(tiny_model_dir, tiny_draft_dir):
     """4 attention heads over 3 ranks: a clear start-up error, before any rank starts."""
     process, _ = _start(tiny_model_dir, tiny_draft_dir, "--tensor-parallel", "3")
