@@ -15,6 +15,9 @@ specwire serves from rank 0 only; the other ranks are followers that mirror rank
   rank 0's cache object gets instance wrappers for them. A cache rank 0 drops is dropped on the
   followers with the next message (the garbage collector's finalizer only queues the handle: a
   broadcast from whatever thread collects it would interleave with the model thread's).
+- The LM head (`get_output_embeddings()`, which DoLa applies to early layers) is mirrored the same
+  way; any other sub-module called on rank 0 alone would wait forever in its collective, so the
+  loops call only these two.
 - `follow(model)` is a follower's whole life: receive, replay on its own model and caches, repeat,
   until rank 0 says stop or the channel breaks (rank 0 died). A failure to replay exits the
   follower (its peers' next collective then fails): a follower that skipped a step would leave the
@@ -142,7 +145,7 @@ def _cache_kind(cache: Any) -> tuple[str, int | None]:
     from transformers import DynamicCache, StaticCache
 
     if isinstance(cache, StaticCache):
-        return "static", int(cache.max_cache_len)
+        return "static", int(cache.get_max_length())
     if isinstance(cache, DynamicCache):
         return "dynamic", None
     raise TensorParallelError(
@@ -198,12 +201,22 @@ class MirroredModel:
         return self._world.world_size
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(self._model, "forward", args, kwargs)
+
+    def get_output_embeddings(self) -> Any:
+        """The LM head, its calls mirrored too (DoLa applies it to early layers' hidden states): a sharded
+        head gathers its output over the ranks, so a call on rank 0 alone would wait forever."""
+        head = self._model.get_output_embeddings()
+        return None if head is None else _MirroredModule(self, head, "output_embeddings")
+
+    def _run(self, module: Any, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Broadcast the call of `target` (a name the followers resolve on their model), then run it here."""
         with self._lock:
             fresh = next(self._handles)
-            self._send(("forward", self._encode(args), self._encode(kwargs), fresh))
+            self._send((target, self._encode(args), self._encode(kwargs), fresh))
             self._in_forward.active = True
             try:
-                outputs = self._model(*args, **kwargs)
+                outputs = module(*args, **kwargs)
             finally:
                 self._in_forward.active = False
             cache = getattr(outputs, "past_key_values", None)
@@ -277,6 +290,21 @@ class MirroredModel:
             self._dropped.append(handle)
 
 
+class _MirroredModule:
+    """A sub-module of rank 0's model whose calls are mirrored like forwards (`MirroredModel._run`)."""
+
+    def __init__(self, owner: MirroredModel, module: Any, target: str):
+        self._owner = owner
+        self._module = module
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._owner._run(self._module, self._target, args, kwargs)
+
+
 class _Replayer:
     """A follower's side: its model, its caches by handle, and the replay of one message."""
 
@@ -304,9 +332,10 @@ class _Replayer:
         op = message[0]
         if op == "stop":
             return False
-        if op == "forward":
+        if op in ("forward", "output_embeddings"):
             _, args, kwargs, fresh = message
-            outputs = self.model(*self.decode(args), **self.decode(kwargs))
+            module = self.model if op == "forward" else self.model.get_output_embeddings()
+            outputs = module(*self.decode(args), **self.decode(kwargs))
             cache = getattr(outputs, "past_key_values", None)
             if cache is not None and not any(cache is known for known in self.caches.values()):
                 self.caches[fresh] = cache

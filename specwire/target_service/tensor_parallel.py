@@ -74,6 +74,7 @@ class Followers:
     def __init__(self, world_size: int, argv: Sequence[str]):
         self.world_size = world_size
         self.problem = ""  # why the service must stop: a follower exited
+        self.grace: float | None = None  # seconds in-flight requests get then; None until serving
         self._stopping = False
         port = _free_port()
         base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size))
@@ -91,8 +92,15 @@ class Followers:
             port,
         )
 
-    def watch(self, on_exit: Any) -> None:
-        """Calls `on_exit(reason)` once, from a daemon thread, when a follower exits before `stop`."""
+    def _exited(self, reason: str) -> None:
+        if self.grace is None:  # still starting: nothing to drain, and no signal handler to stop gracefully
+            log.error("tensor parallel: exiting before serving: %s", reason)
+            os._exit(1)
+        stop_self(reason, self.grace)
+
+    def watch(self) -> None:
+        """From a daemon thread: when a follower exits before `stop`, stop this server (`stop_self`, with
+        `grace` once serving) or, while starting, exit at once."""
 
         def run() -> None:
             while not self._stopping:
@@ -104,7 +112,7 @@ class Followers:
                             "the target cannot run forwards without it and stops; see that rank's log"
                         )
                         log.error("%s", self.problem)
-                        on_exit(self.problem)
+                        self._exited(self.problem)
                         return
                 time.sleep(0.2)
 
@@ -200,14 +208,17 @@ class Target:
 
         server.liveness = liveness
         if self.followers is not None:
-            self.followers.watch(lambda reason: stop_self(reason, grace))
+            self.followers.grace = grace
 
     def close(self) -> None:
-        """Stops the followers (rank 0's stop message, then waits), after the server stopped."""
+        """Stops the followers (rank 0's stop message, then waits), after the server stopped; exits
+        non-zero when a follower's exit was what stopped it."""
         if self.mirrored is not None:
             self.mirrored.stop()
         if self.followers is not None:
             self.followers.stop()
+            if self.followers.problem:
+                raise SystemExit(f"target-service: {self.followers.problem}")
 
 
 def _check_support(args: argparse.Namespace, world_size: int) -> str:
@@ -256,6 +267,8 @@ def load_target(args: argparse.Namespace, world_size: int, argv: Sequence[str]) 
         return Target(loaded)
     device_type = _check_support(args, world_size)
     followers = Followers(world_size, argv) if world_size_from_env() == 1 else None
+    if followers is not None:  # from now on: a follower failing to start or load ends rank 0 too
+        followers.watch()
     world = init_world(device_type)
     loaded = _load_shard(args, world)
     mirrored = MirroredModel(loaded.model, world)
