@@ -122,6 +122,10 @@ def init_world(device_type: str) -> TensorParallelWorld:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cpu")
+    if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # The ranks share this machine's cores: each takes its share, not all of them (oversubscribed
+        # OpenMP pools park and wake their workers around every op).
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -267,19 +271,22 @@ class MirroredModel:
         """Remembers `cache` under `handle` and mirrors its shape-changing methods from now on."""
         _cache_kind(cache)  # refuses kinds a follower could not build
         self._known[id(cache)] = handle
+        # The wrappers hold the cache weakly: a strong reference would be a cycle (cache -> wrapper ->
+        # cache), and its KV tensors would wait for the cyclic collector instead of going with the request.
+        cache_ref = weakref.ref(cache)
         for name in MIRRORED_CACHE_METHODS:
-            original = getattr(cache, name, None)
-            if original is not None:
-                setattr(cache, name, self._mirrored_method(handle, name, original))
+            function = getattr(type(cache), name, None)
+            if function is not None:
+                setattr(cache, name, self._mirrored_method(handle, name, function, cache_ref))
         weakref.finalize(cache, self._forget, id(cache), handle)
 
-    def _mirrored_method(self, handle: int, name: str, original: Any) -> Any:
+    def _mirrored_method(self, handle: int, name: str, function: Any, cache_ref: Any) -> Any:
         def mirrored(*args: Any, **kwargs: Any) -> Any:
             if getattr(self._in_forward, "active", False):  # the model's own call: the followers' forward does it too
-                return original(*args, **kwargs)
+                return function(cache_ref(), *args, **kwargs)
             with self._lock:
                 self._send(("cache", handle, name, self._encode(args), self._encode(kwargs)))
-                return original(*args, **kwargs)
+                return function(cache_ref(), *args, **kwargs)
 
         return mirrored
 
@@ -363,6 +370,8 @@ def follow(model: Any, world: TensorParallelWorld) -> None:
             dropped, message = box[0]
             for handle in dropped:
                 replayer.caches.pop(handle, None)
+            if dropped:
+                log.debug("rank %d: dropped caches %s, %d kept", world.rank, dropped, len(replayer.caches))
             if not replayer.replay(message):
                 log.info("tensor-parallel rank %d: rank 0 stopped", world.rank)
                 return

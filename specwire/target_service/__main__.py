@@ -415,11 +415,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     setup_logging(args.log_level)
     tensor_parallel = tensor_parallel_size(args)
+    check_transport_security("target-service")  # TLS settings that fail closed, before any model loads
+    fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     if tensor_parallel > 1 and rank_from_env() != 0:  # a follower: no server, no telemetry, no draft
         run_follower(args)
         return
-    check_transport_security("target-service")  # TLS settings that fail closed, before any model loads
-    fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     if args.draft_model and args.draft_address:  # before any model loads
         raise SystemExit(
