@@ -133,6 +133,25 @@ def test_sharded_outputs_equal_single_process(services, case):
         assert got.speculation is not None and got.speculation.accepted_tokens == want.speculation.accepted_tokens
 
 
+def test_concurrent_and_cancelled_requests(services):
+    """Requests interleaved step by step (one KV cache each, mirrored by handle) and a request cut off
+    by its deadline (its cache dropped on every rank) leave the ranks in step: the same ids as one process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specwire.client.errors import SpecwireRpcError
+
+    _, sharded_address, single_address = services
+    prompts = [[5 + i, 6, 7 + i, 8, 9 + 2 * i] for i in range(4)]
+    request = dict(max_new_tokens=12, do_sample=False)
+    with TargetClient(sharded_address) as sharded, TargetClient(single_address) as single:
+        with pytest.raises(SpecwireRpcError):  # 200 tokens cannot finish in 50 ms
+            sharded.generate(input_ids=[prompts[0]], max_new_tokens=200, min_new_tokens=200, timeout=0.05)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: sharded.generate(input_ids=[p], **request).sequences.tolist(), prompts))
+        want = [single.generate(input_ids=[p], **request).sequences.tolist() for p in prompts]
+    assert got == want
+
+
 def test_sharded_scores_are_not_bitwise_those_of_one_process(services):
     """The tolerance is needed and small: the sharded forward really ran (its rounding shows)."""
     _, sharded_address, single_address = services
