@@ -56,6 +56,7 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
         expected += ["--max-sessions", "--session-idle-timeout"] if c == "draft" else []
         if c == "target":
             expected += ["--device", "--dtype", "--config-address", "--config-stale-max", "--draft-address"]
+            expected += ["--tensor-parallel"] if "SPECWIRE_TENSOR_PARALLEL" in data else []
             expected += ["--scheduler"]
             expected += ["--max-batch-rows", "--max-tokens-per-step", "--max-queued", "--max-lane-requests"]
             expected += ["--kv-cache-mb"]
