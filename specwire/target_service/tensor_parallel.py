@@ -126,7 +126,7 @@ class Followers:
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("tensor-parallel follower pid %d did not stop: terminating it", process.pid)
+                log.warning("tensor-parallel follower pid %d did not stop: killing it", process.pid)
                 process.kill()
                 process.wait()
 
