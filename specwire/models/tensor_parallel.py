@@ -228,13 +228,19 @@ class MirroredModel:
                 self._register(cache, fresh)
             return outputs
 
-    def stop(self) -> None:
-        """Tells the followers to exit (rank 0 is shutting down); never raises."""
-        with self._lock:
-            try:
-                self._send(("stop",))
-            except Exception as error:  # noqa: BLE001 -- shutting down: a dead follower needs no stop
-                log.warning("could not tell the tensor-parallel followers to stop: %s", error)
+    def stop(self, wait_s: float = 5.0) -> None:
+        """Tells the followers to exit (rank 0 is shutting down); never raises. Gives up after `wait_s`
+        seconds when a call still holds the lock (a forward stuck in a collective: the caller then ends
+        the followers, which fails that collective)."""
+        if not self._lock.acquire(timeout=wait_s):
+            log.warning("a model call is still running after %.0fs: the followers are not told to stop", wait_s)
+            return
+        try:
+            self._send(("stop",))
+        except Exception as error:  # noqa: BLE001 -- shutting down: a dead follower needs no stop
+            log.warning("could not tell the tensor-parallel followers to stop: %s", error)
+        finally:
+            self._lock.release()
 
     def _send(self, message: tuple[Any, ...]) -> None:
         import torch.distributed as dist
