@@ -3,6 +3,7 @@
   python -m bench.scale                                   # embedded SmolLM2, 8 clients, a few minutes
   python -m bench.scale --quick --model PATH              # smoke run on a small model (CI: a tiny one)
   python -m bench.scale --cores 0-3,4-7 --json bench/results/scale.json
+  python -m bench.scale --tp [--quick --model PATH]       # TP=2 against TP=1 instead (bench/scale_tp.py)
 
 Starts two target services (each its own process, as deployed), each pinned with `taskset` to its own
 share of the cores (default: this process's cores split in two halves; `--cores` names them) with as
@@ -151,7 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=None, help=f"default {FULL['max_new_tokens']}")
     parser.add_argument("--rounds", type=int, default=None, help=f"alternating rounds (default {FULL['rounds']})")
     parser.add_argument("--cores", default=None, help="two disjoint core ranges, e.g. 0-3,4-7 (default: halves)")
-    parser.add_argument("--json", default="bench/results/scale.json", help="where to write the figures (+ .md)")
+    parser.add_argument(
+        "--json", default=None, help="where to write the figures (+ .md); default bench/results/scale[_tp].json"
+    )
+    parser.add_argument(
+        "--tp",
+        action="store_true",
+        help="measure tensor parallelism instead: TP=2 against TP=1 on the CPU, same requests, outputs compared "
+        "(see bench/scale_tp.py; its default model is SmolLM2-shaped with 8/4 heads, --model overrides)",
+    )
     return parser
 
 
@@ -213,7 +222,11 @@ def report(results: dict, path: Path) -> None:
         f"Ratio 2 : 1 = {results['ratio_2_to_1']:.2f} (median of round ratios {results['median_round_ratio']:.2f}); "
         f"requests per replica with 2: {shares[0]} / {shares[1]}.",
     ]
-    markdown = "\n".join(lines) + "\n"
+    write(results, "\n".join(lines) + "\n", path)
+
+
+def write(results: dict, markdown: str, path: Path) -> None:
+    """Print the Markdown and write `path` (JSON) and its `.md`."""
     print(markdown)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
@@ -222,6 +235,13 @@ def report(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.tp:
+        from bench import scale_tp
+
+        model = scale_tp.SHAPED if args.model == "default" else args.model
+        results = scale_tp.run(model, args.quick, args.requests, args.max_new_tokens, args.rounds)
+        write(results, scale_tp.report_markdown(results), Path(args.json or "bench/results/scale_tp.json"))
+        return results
     preset = QUICK if args.quick else FULL
     requests = args.requests or preset["requests"]
     max_new_tokens = args.max_new_tokens or preset["max_new_tokens"]
@@ -261,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
         ),
     }
-    report(results, Path(args.json))
+    report(results, Path(args.json or "bench/results/scale.json"))
     return results
 
 

@@ -383,6 +383,7 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     revision: str | None = None,
     progress: bool = True,
+    tensor_parallel: bool = False,
 ) -> LoadedModel:
     """
     Loads a causal LM and its tokenizer, in eval mode with gradients disabled.
@@ -401,6 +402,10 @@ def load_model(
             Branch, tag or commit of a Hub repo; ignored for local sources.
         progress (`bool`, *optional*, defaults to `True`):
             Write progress lines to stderr (and show the libraries' progress bars).
+        tensor_parallel (`bool`, *optional*, defaults to `False`):
+            Load this rank's shard with transformers' `tp_plan="auto"` (every rank of an initialised
+            `torch.distributed` group calls this; see `specwire.models.tensor_parallel`); `device` is
+            this rank's device.
 
     Returns:
         `LoadedModel`
@@ -430,7 +435,9 @@ def load_model(
                 source = dataclasses.replace(source, folder=converted, gguf_file=None)
         from_where = f"{source.folder}" + (f" (gguf_file={source.gguf_file})" if source.gguf_file else "")
         report(f"loading {source.model_id} from {from_where} as {torch_dtype} on {torch_device}")
-        model, tokenizer = _load_from_source(name, source, torch_dtype, torch_device, tried, report)
+        model, tokenizer = _load_from_source(
+            name, source, torch_dtype, torch_device, tried, report, tensor_parallel=tensor_parallel
+        )
         generation_config = _read_generation_config(source.folder, model)
 
     text_config = model.config.get_text_config()
@@ -454,6 +461,32 @@ def load_model(
         source=origin,
         load_seconds=elapsed,
     )
+
+
+def model_config(name: str, revision: str | None = None) -> Any:
+    """The transformers config of the model `load_model(name)` would load, without its weights
+    (start-up checks before any weights load, e.g. whether tensor parallelism can shard it).
+
+    Raises:
+        `ModelLoadError`: as `load_model`.
+    """
+    from transformers import AutoConfig
+
+    tried: list[str] = []
+    report = _Progress(False)
+    base = DEFAULT_MODEL_NAME if name == DEFAULT_INT8_NAME else str(name)
+    source = _find_source(base, revision, tried, report)
+    extra: dict[str, Any] = {}
+    if source.gguf_file is not None:
+        converted = converted_folder(source.folder / source.gguf_file, report, False)
+        if converted is not None:
+            source = dataclasses.replace(source, folder=converted, gguf_file=None)
+        else:
+            extra["gguf_file"] = source.gguf_file
+    try:
+        return AutoConfig.from_pretrained(str(source.folder), **extra)
+    except Exception as error:  # noqa: BLE001 -- any library failure becomes one clear load error
+        raise ModelLoadError(name, f"config could not be read: {error}", tried=tried) from error
 
 
 DEFAULT_INT8_NAME = "default-int8"
@@ -511,11 +544,18 @@ def _load_from_source(
     device: torch.device,
     tried: list[str],
     report: _Progress,
+    tensor_parallel: bool = False,
 ) -> tuple[Any, Any]:
-    """Runs transformers' tokenizer and model loading for a resolved source."""
+    """Runs transformers' tokenizer and model loading for a resolved source (this rank's shard with
+    `tensor_parallel`, placed by transformers on `device`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     extra: dict[str, Any] = {}
+    if tensor_parallel:
+        from transformers import DistributedConfig
+
+        # The model's own plan (`config.base_model_tp_plan`) over every rank of the initialised group.
+        extra["distributed_config"] = DistributedConfig(tp_plan="auto")
     if source.gguf_file is not None:
         extra["gguf_file"] = source.gguf_file
     hint = (
@@ -542,7 +582,8 @@ def _load_from_source(
         raise ModelLoadError(name, f"model weights could not be loaded: {error}", tried=tried, hint=hint) from error
     if model.dtype != dtype:
         model = model.to(dtype)
-    model = model.to(device)
+    if not tensor_parallel:  # a sharded model is already on this rank's device, in DTensor-aware places
+        model = model.to(device)
     model.eval()
     # The loop only runs forward passes; no parameter ever needs a gradient.
     model.requires_grad_(False)
@@ -556,6 +597,7 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "load_model",
+    "model_config",
     "resolve_device",
     "resolve_dtype",
 ]

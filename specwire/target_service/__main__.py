@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from specwire.generation.plugins import PluginLoadError, PluginRegistry, load_plugins
 from specwire.generation.speculation.drafters import PROMPT_LOOKUP_RULES
@@ -38,6 +39,7 @@ from specwire.target_service.drafting import DraftPolicy, check_draft_model
 from specwire.target_service.limits import RequestLimits, default_output_bytes
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
 from specwire.target_service.service import TargetServicer
+from specwire.target_service.tensor_parallel import load_target, rank_from_env, run_follower, tensor_parallel_size
 from specwire.telemetry import setup_telemetry
 from specwire.vocabulary import PROPOSER_EARLY_EXIT, PROPOSER_NONE, PROPOSERS
 
@@ -172,10 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument(
         "--scheduler",
-        default=DEFAULT_SCHEDULER,
+        default=None,
         choices=[kind.value for kind in SchedulerKind],
         help=f"batched: one forward per step for all running requests; sequential: one request "
-        f"per forward (default {DEFAULT_SCHEDULER})",
+        f"per forward (default {DEFAULT_SCHEDULER}; sequential with --tensor-parallel)",
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        help="shard the model over N processes with transformers' tensor parallelism (tp_plan='auto'): this "
+        "process serves as rank 0 and starts ranks 1..N-1; on the CPU over gloo, with --device cuda over nccl "
+        "with one GPU per rank; serves with the sequential scheduler. Under torchrun --nproc-per-node N the "
+        "ranks come from its environment instead (default 1: no sharding)",
     )
     defaults = SchedulerOptions()
     parser.add_argument(
@@ -383,6 +394,20 @@ def load_draft_model(args: argparse.Namespace, target):
     return draft
 
 
+def resolve_scheduler(args: argparse.Namespace, tensor_parallel: int) -> str:
+    """The scheduler to serve with: `--scheduler`, else the default (sequential under tensor parallelism,
+    whose followers cannot mirror the batched scheduler's slot cache; asking for batched is refused)."""
+    if tensor_parallel == 1:
+        return str(args.scheduler or DEFAULT_SCHEDULER)
+    if args.scheduler == SchedulerKind.BATCHED.value:
+        raise SystemExit(
+            "target-service: --scheduler batched cannot run with tensor parallelism (its KV slot cache is "
+            "written outside the model's forwards, which the other ranks cannot mirror): use --scheduler "
+            "sequential, or leave --scheduler out"
+        )
+    return SchedulerKind.SEQUENTIAL.value
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.config_stale_max < 0:  # before the model loads: a typo should not cost minutes
@@ -391,8 +416,12 @@ def main(argv: list[str] | None = None) -> None:
             "config may be served while the registry is down, or 0 to never serve one"
         )
     setup_logging(args.log_level)
+    tensor_parallel = tensor_parallel_size(args)
     check_transport_security("target-service")  # TLS settings that fail closed, before any model loads
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
+    if tensor_parallel > 1 and rank_from_env() != 0:  # a follower: no server, no telemetry, no draft
+        run_follower(args)
+        return
     setup_telemetry("specwire-target")  # OTEL_* / SPECWIRE_PROMETHEUS_PORT; nothing when unset
     if args.draft_model and args.draft_address:  # before any model loads
         raise SystemExit(
@@ -404,12 +433,9 @@ def main(argv: list[str] | None = None) -> None:
         plugins = load_plugins(args.plugins.split(","))
     except PluginLoadError as error:
         raise SystemExit(f"target-service: --plugins: {error}") from None
-    try:
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    except ModelLoadError as error:  # what was tried and the fix, without a traceback
-        raise SystemExit(f"target-service: {error}") from None
-    if args.attn_implementation is not None:
-        loaded.model.set_attn_implementation(args.attn_implementation)
+    scheduler = resolve_scheduler(args, tensor_parallel)
+    target = load_target(args, tensor_parallel, sys.argv[1:] if argv is None else list(argv))
+    loaded = target.loaded
     draft_model = load_draft_model(args, loaded)
     drafting = DraftPolicy(
         args.draft_address,
@@ -439,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         args.port,
         args.grace,
         drafting,
-        args.scheduler,
+        scheduler,
         options,
         limits=limits,
         pool=pool,
@@ -450,7 +476,11 @@ def main(argv: list[str] | None = None) -> None:
         access=access,
         plugins=plugins,
     )
-    run_until_signal(server, "target-service")
+    target.watch(server, args.grace)
+    try:
+        run_until_signal(server, "target-service")
+    finally:
+        target.close()
 
 
 if __name__ == "__main__":

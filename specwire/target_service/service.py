@@ -260,7 +260,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             generation_config=config_to_proto(config),
             device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."),
-            architecture=type(loaded.model).__name__,
+            # A wrapper (the tensor-parallel `MirroredModel`) names the model it wraps.
+            architecture=getattr(loaded.model, "architecture", None) or type(loaded.model).__name__,
             peak_device_memory_bytes=peak_device_memory_bytes(loaded.device),
             limits=limits_to_proto(self.limits, self.max_message_bytes),
             plugins=[pb.PluginInfo(name=p.name, kind=p.kind, description=p.description) for p in self.plugins.all()],

@@ -35,3 +35,22 @@ def test_quick_mode_measures_one_and_two_replicas(tiny_model_dir, tmp_path):
     assert results["ratio_2_to_1"] > 0
     markdown = out.with_suffix(".md").read_text()
     assert "Ratio 2 : 1" in markdown and "| 2 replicas |" in markdown
+
+
+def test_tp_quick_mode_compares_tp2_with_tp1(tiny_model_dir, tmp_path):
+    """`python -m bench.scale --tp --quick`: both targets answer every request, with equal ids."""
+    out = tmp_path / "scale_tp.json"
+    command = [sys.executable, "-m", "bench.scale", "--tp", "--quick", "--model", str(tiny_model_dir)]
+    command += ["--json", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    results = json.loads(out.read_text())
+    assert results["quick"] is True and results["max_new_tokens"] == 16 and results["requests_per_round"] == 2
+    for name in ("TP=1", "TP=2"):
+        figures = results["phases"][name]
+        assert figures["tokens"] == 2 * 16  # every request generated exactly max_new_tokens
+        assert figures["tokens_per_s"] > 0 and figures["ms_per_step"] > 0
+    assert results["ids_equal"] is True
+    assert results["max_score_difference"] <= 1e-5  # float-close (the service test checks it is not 0)
+    assert "ms per step" in out.with_suffix(".md").read_text()

@@ -3,6 +3,8 @@ storage, scaling and disruption, secrets, telemetry and metrics."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.helm.rendering import (
@@ -97,6 +99,37 @@ def test_gpu_values_are_per_service(tools):
     assert r.pod_spec("target")["nodeSelector"] == {"pool": "large"}
     # CPU and memory from the resources block survive next to the GPUs.
     assert r.container("target")["resources"]["requests"]["memory"] == "4Gi"
+
+
+def test_tensor_parallel_target_takes_one_gpu_per_rank(tools):
+    """`target.tensorParallel: 2`: 2 GPUs per pod, `--tensor-parallel 2` on the command line (parsed by the
+    target's real CLI), the sequential scheduler, and a memory-backed /dev/shm for NCCL."""
+    from specwire.target_service.__main__ import build_parser
+
+    r = Rendered(
+        template(
+            tools,
+            "--set",
+            "target.gpu.enabled=true",
+            "--set",
+            "target.tensorParallel=2",
+            "--set",
+            "target.scheduler.mode=sequential",
+        ).stdout
+    )
+    assert gpu_count(r.container("target")) == (2, 2)
+    data = r.settings("target")
+    args = [re.sub(r"\$\((\w+)\)", lambda m: data[m.group(1)], a) for a in r.container("target")["args"]]
+    parsed = build_parser().parse_args(args)
+    assert (parsed.tensor_parallel, parsed.scheduler, parsed.device) == (2, "sequential", "cuda")
+    volumes = {v["name"]: v for v in r.pod_spec("target")["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in r.container("target")["volumeMounts"]
+    # One rank (the default): no flag, no shared-memory volume, the GPU count as asked.
+    default = Rendered(template(tools, "--set", "target.gpu.enabled=true").stdout)
+    assert "--tensor-parallel" not in default.container("target")["args"]
+    assert "dshm" not in {v["name"] for v in default.pod_spec("target")["volumes"]}
+    assert gpu_count(default.container("target")) == (1, 1)
 
 
 # --- probes and shutdown -----------------------------------------------------------------------

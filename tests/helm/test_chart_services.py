@@ -56,6 +56,7 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
         expected += ["--max-sessions", "--session-idle-timeout"] if c == "draft" else []
         if c == "target":
             expected += ["--device", "--dtype", "--config-address", "--config-stale-max", "--draft-address"]
+            expected += ["--tensor-parallel"] if "SPECWIRE_TENSOR_PARALLEL" in data else []
             expected += ["--scheduler"]
             expected += ["--max-batch-rows", "--max-tokens-per-step", "--max-queued", "--max-lane-requests"]
             expected += ["--kv-cache-mb"]
@@ -78,7 +79,7 @@ def test_args_are_the_documented_cli_and_resolve_from_the_configmap(renders, var
 
 def test_scheduler_values_reach_the_target_command_line(tools, renders):
     """The expanded args parse with the target's real CLI: the chart's defaults are the server's."""
-    from specwire.target_service.__main__ import build_parser
+    from specwire.target_service.__main__ import build_parser, resolve_scheduler
 
     def parsed(r):
         data = r.settings("target")
@@ -87,6 +88,7 @@ def test_scheduler_values_reach_the_target_command_line(tools, renders):
 
     defaults = parsed(renders["default"])
     cli_defaults = build_parser().parse_args([])
+    cli_defaults.scheduler = resolve_scheduler(cli_defaults, 1)  # unset on the command line: the default
     names = ("scheduler", "max_batch_rows", "max_tokens_per_step", "max_queued", "max_lane_requests")
     for name in (*names, "slot_tokens", "kv_cache_mb"):
         assert getattr(defaults, name) == getattr(cli_defaults, name), name
@@ -124,7 +126,7 @@ LIMIT_FLAGS = (
 
 def test_limit_values_reach_the_target_command_line(tools, renders):
     """Request limits, message size and RPC cap: the chart's defaults are the server's, and values reach it."""
-    from specwire.target_service.__main__ import build_parser
+    from specwire.target_service.__main__ import build_parser, resolve_scheduler
 
     def parsed(r):
         data = r.settings("target")
@@ -133,6 +135,7 @@ def test_limit_values_reach_the_target_command_line(tools, renders):
 
     defaults = parsed(renders["default"])
     cli_defaults = build_parser().parse_args([])
+    cli_defaults.scheduler = resolve_scheduler(cli_defaults, 1)  # unset on the command line: the default
     for name in LIMIT_FLAGS:
         if name != "grace":  # derived from the pod's termination period
             assert getattr(defaults, name) == getattr(cli_defaults, name), name

@@ -96,6 +96,7 @@ def test_default_render_has_every_object(renders):
         (["--set", "targte.replicaCount=2"], "targte"),
         (["--set", "config.replicaCount=0"], "replicaCount"),
         (["--set", "target.dtype=fp8"], "dtype"),
+        (["--set", "target.tensorParallel=0"], "tensorParallel"),
         (["--set", "draft.image.variant=rocm"], "variant"),
         (["--set", "metrics.port=0"], "port"),
         (["--set", "target.probes.readiness.periodSeconds=0"], "periodSeconds"),
@@ -232,6 +233,20 @@ def test_every_value_is_documented():
             "target.draftModel and target.draftAddress both name a draft model",
         ),
         (["--set", "auth.existingSecret=reader"], "set tls.enabled with tls.secretName, or auth.allowInsecureToken"),
+        (["--set", "target.tensorParallel=2"], "set target.scheduler.mode=sequential"),
+        (
+            [
+                "--set",
+                "target.tensorParallel=2",
+                "--set",
+                "target.scheduler.mode=sequential",
+                "--set",
+                "target.gpu.enabled=true",
+                "--set",
+                "target.gpu.count=3",
+            ],
+            "leave target.gpu.count at 1 or set it to 2",
+        ),
         (
             ["--set", "auth.adminExistingSecret=admin", "--set", "auth.allowInsecureToken=true"],
             "auth.adminExistingSecret needs auth.existingSecret",

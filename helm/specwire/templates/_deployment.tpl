@@ -11,6 +11,9 @@ what differs (storage, model cache, GPUs, autoscaling) is switched on the compon
 {{- $scripts := printf "%s-scripts" (include "specwire.fullname" $root) -}}
 {{- /* The registry keeps its data on a volume unless it is stored in PostgreSQL. */ -}}
 {{- $dataVolume := and (eq $c "config") (not (include "specwire.postgresql" $root)) -}}
+{{- /* NCCL between the ranks of a tensor-parallel target passes data through /dev/shm, which container
+runtimes cap at 64 MiB: a memory-backed volume of its own there. */ -}}
+{{- $sharedMemory := and (eq $c "target") (gt (int (default 1 $v.tensorParallel)) 1) (include "specwire.gpuEnabled" .) -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -188,6 +191,10 @@ spec:
           volumeMounts:
             - name: tmp
               mountPath: /tmp
+            {{- if $sharedMemory }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
             {{- if $dataVolume }}
             - name: data
               mountPath: {{ $v.persistence.mountPath }}
@@ -211,6 +218,12 @@ spec:
         - name: tmp
           emptyDir:
             sizeLimit: {{ $v.tmpSizeLimit }}
+        {{- if $sharedMemory }}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: 1Gi
+        {{- end }}
         {{- if $dataVolume }}
         - name: data
           {{- if $v.persistence.enabled }}

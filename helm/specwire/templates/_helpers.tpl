@@ -193,6 +193,9 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- if $v.draftModel -}}
 {{- $_ := set $s "SPECWIRE_DRAFT_MODEL" $v.draftModel -}}
 {{- end -}}
+{{- if gt (int $v.tensorParallel) 1 -}}
+{{- $_ := set $s "SPECWIRE_TENSOR_PARALLEL" (toString (int $v.tensorParallel)) -}}
+{{- end -}}
 {{- $q := $v.scheduler -}}
 {{- $_ := set $s "SPECWIRE_SCHEDULER" $q.mode -}}
 {{- $_ := set $s "SPECWIRE_MAX_BATCH_ROWS" (toString $q.maxBatchRows) -}}
@@ -281,6 +284,10 @@ the password never shows on the command line. */ -}}
 {{- if hasKey $settings "SPECWIRE_DRAFT_MODEL" -}}
 {{- $args = concat $args (list "--draft-model" "$(SPECWIRE_DRAFT_MODEL)") -}}
 {{- end -}}
+{{- if hasKey $settings "SPECWIRE_TENSOR_PARALLEL" -}}
+{{- /* target-service starts ranks 1..N-1 itself (no torchrun in the image): one container, N GPUs. */ -}}
+{{- $args = concat $args (list "--tensor-parallel" "$(SPECWIRE_TENSOR_PARALLEL)") -}}
+{{- end -}}
 {{- $args = concat $args (list "--scheduler" "$(SPECWIRE_SCHEDULER)" "--max-batch-rows" "$(SPECWIRE_MAX_BATCH_ROWS)") -}}
 {{- $args = concat $args (list "--max-tokens-per-step" "$(SPECWIRE_MAX_TOKENS_PER_STEP)" "--max-queued" "$(SPECWIRE_MAX_QUEUED)") -}}
 {{- $args = concat $args (list "--max-lane-requests" "$(SPECWIRE_MAX_LANE_REQUESTS)") -}}
@@ -337,7 +344,9 @@ failureThreshold: {{ .probe.failureThreshold }}
 {{- $v := index .root.Values .component -}}
 {{- $res := deepCopy ($v.resources | default dict) -}}
 {{- if include "specwire.gpuEnabled" . -}}
-{{- $gpus := dict $v.gpu.resourceName $v.gpu.count -}}
+{{- /* A tensor-parallel target takes one GPU per rank. */ -}}
+{{- $count := ternary (int $v.tensorParallel) (int $v.gpu.count) (gt (int (default 1 $v.tensorParallel)) 1) -}}
+{{- $gpus := dict $v.gpu.resourceName $count -}}
 {{- $_ := set $res "limits" (merge (deepCopy $gpus) ($res.limits | default dict)) -}}
 {{- $_ := set $res "requests" (merge (deepCopy $gpus) ($res.requests | default dict)) -}}
 {{- end -}}
@@ -385,6 +394,13 @@ preStop sleep minus 5 s, so the server has drained and exited before the kubelet
 {{- end -}}
 {{- if and .Values.auth.adminExistingSecret (not .Values.auth.existingSecret) (not .Values.tls.enabled) -}}
 {{- fail "auth.adminExistingSecret needs auth.existingSecret: the targets read the registry and the draft service with the reader token (without TLS there is no client certificate to stand for it)" -}}
+{{- end -}}
+{{- $tp := int .Values.target.tensorParallel -}}
+{{- if and (gt $tp 1) (ne .Values.target.scheduler.mode "sequential") -}}
+{{- fail (printf "target.tensorParallel is %d but target.scheduler.mode is %s: a tensor-parallel target serves with the sequential scheduler (the other ranks cannot mirror the batched scheduler's KV slots); set target.scheduler.mode=sequential" $tp .Values.target.scheduler.mode) -}}
+{{- end -}}
+{{- if and (gt $tp 1) .Values.target.gpu.enabled (ne (int .Values.target.gpu.count) 1) (ne (int .Values.target.gpu.count) $tp) -}}
+{{- fail (printf "target.gpu.count is %d but target.tensorParallel is %d: a tensor-parallel target takes one GPU per rank; leave target.gpu.count at 1 or set it to %d" (int .Values.target.gpu.count) $tp $tp) -}}
 {{- end -}}
 {{- if and .Values.target.draftModel .Values.target.draftAddress -}}
 {{- fail "target.draftModel and target.draftAddress both name a draft model (the target refuses both at start): clear target.draftAddress to draft in the target's process, or target.draftModel to use the draft service" -}}
