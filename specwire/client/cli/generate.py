@@ -16,6 +16,7 @@ from .common import (
     add_chat_option,
     add_command,
     add_load_balancing_option,
+    add_retries_option,
     add_token_option,
     parse_assignments,
 )
@@ -66,6 +67,7 @@ def add_generate_parser(sub: Any) -> None:
         default=DEFAULT_GENERATE_TIMEOUT_S,
         help="deadline of the generation in seconds, 0 for none",
     )
+    add_retries_option(gen)
     add_token_option(gen)
     add_load_balancing_option(gen)
 
@@ -116,7 +118,11 @@ def generate_command(args) -> int:
     prompts = args.prompt
     allow = args.allow_insecure_token or None  # unset: SPECWIRE_ALLOW_INSECURE_TOKEN decides
     with TargetClient(
-        args.address, timeout=args.timeout or None, allow_insecure_token=allow, load_balancing=args.load_balancing
+        args.address,
+        timeout=args.timeout or None,
+        allow_insecure_token=allow,
+        load_balancing=args.load_balancing,
+        retries=args.retries,
     ) as client:
         kwargs = dict(
             text=prompts if len(prompts) > 1 else prompts[0],
