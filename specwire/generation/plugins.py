@@ -194,11 +194,10 @@ class GuardedProcessor:
 
 
 class GuardedCriterion:
-    """A plugin's stopping criterion; the rows it ends finish with `FinishReason.STOP_STRING`
-    ("stop_string": a stopping rule matched, as transformers' `StopStringCriteria` ends them); its
-    exceptions become `PluginFailed`."""
+    """A plugin's stopping criterion; the rows it ends finish with `FinishReason.STOPPING_CRITERION`
+    ("stopping_criterion"); its exceptions become `PluginFailed`."""
 
-    finish_reason = FinishReason.STOP_STRING
+    finish_reason = FinishReason.STOPPING_CRITERION
 
     def __init__(self, plugin: Plugin, criterion: Any):
         self.plugin, self.criterion = plugin, criterion
