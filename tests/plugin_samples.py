@@ -18,3 +18,38 @@ def make_raising(args: dict, context: Any) -> _Raising:
 def make_buggy(args: dict, context: Any) -> Any:
     """A factory with a bug (not a refusal of its arguments)."""
     raise ZeroDivisionError("bug in the factory")
+
+
+def make_raising_method(args: dict, context: Any) -> Any:
+    """A generate method that raises when it runs (a plugin's bug)."""
+
+    def method(inputs):
+        inputs.check()
+        raise RuntimeError("secret internal detail of the raising method")
+
+    return method
+
+
+def make_bad_output_method(args: dict, context: Any) -> Any:
+    """A generate method that returns rows with the prompt cut off (a contract breach)."""
+    return lambda inputs: inputs.input_ids[:, 1:]
+
+
+# What the slow method saw: the exception its check() raised, per run.
+SLOW_METHOD_STOPS: list[str] = []
+
+
+def make_slow_method(args: dict, context: Any) -> Any:
+    """A generate method that never finishes on its own: it calls check() every 20 ms until it raises."""
+    import time
+
+    def method(inputs):
+        try:
+            while True:
+                inputs.check()
+                time.sleep(0.02)
+        except Exception as exc:
+            SLOW_METHOD_STOPS.append(type(exc).__name__)
+            raise
+
+    return method

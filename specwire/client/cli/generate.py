@@ -62,6 +62,13 @@ def add_generate_parser(sub: Any) -> None:
         help="a server plugin stopping criterion the target enabled, with its JSON arguments (repeat the option)",
     )
     gen.add_argument(
+        "--generate-method",
+        metavar="NAME[=JSON]",
+        default=None,
+        help="a server plugin generate method the target enabled, with its JSON arguments, in place of the "
+        "built-in decoding (transformers' custom_generate, installed on the server)",
+    )
+    gen.add_argument(
         "--timeout",
         type=float,
         default=DEFAULT_GENERATE_TIMEOUT_S,
@@ -108,6 +115,11 @@ def plugin_calls_of(values: list[str] | None, option: str) -> list[dict[str, Any
     return calls
 
 
+def generate_method_of(value: str | None) -> dict[str, Any] | None:
+    """The `generate_method=` argument from `--generate-method NAME[=JSON]` (None without the option)."""
+    return plugin_calls_of([value], "--generate-method")[0] if value else None
+
+
 def generate_command(args) -> int:
     """Run `specwire generate`; the exit code."""
     from specwire.client import SpecwireRpcError, TargetClient
@@ -132,6 +144,7 @@ def generate_command(args) -> int:
             structured_output=structured_output_of(args),
             processors=plugin_calls_of(args.processor, "--processor"),
             stopping_criteria=plugin_calls_of(args.stopping_criterion, "--stopping-criterion"),
+            generate_method=generate_method_of(args.generate_method),
             **overrides,
         )
         if args.stream and not args.as_json:
