@@ -40,14 +40,17 @@ SLOW_METHOD_STOPS: list[str] = []
 
 
 def make_slow_method(args: dict, context: Any) -> Any:
-    """A generate method that never finishes on its own: it calls check() every 20 ms until it raises."""
+    """A generate method that does not finish on its own: it calls check() every 20 ms until it raises (and
+    gives up after 20 s, so that a broken check fails the test instead of hanging it)."""
     import time
 
     def method(inputs):
+        started = time.monotonic()
         try:
-            while True:
+            while time.monotonic() - started < 20:
                 inputs.check()
                 time.sleep(0.02)
+            raise RuntimeError("check() never raised")
         except Exception as exc:
             SLOW_METHOD_STOPS.append(type(exc).__name__)
             raise

@@ -183,3 +183,26 @@ def test_cli_generate_method(server, capsys):
     assert json.loads(capsys.readouterr().out)["sequences"] == first["sequences"]
     assert main([*base, *options, "--generate-method", 'best_of_n={"n": 0}']) == 1
     assert "generate_method.args" in capsys.readouterr().err
+
+
+def test_a_cancelled_request_stops_its_method_at_the_next_check(server):
+    import asyncio
+
+    from specwire.client import AsyncTargetClient
+    from tests.plugin_samples import SLOW_METHOD_STOPS
+
+    SLOW_METHOD_STOPS.clear()
+
+    async def cancel_after(seconds: float) -> None:
+        async with AsyncTargetClient(server.address) as client:  # its deadline (600 s) is far away
+            call = client.generate(PROMPTS, generate_method={"name": "slow_method"}, max_new_tokens=4)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(call, seconds)  # cancels the RPC
+
+    asyncio.run(cancel_after(0.5))
+    deadline = time.monotonic() + 5
+    while not SLOW_METHOD_STOPS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert SLOW_METHOD_STOPS == ["GenerationStopped"]  # cancelled, not timed out
+    with TargetClient(server.address) as client:
+        assert client.generate(PROMPTS, max_new_tokens=3, timeout=10).sequences.shape[1] == PROMPTS.shape[1] + 3
