@@ -315,7 +315,8 @@ def _finish_reasons(
                 found[row] = FINISH_TIME
             elif sequences.shape[1] < plan.max_length:
                 raise _Broken(f"row {row} stopped with no stopping criterion met: return its finish_reasons")
-            found[row] = FINISH_LENGTH
+            else:
+                found[row] = FINISH_LENGTH
     return [str(r) for r in found]
 
 
