@@ -76,11 +76,12 @@ def _best_of_n(reference, n: int, prompts=PROMPTS, **config):
     width = max(s.shape[1] for s, _ in passes)
     padded = torch.stack([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=pad) for s, _ in passes])
     best = torch.stack([mean for _, mean in passes]).argmax(0)
-    return padded[best, torch.arange(prompts.shape[0])], passes
+    return padded[best, torch.arange(best.shape[0])], passes
 
 
 def test_best_of_n_matches_the_direct_computation(server, reference):
     want, passes = _best_of_n(reference, 3, **SAMPLING)
+    assert want.shape[0] == PROMPTS.shape[0]
     assert len({tuple(s[0].tolist()) for s, _ in passes}) > 1  # the passes differ: the choice matters
     with TargetClient(server.address) as client:
         out = client.generate(
@@ -206,3 +207,12 @@ def test_a_cancelled_request_stops_its_method_at_the_next_check(server):
     assert SLOW_METHOD_STOPS == ["GenerationStopped"]  # cancelled, not timed out
     with TargetClient(server.address) as client:
         assert client.generate(PROMPTS, max_new_tokens=3, timeout=10).sequences.shape[1] == PROMPTS.shape[1] + 3
+
+
+def test_best_of_n_with_several_returned_sequences(server, reference):
+    """num_return_sequences=2: the method receives each prompt twice, as transformers expands it."""
+    config = {**SAMPLING, "num_return_sequences": 2}
+    want, _ = _best_of_n(reference, 2, **config)
+    with TargetClient(server.address) as client:
+        out = client.generate(PROMPTS, generate_method={"name": "best_of_n", "args": {"n": 2}}, **config)
+    assert want.shape[0] == 4 and torch.equal(out.sequences, want)
