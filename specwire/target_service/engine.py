@@ -14,6 +14,10 @@ hold up the packed forwards. Each request keeps its own state (its generator, it
 or timed-out request stops consuming compute within one step, and its generator is closed on the
 thread that ran it so its cache is freed.
 
+A request with a generate method plugin (`specwire.generation.generate_methods`) always takes the
+sequential lane; its one step runs the whole method on the model thread, and the method's own
+`check()` calls are where it notices cancellation and its deadline.
+
 Liveness (`problem`): the scheduler's report (dead thread, device error, stuck forward loop), a
 device error on the sequential path, or a sequential step running longer than `stuck_after_s`.
 New requests then fail UNAVAILABLE at once; the server's watchdog reports NOT_SERVING.
