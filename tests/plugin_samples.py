@@ -35,7 +35,8 @@ def make_bad_output_method(args: dict, context: Any) -> Any:
     return lambda inputs: inputs.input_ids[:, 1:]
 
 
-# What the slow method saw: the exception its check() raised, per run.
+# What the slow method saw: a start per run, and the exception its check() raised.
+SLOW_METHOD_STARTS: list[float] = []
 SLOW_METHOD_STOPS: list[str] = []
 
 
@@ -46,6 +47,7 @@ def make_slow_method(args: dict, context: Any) -> Any:
 
     def method(inputs):
         started = time.monotonic()
+        SLOW_METHOD_STARTS.append(started)
         try:
             while time.monotonic() - started < 20:
                 inputs.check()

@@ -156,17 +156,19 @@ def test_a_methods_bug_is_internal_naming_it_and_the_server_goes_on(server, name
 
 
 def test_a_method_past_the_deadline_stops_at_its_next_check_and_frees_the_model(server):
-    from tests.plugin_samples import SLOW_METHOD_STOPS
+    from tests.plugin_samples import SLOW_METHOD_STARTS, SLOW_METHOD_STOPS
 
+    SLOW_METHOD_STARTS.clear()
     SLOW_METHOD_STOPS.clear()
     with TargetClient(server.address) as client:
         started = time.monotonic()
         with pytest.raises(SpecwireRpcError) as info:
-            client.generate(PROMPTS, generate_method={"name": "slow_method"}, max_new_tokens=4, timeout=1.0)
+            client.generate(PROMPTS, generate_method={"name": "slow_method"}, max_new_tokens=4, timeout=2.0)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         # The model thread is free again: a plain request runs at once, not after a method that never ends.
         assert client.generate(PROMPTS, max_new_tokens=3, timeout=10).sequences.shape[1] == PROMPTS.shape[1] + 3
-        assert time.monotonic() - started < 8
+        assert time.monotonic() - started < 10
+    assert SLOW_METHOD_STARTS  # it ran (the deadline did not pass before it started)
     deadline = time.monotonic() + 5
     while not SLOW_METHOD_STOPS and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -190,17 +192,25 @@ def test_a_cancelled_request_stops_its_method_at_the_next_check(server):
     import asyncio
 
     from specwire.client import AsyncTargetClient
-    from tests.plugin_samples import SLOW_METHOD_STOPS
+    from tests.plugin_samples import SLOW_METHOD_STARTS, SLOW_METHOD_STOPS
 
+    SLOW_METHOD_STARTS.clear()
     SLOW_METHOD_STOPS.clear()
 
-    async def cancel_after(seconds: float) -> None:
+    async def cancel_once_running() -> None:
         async with AsyncTargetClient(server.address) as client:  # its deadline (600 s) is far away
-            call = client.generate(PROMPTS, generate_method={"name": "slow_method"}, max_new_tokens=4)
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(call, seconds)  # cancels the RPC
+            call = asyncio.ensure_future(
+                client.generate(PROMPTS, generate_method={"name": "slow_method"}, max_new_tokens=4)
+            )
+            waited = time.monotonic() + 10
+            while not SLOW_METHOD_STARTS and time.monotonic() < waited:
+                await asyncio.sleep(0.02)
+            assert SLOW_METHOD_STARTS, "the method never started"
+            call.cancel()  # cancels the RPC
+            with pytest.raises(asyncio.CancelledError):
+                await call
 
-    asyncio.run(cancel_after(0.5))
+    asyncio.run(cancel_once_running())
     deadline = time.monotonic() + 5
     while not SLOW_METHOD_STOPS and time.monotonic() < deadline:
         time.sleep(0.05)
