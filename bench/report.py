@@ -253,24 +253,9 @@ def markdown(results: dict, plots: list[str]) -> str:
             out += ["", f"| peak device memory on {mem['device']} | MB |", "|---|---|"]
             out += [f"| {side} | {_num(mb, 0)} |" for side, mb in mem["device_peak_mb"].items()]
     if "structured" in w and w["structured"].get("series"):
-        st, s = w["structured"], w["structured"]["series"]
-        overhead = st.get("mask_overhead")
-        out += [
-            "",
-            "### 10. Structured output (JSON schemas, greedy)",
-            "",
-            "| measurement | value |",
-            "|---|---|",
-            f"| outputs that parse and validate against their schema | {st['valid']}/{st['requests']} |",
-            f"| tokens/s constrained | {_fmt(lookup(s, 'constrained', 'tokens_per_second'))} |",
-            f"| tokens/s free (same prompts and lengths) | {_fmt(lookup(s, 'free', 'tokens_per_second'))} |",
-            "| tokens/s constrained, schema-copying prompt | "
-            f"{_fmt(lookup(s, 'constrained_copy', 'tokens_per_second'))} |",
-            "| tokens/s constrained + prompt lookup, same prompt | "
-            f"{_fmt(lookup(s, 'constrained_copy_prompt_lookup', 'tokens_per_second'))} |",
-            f"| mask per token (us) | {_num(st.get('mask_us_per_token'), 0)} |",
-            f"| mask / free decode step | {_num(None if overhead is None else 100 * overhead, 2, ' %')} |",
-        ]
+        from bench.structured_workload import readme_table
+
+        out += ["", "### 10. Structured output (JSON schemas, greedy)", "", *readme_table(w["structured"])]
     out += ["", "## Checks", ""]
     if meta.get("dtype", "float32") != "float32":
         out += [

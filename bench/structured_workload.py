@@ -8,6 +8,11 @@
 - mask cost: every constrained output replayed here through specwire's own mask processor
   (`StructuredOutputLogitsProcessor`, the target's) on the model's vocabulary, per token, against the
   free decode step (1 / free tokens/s).
+
+Targets (issue #22 item 4): the mask costs <= 10% of a free decode step; constrained + prompt lookup is
+faster than constrained alone on the schema-copying prompt. `readme_table` is the README's table (also
+printed at the end of the workload and written into results.md). Quick mode (`--quick`): one request per
+schema, 64 new tokens at most, a smoke run of the same measurements.
 """
 
 from __future__ import annotations
@@ -193,8 +198,8 @@ def _replay(
 
 def structured(ctx: Context) -> dict:
     """10. JSON-schema requests: validity, tokens/s with and without the mask and with prompt lookup."""
-    count = 8 if ctx.quick else 100
-    max_new = max(ctx.max_new_tokens, 96)
+    count = len(SCHEMAS) if ctx.quick else 100
+    max_new = 64 if ctx.quick else max(ctx.max_new_tokens, 96)
     client = ctx.specwire.client
     base = {"max_new_tokens": max_new, "proposer": "none", "do_sample": False}
     encode = ctx.reference.encode  # the chat template when the tokenizer has one, as the service applies it
@@ -212,7 +217,7 @@ def structured(ctx: Context) -> dict:
             valid += 1
         else:
             failures.append({"schema": name, "finish_reason": out.finish_reasons[0], "text": out.text[0]})
-        if i < len(SCHEMAS) * (1 if ctx.quick else 2):  # free text on a subset: same prompts, same lengths
+        if i < (2 if ctx.quick else 2 * len(SCHEMAS)):  # free text on a subset: same prompts, same lengths
             started = time.perf_counter()
             out = client.generate(ids, min_new_tokens=new, **{**base, "max_new_tokens": new})
             free.append(Run(time.perf_counter() - started, out.sequences.shape[1] - out.prompt_length, []))
@@ -276,4 +281,37 @@ def structured(ctx: Context) -> dict:
         if mask_us is not None and step_us is not None
         else "mask cost not measured"
     ]
+    for line in readme_table(result):
+        log(f"  {line}")
     return result
+
+
+def readme_table(st: dict) -> list[str]:
+    """The README's table of a `structured` result (Markdown lines), the two targets with their verdicts."""
+    from bench.report import _fmt, _num
+    from bench.stats import lookup, ratio
+
+    s = st.get("series") or {}
+    overhead = st.get("mask_overhead")
+    tps = "tokens_per_second"
+    speedup = ratio(lookup(s, "constrained_copy_prompt_lookup", tps), lookup(s, "constrained_copy", tps))
+
+    def verdict(ok: bool | None) -> str:
+        return {True: "met", False: "NOT met", None: "not measured"}[ok]
+
+    return [
+        "| measurement | value |",
+        "|---|---|",
+        f"| outputs that parse and validate against their schema | {st.get('valid')}/{st.get('requests')} "
+        f"({len(SCHEMAS)} schemas) |",
+        f"| tokens/s constrained | {_fmt(lookup(s, 'constrained', 'tokens_per_second'))} |",
+        f"| tokens/s free (same prompts and lengths) | {_fmt(lookup(s, 'free', 'tokens_per_second'))} |",
+        f"| tokens/s constrained, schema-copying prompt | {_fmt(lookup(s, 'constrained_copy', 'tokens_per_second'))} |",
+        "| tokens/s constrained + prompt lookup, same prompt | "
+        f"{_fmt(lookup(s, 'constrained_copy_prompt_lookup', 'tokens_per_second'))} |",
+        f"| mask per token (us) | {_num(st.get('mask_us_per_token'), 0)} |",
+        f"| mask / free decode step (target <= 10 %) | {_num(None if overhead is None else 100 * overhead, 2, ' %')}"
+        f" ({verdict(None if overhead is None else overhead <= 0.1)}) |",
+        f"| constrained + prompt lookup / constrained (target > 1x) | {_num(speedup, 2, 'x')}"
+        f" ({verdict(None if speedup is None else speedup > 1.0)}) |",
+    ]

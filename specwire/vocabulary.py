@@ -41,9 +41,11 @@ FINISH_LENGTH: Final = "length"
 FINISH_EOS: Final = "eos"
 FINISH_STOP_STRING: Final = "stop_string"
 FINISH_TIME: Final = "time"
-# The decoding loops report only the four above; the wire has a fifth for a cancelled request.
+# A server plugin stopping criterion (`specwire.generation.plugins`) the request named ended the row.
+FINISH_STOPPING_CRITERION: Final = "stopping_criterion"
+# The decoding loops report only the five above; the wire has one more for a cancelled request.
 FINISH_CANCELLED: Final = "cancelled"
-FINISH_REASONS: Final = (FINISH_EOS, FINISH_LENGTH, FINISH_STOP_STRING, FINISH_TIME)
+FINISH_REASONS: Final = (FINISH_EOS, FINISH_LENGTH, FINISH_STOP_STRING, FINISH_TIME, FINISH_STOPPING_CRITERION)
 # What a client shows for the wire's zero value (a reason it does not know).
 FINISH_UNSPECIFIED: Final = "unspecified"
 
@@ -59,6 +61,8 @@ class FinishReason(enum.IntEnum):
     EOS = 2
     STOP_STRING = 3
     TIME = 4
+    # 5 is the wire's CANCELLED, which no criterion reports.
+    STOPPING_CRITERION = 6
 
 
 # Code -> name, for the codes that mean a finished row.
@@ -68,6 +72,7 @@ FINISH_REASON_NAMES: Final[Mapping[int, str]] = MappingProxyType(
         FinishReason.EOS: FINISH_EOS,
         FinishReason.STOP_STRING: FINISH_STOP_STRING,
         FinishReason.TIME: FINISH_TIME,
+        FinishReason.STOPPING_CRITERION: FINISH_STOPPING_CRITERION,
     }
 )
 

@@ -15,7 +15,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "examples" / "specwire_plugin_example"
 
-# Test-only plugins: a processor and a criterion that raise, one whose factory has a bug, one that cannot import.
+# Test-only plugins: a processor, a criterion and generate methods that raise or misbehave, one whose factory has
+# a bug, one that cannot import.
 TEST_ENTRY_POINTS = {
     "specwire.logits_processors": {
         "raising": "tests.plugin_samples:make_raising",
@@ -23,7 +24,11 @@ TEST_ENTRY_POINTS = {
         "unimportable": "tests.no_such_module_here:make",
     },
     "specwire.stopping_criteria": {"raising_stop": "tests.plugin_samples:make_raising"},
-    "specwire.generate_methods": {"whole_method": "tests.plugin_samples:make_raising"},
+    "specwire.generate_methods": {
+        "raising_method": "tests.plugin_samples:make_raising_method",
+        "bad_output_method": "tests.plugin_samples:make_bad_output_method",
+        "slow_method": "tests.plugin_samples:make_slow_method",
+    },
 }
 
 

@@ -161,6 +161,7 @@ def build_request(
     allowed_token_sequences=None,
     processors=None,
     stopping_criteria=None,
+    generate_method=None,
     **kwargs,
 ):
     """A GenerateRequest / GenerateStreamRequest from `generate()`-style arguments (`structured_output`:
@@ -196,6 +197,9 @@ def build_request(
     for field_name, calls in (("processors", processors), ("stopping_criteria", stopping_criteria)):
         for call in _plugin_calls(field_name, calls):
             getattr(request, field_name).append(call)
+    if generate_method is not None:
+        (call,) = _plugin_calls("generate_method", [generate_method])
+        request.generate_method.CopyFrom(call)
     return request
 
 
@@ -312,7 +316,8 @@ class TargetClient:
         `allowed_token_sequences` (lists of token ids: the generated tokens follow one of them, then EOS;
         transformers' `prefix_allowed_tokens_fn` as data), `processors` and `stopping_criteria`
         (`[{"name": plugin, "args": {...}}, ...]`: server plugins the target enabled, transformers'
-        `logits_processor` and `stopping_criteria` as data), and `timeout` (this
+        `logits_processor` and `stopping_criteria` as data), `generate_method` (`{"name": plugin, "args":
+        {...}}`: a server plugin generate method, transformers' `custom_generate` as data), and `timeout` (this
         call's deadline in seconds, None for none; default: the client's)."""
         request = build_request(
             pb.GenerateRequest,

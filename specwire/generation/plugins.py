@@ -1,4 +1,4 @@
-"""Server-side plugins: logits processors and stopping criteria installed as Python packages.
+"""Server-side plugins: logits processors, stopping criteria and generate methods installed as Python packages.
 
 A Python callable cannot travel over gRPC, so transformers' `logits_processor=` and
 `stopping_criteria=` arguments become named plugins: an operator installs a package that declares
@@ -17,7 +17,9 @@ verified draft (rows may then be re-asked about positions they already saw). An 
 the instance during generation is the plugin's bug: `PluginFailed` (INTERNAL, naming the plugin; the
 traceback goes to the log with an id, never to the caller).
 
-`specwire.generate_methods` (whole generate methods) is not loaded: naming one is refused.
+Whole generate methods (`specwire.generate_methods`, transformers' `custom_generate` installed by the
+operator) have the same factory; what the method receives and returns is in
+`specwire.generation.generate_methods`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "PluginLoadError",
     "PluginRegistry",
     "load_plugins",
+    "plugin_failed",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,11 @@ log = logging.getLogger(__name__)
 LOGITS_PROCESSORS_GROUP = "specwire.logits_processors"
 STOPPING_CRITERIA_GROUP = "specwire.stopping_criteria"
 GENERATE_METHODS_GROUP = "specwire.generate_methods"
-KINDS = {LOGITS_PROCESSORS_GROUP: "logits_processor", STOPPING_CRITERIA_GROUP: "stopping_criteria"}
+KINDS = {
+    LOGITS_PROCESSORS_GROUP: "logits_processor",
+    STOPPING_CRITERIA_GROUP: "stopping_criteria",
+    GENERATE_METHODS_GROUP: "generate_method",
+}
 
 
 class PluginLoadError(RuntimeError):
@@ -102,7 +109,7 @@ class Plugin:
 
     Args:
         name (`str`): The entry point's name, as requests and `--plugins` spell it.
-        kind (`str`): `"logits_processor"` or `"stopping_criteria"`.
+        kind (`str`): `"logits_processor"`, `"stopping_criteria"` or `"generate_method"`.
         factory (`Callable[[dict, PluginContext], Any]`): The entry point's object.
         description (`str`): The factory's `description` attribute, else its docstring's first line.
     """
@@ -141,9 +148,9 @@ class PluginRegistry:
         Raises:
             `InvalidGenerationArgument`: a name not enabled here, or the factory refused its arguments.
         """
-        built = []
+        built: list[Any] = []
         for i, (name, args) in enumerate(specs):
-            where = f"{field_name}[{i}]"
+            where = field_name if kind == "generate_method" else f"{field_name}[{i}]"  # not a repeated field
             plugin = self.plugins[kind].get(name)
             if plugin is None:
                 enabled = self.enabled(kind) or "none (start the target with --plugins)"
@@ -157,15 +164,33 @@ class PluginRegistry:
                     f"{where}.args", args, f"plugin {name!r} refused its arguments: {exc}"
                 ) from exc
             except Exception as exc:  # the factory's own bug
-                raise _failed(plugin, "building it", exc) from exc
+                raise plugin_failed(plugin, "building it", exc) from exc
             if not callable(instance):
-                raise _failed(plugin, "building it", TypeError(f"factory returned {type(instance).__name__}"))
-            guarded = GuardedProcessor if kind == "logits_processor" else GuardedCriterion
-            built.append(guarded(plugin, instance))
+                raise plugin_failed(plugin, "building it", TypeError(f"factory returned {type(instance).__name__}"))
+            if kind == "generate_method":
+                built.append(BuiltMethod(plugin, instance, dict(args)))
+            else:
+                guarded = GuardedProcessor if kind == "logits_processor" else GuardedCriterion
+                built.append(guarded(plugin, instance))
         return built
 
 
-def _failed(plugin: Plugin, during: str, exc: BaseException) -> PluginFailed:
+@dataclass(frozen=True)
+class BuiltMethod:
+    """A request's generate method: the plugin, what its factory returned, and the request's arguments."""
+
+    plugin: Plugin
+    method: Any
+    args: dict[str, Any]
+
+    @property
+    def supports_beams(self) -> bool:
+        """Whether the method declares that it runs beam search (`supports_beams = True`)."""
+        return bool(getattr(self.method, "supports_beams", False))
+
+
+def plugin_failed(plugin: Plugin, during: str, exc: BaseException) -> PluginFailed:
+    """`PluginFailed` naming `plugin`; the exception and its traceback go to the log under a new error id."""
     error_id = uuid.uuid4().hex[:12]
     log.error("plugin %r (%s) raised while %s (error id %s)", plugin.name, plugin.kind, during, error_id, exc_info=exc)
     return PluginFailed(
@@ -189,16 +214,15 @@ class GuardedProcessor:
         except SpecwireError:
             raise
         except Exception as exc:
-            raise _failed(self.plugin, "processing scores", exc) from exc
+            raise plugin_failed(self.plugin, "processing scores", exc) from exc
         return out
 
 
 class GuardedCriterion:
-    """A plugin's stopping criterion; the rows it ends finish with `FinishReason.STOP_STRING`
-    ("stop_string": a stopping rule matched, as transformers' `StopStringCriteria` ends them); its
-    exceptions become `PluginFailed`."""
+    """A plugin's stopping criterion; the rows it ends finish with `FinishReason.STOPPING_CRITERION`
+    ("stopping_criterion"); its exceptions become `PluginFailed`."""
 
-    finish_reason = FinishReason.STOP_STRING
+    finish_reason = FinishReason.STOPPING_CRITERION
 
     def __init__(self, plugin: Plugin, criterion: Any):
         self.plugin, self.criterion = plugin, criterion
@@ -214,7 +238,7 @@ class GuardedCriterion:
         except SpecwireError:
             raise
         except Exception as exc:
-            raise _failed(self.plugin, "checking whether to stop", exc) from exc
+            raise plugin_failed(self.plugin, "checking whether to stop", exc) from exc
         return done
 
 
@@ -229,12 +253,11 @@ def load_plugins(names: Iterable[str], *, available: Mapping[str, Iterable[Any]]
             Entry points per group; defaults to `importlib.metadata.entry_points()`.
 
     Raises:
-        `PluginLoadError`: a name is in no group, names a generate method (not supported), or its
-        object fails to import or is not callable.
+        `PluginLoadError`: a name is in no group, or its object fails to import or is not callable.
     """
     groups = {
         group: list(available[group] if available is not None and group in available else entry_points(group=group))
-        for group in (*KINDS, GENERATE_METHODS_GROUP)
+        for group in KINDS
     }
     registry = PluginRegistry()
     for name in [n.strip() for n in names if n.strip()]:
@@ -246,11 +269,6 @@ def load_plugins(names: Iterable[str], *, available: Mapping[str, Iterable[Any]]
                 f"{installed or 'none'}"
             )
         for group, ep in found:
-            if group == GENERATE_METHODS_GROUP:
-                raise PluginLoadError(
-                    f"plugin {name!r} is a {GENERATE_METHODS_GROUP} entry point; whole generate methods are not "
-                    "supported (only logits processors and stopping criteria)"
-                )
             try:
                 factory = ep.load()
             except Exception as exc:

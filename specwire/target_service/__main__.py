@@ -246,9 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--plugins",
         default=os.environ.get("SPECWIRE_TARGET_PLUGINS", ""),
-        help="comma-separated server plugins to load (entry points in the groups specwire.logits_processors "
-        "and specwire.stopping_criteria of installed packages), which requests may then name; a missing or "
-        "broken one refuses to start (default: none; env SPECWIRE_TARGET_PLUGINS)",
+        help="comma-separated server plugins to load (entry points in the groups specwire.logits_processors, "
+        "specwire.stopping_criteria and specwire.generate_methods of installed packages), which requests may "
+        "then name; a missing or broken one refuses to start (default: none; env SPECWIRE_TARGET_PLUGINS)",
     )
     parser.add_argument("--log-level", default="INFO")
     return parser

@@ -14,6 +14,10 @@ hold up the packed forwards. Each request keeps its own state (its generator, it
 or timed-out request stops consuming compute within one step, and its generator is closed on the
 thread that ran it so its cache is freed.
 
+A request with a generate method plugin (`specwire.generation.generate_methods`) always takes the
+sequential lane; its one step runs the whole method on the model thread, and the method's own
+`check()` calls are where it notices cancellation and its deadline.
+
 Liveness (`problem`): the scheduler's report (dead thread, device error, stuck forward loop), a
 device error on the sequential path, or a sequential step running longer than `stuck_after_s`.
 New requests then fail UNAVAILABLE at once; the server's watchdog reports NOT_SERVING.
@@ -35,9 +39,11 @@ from typing import Any
 
 import torch
 
+from specwire.deadline import caller_deadline
 from specwire.errors import FieldProblem, InvalidArgument, ResourceExhausted, Unavailable
 from specwire.generation.compilation import compile_warning, compiled_call
 from specwire.generation.config import uses_static_cache
+from specwire.generation.generate_methods import GenerateMethodSteps, run_generate_method
 from specwire.generation.loops.generate import generate_from_plan
 from specwire.generation.loops.speculative import speculate_from_plan
 from specwire.generation.outputs import GenerationResult, StepEvent
@@ -222,6 +228,8 @@ class Engine:
                 logits_processor=job.logits_processor,
                 stopping_criteria=job.stopping_criteria,
             )
+        if job.generate_method is not None:
+            return self._method_steps(job, plan, generator, lane=model is not self.loaded.model)
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer
         if proposer != PROPOSER_NONE and plan.num_beams == 1 and uses_static_cache(job.config):
@@ -263,6 +271,43 @@ class Engine:
             draft_length=self.drafting.draft_length(proposer, job.config),
             **common,
         )
+
+    def _method_steps(
+        self, job: GenerationJob, plan: GenerationPlan, generator: torch.Generator | None, lane: bool
+    ) -> GenerateMethodSteps:
+        """The steps of a request with a generate method plugin: one step that runs it whole on the model
+        thread (the batched scheduler's for the lane, with the served model itself: the method may call
+        `model.generate`, which a lane model's posted forwards would not cover)."""
+        method = job.generate_method
+        assert method is not None
+        # A method replaces the loop that speculates (a proposer the request asked for was refused).
+        job.speculation.proposer = PROPOSER_NONE
+        batcher = self._serving if lane else None
+
+        def heartbeat() -> None:  # the method's check(), on the model thread: progress for `problem`
+            if batcher is not None:
+                batcher.loop.progress_at = time.perf_counter()
+            else:
+                self._step_started = time.monotonic()
+
+        def run(check: Callable[[], None]) -> Any:
+            with torch.inference_mode():
+                return run_generate_method(
+                    method.plugin,
+                    method.method,
+                    method.args,
+                    self.loaded.model,
+                    plan,
+                    check=check,
+                    tokenizer=self.loaded.tokenizer,
+                    generator=generator,
+                    negative_prompt=(job.negative_prompt_ids, job.negative_prompt_attention_mask),
+                    max_position_embeddings=self.loaded.max_position_embeddings,
+                    warnings=job.warnings,
+                )
+
+        on_model_thread = batcher.forward if batcher is not None else None
+        return GenerateMethodSteps(run, on_model_thread, caller_deadline(), heartbeat)
 
     def _step(self, steps, watched: bool):
         with self._lock:
@@ -308,6 +353,8 @@ class Engine:
         batcher = self._serving
         if batcher is not None:
             lane, plan = batcher.lane_reason(job)  # invalid requests raise here
+            if not lane and job.generate_method is not None:
+                lane = f"generate method {job.generate_method.plugin.name!r} (it runs whole on the model thread)"
             if not lane:
                 with self._lock:
                     self.active += 1
@@ -378,6 +425,9 @@ class Engine:
         finally:
             with self._lock:
                 self.active -= 1
+            # A generate method's one step runs it whole: it stops at its next check(), not at a step's end.
+            if isinstance(steps, GenerateMethodSteps):
+                steps.cancel()
             # Closing runs the generator's cleanup on its thread, after any step in flight.
             executor.submit(_close_quietly, steps, job.request_id)
 

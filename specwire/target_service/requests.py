@@ -28,7 +28,7 @@ from specwire.generation.config import (
 )
 from specwire.generation.healing import heal_same_shape
 from specwire.generation.planning import resolved_eos_token_ids
-from specwire.generation.plugins import PluginContext, PluginRegistry
+from specwire.generation.plugins import BuiltMethod, PluginContext, PluginRegistry
 from specwire.generation.speculation.stats import SpeculationStats
 from specwire.generation.structured import StructuredOutput, compile_structured_output
 from specwire.models import LoadedModel
@@ -59,6 +59,8 @@ class GenerationJob:
     # Server plugins' instances (`specwire.generation.plugins`), built in the preparation pool.
     logits_processor: list[Any] = field(default_factory=list)
     stopping_criteria: list[Any] = field(default_factory=list)
+    # A server plugin generate method (`specwire.generation.generate_methods`) replacing the loops.
+    generate_method: BuiltMethod | None = None
 
 
 # `generate()` arguments that are code, not data, and what a request sends instead (messages stay under
@@ -68,7 +70,9 @@ _PLUGINS_HINT = (
     "enabled with the target's --plugins; send processors=[{'name': ..., 'args': {...}}])"
 )
 _GENERATE_ARGUMENT_HINTS = {
-    "custom_generate": f"runs a Hub repository's code, which specwire does not run; install it as {_PLUGINS_HINT}",
+    "custom_generate": "runs a Hub repository's code, which specwire does not run; install the method as a server "
+    "plugin (a package with a specwire.generate_methods entry point, enabled with the target's --plugins; send "
+    "generate_method={'name': ..., 'args': {...}})",
     "trust_remote_code": f"specwire runs no remote code; install it as {_PLUGINS_HINT}",
     "logits_processor": f"a Python callable cannot travel over gRPC; install it as {_PLUGINS_HINT}",
     "prefix_allowed_tokens_fn": "a Python callable cannot travel over gRPC; send the allowed continuations as "
@@ -351,7 +355,9 @@ def prepare_job(
         # the scheduler's planning finds it in the cache (building a tokenizer's grammar vocabulary, once,
         # takes ~0.25 s for SmolLM2: never on the model thread).
         compile_structured_output(structured, loaded.tokenizer, loaded.vocab_size, resolved_eos_token_ids(config))
-    processors, criteria = _plugin_instances(request, config, loaded, plugins or PluginRegistry(), input_ids.shape[1])
+    plugins = plugins or PluginRegistry()
+    processors, criteria = _plugin_instances(request, config, loaded, plugins, input_ids.shape[1])
+    method = _generate_method(request, config, loaded, plugins, input_ids.shape[1])
     negative_ids = negative_mask = None
     if request.HasField("negative_prompt"):
         negative_ids, negative_mask = prompt_tensors([request.negative_prompt], loaded, False, pad, "negative_prompt")
@@ -379,6 +385,7 @@ def prepare_job(
         allowed_token_sequences=_allowed_sequences(request, loaded.vocab_size),
         logits_processor=processors,
         stopping_criteria=criteria,
+        generate_method=method,
         # A config served from the target's cache during a registry outage says so first.
         warnings=[*(resolved.warnings if resolved is not None else ()), *warnings],
     )
@@ -386,19 +393,31 @@ def prepare_job(
 
 def _plugin_calls(request: Any, field_name: str) -> list[tuple[str, dict[str, Any]]]:
     """`[(name, args), ...]` of a request's `processors` or `stopping_criteria` (args: a JSON object)."""
-    calls = []
-    for i, call in enumerate(getattr(request, field_name)):
-        where = f"{field_name}[{i}]"
-        if not call.name:
-            raise InvalidArgument.for_field(f"{where}.name", "", "name the plugin (GetModelInfo lists those enabled)")
-        try:
-            args = json.loads(call.args_json) if call.args_json else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument.for_field(f"{where}.args_json", call.args_json, f"not JSON: {exc}") from None
-        if not isinstance(args, dict):
-            raise InvalidArgument.for_field(f"{where}.args_json", call.args_json, "the arguments must be a JSON object")
-        calls.append((call.name, args))
-    return calls
+    return [_plugin_call(call, f"{field_name}[{i}]") for i, call in enumerate(getattr(request, field_name))]
+
+
+def _plugin_call(call: Any, where: str) -> tuple[str, dict[str, Any]]:
+    """`(name, args)` of one `PluginCall` (args: a JSON object); `where` names it in errors."""
+    if not call.name:
+        raise InvalidArgument.for_field(f"{where}.name", "", "name the plugin (GetModelInfo lists those enabled)")
+    try:
+        args = json.loads(call.args_json) if call.args_json else {}
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument.for_field(f"{where}.args_json", call.args_json, f"not JSON: {exc}") from None
+    if not isinstance(args, dict):
+        raise InvalidArgument.for_field(f"{where}.args_json", call.args_json, "the arguments must be a JSON object")
+    return call.name, args
+
+
+def _plugin_context(config: GenerationConfig, loaded: LoadedModel, input_len: int) -> PluginContext:
+    return PluginContext(
+        tokenizer=loaded.tokenizer,
+        vocab_size=loaded.vocab_size,
+        device=loaded.device,
+        config=config,
+        input_len=input_len,
+        eos_token_ids=resolved_eos_token_ids(config),
+    )
 
 
 def _plugin_instances(
@@ -409,18 +428,42 @@ def _plugin_instances(
     processors, criteria = _plugin_calls(request, "processors"), _plugin_calls(request, "stopping_criteria")
     if not processors and not criteria:
         return [], []
-    context = PluginContext(
-        tokenizer=loaded.tokenizer,
-        vocab_size=loaded.vocab_size,
-        device=loaded.device,
-        config=config,
-        input_len=input_len,
-        eos_token_ids=resolved_eos_token_ids(config),
-    )
+    context = _plugin_context(config, loaded, input_len)
     return (
         plugins.build("logits_processor", "processors", processors, context),
         plugins.build("stopping_criteria", "stopping_criteria", criteria, context),
     )
+
+
+def _generate_method(
+    request: Any, config: GenerationConfig, loaded: LoadedModel, plugins: PluginRegistry, input_len: int
+) -> BuiltMethod | None:
+    """The request's generate method plugin, built here (bad arguments cost no model work), or None.
+
+    Raises:
+        `InvalidArgument`: not enabled, arguments refused, or a combination the method cannot run:
+        speculation (a method replaces the loop that speculates), beams it does not declare.
+    """
+    if not request.HasField("generate_method"):
+        return None
+    call = _plugin_call(request.generate_method, "generate_method")
+    if request.proposer not in (pb.PROPOSER_UNSPECIFIED, pb.PROPOSER_NONE) or config.prompt_lookup_num_tokens:
+        value = request.proposer if config.prompt_lookup_num_tokens is None else config.prompt_lookup_num_tokens
+        name = "proposer" if config.prompt_lookup_num_tokens is None else "config.prompt_lookup_num_tokens"
+        raise InvalidArgument.for_field(
+            name,
+            value,
+            f"a generate method ({call[0]!r}) replaces the decoding loop, which is what speculates: "
+            "send proposer=none (or leave it unset), or drop generate_method",
+        )
+    (built,) = plugins.build("generate_method", "generate_method", [call], _plugin_context(config, loaded, input_len))
+    if (config.num_beams or 1) > 1 and not built.supports_beams:
+        raise InvalidArgument.for_field(
+            "config.num_beams",
+            config.num_beams,
+            f"the generate method {call[0]!r} does not declare beam search (supports_beams): set num_beams=1",
+        )
+    return built
 
 
 def _allowed_sequences(request, vocab_size: int) -> list[list[int]] | None:

@@ -103,7 +103,7 @@ def test_stopping_plugin_stops_as_transformers_stopping_criteria(server, referen
     want = _reference(reference, PROMPTS[:1], stopping_criteria=[StopOnTokens([stop], PROMPTS.shape[1])])
     assert want.shape[1] < plain.shape[1]
     assert torch.equal(out.sequences, want)
-    assert out.finish_reasons == ["stop_string"]  # a stopping rule matched (no reason of its own yet)
+    assert out.finish_reasons == ["stopping_criterion"]
 
 
 def test_plugins_in_a_stream(server, reference):
@@ -119,7 +119,7 @@ def test_plugins_in_a_stream(server, reference):
             )
         )
     want = _reference(reference, PROMPTS[:1], stopping_criteria=[StopOnTokens([stop], PROMPTS.shape[1])])
-    assert torch.equal(items[-1].sequences, want) and items[-1].finish_reasons == ["stop_string"]
+    assert torch.equal(items[-1].sequences, want) and items[-1].finish_reasons == ["stopping_criterion"]
 
 
 def test_max_sentences_counts_the_generated_sentences(registry, loaded):
@@ -193,10 +193,9 @@ def test_model_info_lists_the_enabled_plugins(server):
     [
         (["no_such_plugin"], "not installed"),
         (["unimportable"], "failed to import"),
-        (["whole_method"], "generate methods are not supported"),
     ],
 )
-def test_load_plugins_refuses_missing_broken_or_unsupported(plugin_paths, names, says):
+def test_load_plugins_refuses_missing_or_broken(plugin_paths, names, says):
     with pytest.raises(PluginLoadError, match=says):
         load_plugins(names)
 
@@ -221,7 +220,8 @@ def test_custom_generate_and_callables_are_refused_pointing_at_plugins(server, a
     error = _refused(server, **{argument: "someone/some-repo"})
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.violations[0].field == f"overrides.{argument}"
-    assert "--plugins" in error.violations[0].message and "processors=" in error.violations[0].message
+    sends = "generate_method=" if argument == "custom_generate" else "processors="
+    assert "--plugins" in error.violations[0].message and sends in error.violations[0].message
 
 
 def test_cli_processor_and_stopping_criterion(server, capsys):
@@ -240,7 +240,7 @@ def test_cli_processor_and_stopping_criterion(server, capsys):
     assert json.loads(capsys.readouterr().out)["sequences"][0][prompt_len] != banned
     assert main([*base, "--stopping-criterion", f'stop_on_tokens={{"token_ids": [{stop}]}}']) == 0
     output = json.loads(capsys.readouterr().out)
-    assert output["finish_reasons"] == ["stop_string"] and output["sequences"][0][-1] == stop
+    assert output["finish_reasons"] == ["stopping_criterion"] and output["sequences"][0][-1] == stop
     assert main([*base, *options[2:]]) == 1
     assert "INTERNAL" in capsys.readouterr().err
     assert main([*base, "--processor", "ban_tokens={not json"]) != 0

@@ -197,3 +197,32 @@ def test_target_clients_retry_a_saturated_target_after_its_hint(loaded):
         saturate(0.8)
         out, took = asyncio.run(with_async_client())
         assert out.sequences.shape == (1, 7) and took >= 0.5
+
+
+def test_cli_retries_load_refusals_with_the_retries_option(registry_with, loaded, capsys):
+    from specwire.client.cli import main
+
+    faults = InjectedFaults(grpc.StatusCode.RESOURCE_EXHAUSTED, [("retry-after-s", "0.200")], fail_first=2)
+    with registry_with(faults) as server:
+        base = ["config", "--address", server.address]
+        assert main([*base, "list"]) == 1  # no retry: the first refusal is the answer
+        assert "RESOURCE_EXHAUSTED" in capsys.readouterr().err
+        assert main([*base, "--retries", "1", "list"]) == 0  # the second refusal, then the answer
+        assert faults.count("ListConfigs") == 3
+    with pytest.raises(SystemExit) as usage:
+        main(["config", "--retries", "-1", "list"])
+    assert usage.value.code == 2
+    assert "--retries" in capsys.readouterr().err
+    # generate: a saturated target's refusal is waited out.
+    pool = PreparationPool(workers=1, max_in_flight=1, retry_after_s=0.3)
+    with threaded_server(lambda: build_target_server(loaded, pool=pool)) as server:
+        gate = threading.Event()
+        asyncio.run_coroutine_threadsafe(pool.run(gate.wait, 60), server.loop)
+        server.run(asyncio.sleep(0))
+        threading.Timer(0.5, gate.set).start()
+        base = ["generate", "Hi", "--address", server.address, "--no-chat", "--json", "--set", "max_new_tokens=2"]
+        assert main(base) == 1
+        assert "RESOURCE_EXHAUSTED" in capsys.readouterr().err
+        started = time.monotonic()
+        assert main([*base, "--retries", "5"]) == 0
+        assert len(json.loads(capsys.readouterr().out)["sequences"][0]) > 2 and time.monotonic() - started >= 0.2

@@ -1,4 +1,5 @@
-"""An example specwire server plugin package (see the README's "Server plugins").
+"""An example specwire server plugin package (see the README's "Server plugins"): processors, stopping
+criteria and a generate method (`best_of_n`).
 
 Each factory takes the request's JSON arguments and a `PluginContext` (tokenizer, vocab size,
 device, the effective config) and returns a transformers-style callable. Bad arguments raise
@@ -78,3 +79,85 @@ def make_stop_on_tokens(args: dict, context: Any) -> StopOnTokens:
     if set(args) != {"token_ids"} or not isinstance(ids, list) or not ids:
         raise ValueError(f'give {{"token_ids": [int, ...]}} (a non-empty list), got {args!r}')
     return StopOnTokens(ids, context.input_len)
+
+
+class BestOfN:
+    """Best-of-n sampling: draws `n` samples per row with the request's processors, stopping criteria and
+    seeded generator, and returns for each row the sample the model finds most likely (the highest mean
+    log-probability of its tokens under the processed scores, the `compute_transition_scores(...,
+    normalize_logits=True)` of transformers), a cheap self-consistency re-ranking.
+
+    Pass `k` is what transformers' `generate(do_sample=True)` gives as the `k`-th call after
+    `torch.manual_seed(seed)`: one `torch.multinomial` draw per step over the rows, finished rows fed
+    the pad token, as its sampling loop does.
+    """
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, inputs: Any) -> Any:
+        from specwire.generation.generate_methods import GenerateMethodOutput
+
+        passes = [self._sample(inputs) for _ in range(self.n)]  # (sequences, per-step scores, mean log-prob)
+        width = max(seq.shape[1] for seq, _, _ in passes)
+        pad = inputs.config.pad_token_id if inputs.config.pad_token_id is not None else 0
+        sequences = torch.stack([_pad_columns(seq, width, pad) for seq, _, _ in passes])  # [n, rows, width]
+        best = torch.stack([mean for _, _, mean in passes]).argmax(dim=0)  # [rows]
+        rows = torch.arange(best.shape[0], device=best.device)
+        steps = []
+        for t in range(width - inputs.input_len):
+            filler = torch.full_like(passes[0][1][0], -float("inf"))
+            filler[:, pad] = 0.0  # a finished pass's later steps: the pad token, certain
+            steps.append(torch.stack([s[t] if t < len(s) else filler for _, s, _ in passes])[best, rows])
+        return GenerateMethodOutput(sequences=sequences[best, rows], scores=tuple(steps))
+
+    @staticmethod
+    def _sample(inputs: Any) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """One pass of transformers' sampling loop; its sequences, processed scores and mean log-probs."""
+        processors, criteria = inputs.new_logits_processor(), inputs.stopping_criteria
+        ids, mask = inputs.input_ids, inputs.attention_mask
+        pad = inputs.config.pad_token_id if inputs.config.pad_token_id is not None else 0
+        unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+        total = torch.zeros(ids.shape[0], device=ids.device)
+        count = torch.zeros(ids.shape[0], device=ids.device)
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        step_ids, cache, steps = ids, None, []
+        while True:
+            inputs.check()  # the contract: once per step (cancellation and the deadline)
+            out = inputs.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=position_ids[:, -step_ids.shape[1] :],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            scores = processors(ids, out.logits[:, -1, :].float())  # [rows, vocab]
+            token = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=inputs.generator).squeeze(1)
+            logprob = torch.log_softmax(scores, dim=-1).gather(1, token[:, None]).squeeze(1)
+            total += torch.where(unfinished, logprob, torch.zeros_like(logprob))
+            count += unfinished.float()
+            token = torch.where(unfinished, token, torch.full_like(token, pad))
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + 1], dim=1)
+            steps.append(scores)
+            unfinished &= ~criteria(ids, scores)
+            if not bool(unfinished.any()):
+                return ids, steps, total / count.clamp(min=1)
+            step_ids = token[:, None]
+
+
+def _pad_columns(sequences: torch.Tensor, width: int, pad: int) -> torch.Tensor:
+    extra = width - sequences.shape[1]
+    return torch.nn.functional.pad(sequences, (0, extra), value=pad) if extra else sequences
+
+
+def make_best_of_n(args: dict, context: Any) -> BestOfN:
+    """Best-of-n sampling: {"n": int in 1..16}; the request sets do_sample=True (and a seed to repeat it)."""
+    n = args.get("n")
+    if set(args) != {"n"} or not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
+        raise ValueError(f'give {{"n": int in 1..16}}, got {args!r}')
+    if not getattr(context.config, "do_sample", False):
+        raise ValueError("best_of_n draws samples: set do_sample=True (greedy decoding gives n equal answers)")
+    return BestOfN(n)

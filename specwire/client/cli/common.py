@@ -75,6 +75,25 @@ def add_token_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_retries_option(p: argparse.ArgumentParser) -> None:
+    """`--retries`, for the commands whose client takes `retries=` (`generate`, `config`, `watermark detect`)."""
+    p.add_argument(
+        "--retries",
+        type=count,
+        default=0,
+        help="how many times a call the service refused for load (RESOURCE_EXHAUSTED with a retry hint) is sent "
+        "again after the hinted wait, within --timeout; 0 never retries",
+    )
+
+
+def count(text: str) -> int:
+    """A `--retries` value: an int >= 0 (argparse turns the ValueError into a usage error naming the option)."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
 # The target forms every `--address` takes (gRPC's name syntax).
 ADDRESS_FORMS = (
     "host:port, dns:///name:port (every address the name resolves to, e.g. a headless Service's pods) "

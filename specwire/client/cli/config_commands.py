@@ -17,6 +17,7 @@ from .common import (
     UsageError,
     add_command,
     add_load_balancing_option,
+    add_retries_option,
     add_token_option,
     parse_assignments,
     read_source,
@@ -106,7 +107,11 @@ def config_command(args) -> int:
     # The token is SPECWIRE_AUTH_TOKEN (not a flag: a command line is visible to every user of the machine).
     allow = args.allow_insecure_token or None  # unset: SPECWIRE_ALLOW_INSECURE_TOKEN decides
     with ConfigClient(
-        args.address, timeout=args.timeout or None, allow_insecure_token=allow, load_balancing=args.load_balancing
+        args.address,
+        timeout=args.timeout or None,
+        allow_insecure_token=allow,
+        load_balancing=args.load_balancing,
+        retries=args.retries,
     ) as client:
         cmd = args.config_command
         if cmd == "create":
@@ -171,6 +176,7 @@ def add_config_parser(sub: Any) -> None:
         default=DEFAULT_CONFIG_TIMEOUT_S,
         help="deadline of each registry call in seconds, 0 for none",
     )
+    add_retries_option(cfg)
     add_token_option(cfg)
     add_load_balancing_option(cfg)
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)

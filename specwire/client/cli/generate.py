@@ -16,6 +16,7 @@ from .common import (
     add_chat_option,
     add_command,
     add_load_balancing_option,
+    add_retries_option,
     add_token_option,
     parse_assignments,
 )
@@ -61,11 +62,19 @@ def add_generate_parser(sub: Any) -> None:
         help="a server plugin stopping criterion the target enabled, with its JSON arguments (repeat the option)",
     )
     gen.add_argument(
+        "--generate-method",
+        metavar="NAME[=JSON]",
+        default=None,
+        help="a server plugin generate method the target enabled, with its JSON arguments, in place of the "
+        "built-in decoding (transformers' custom_generate, installed on the server)",
+    )
+    gen.add_argument(
         "--timeout",
         type=float,
         default=DEFAULT_GENERATE_TIMEOUT_S,
         help="deadline of the generation in seconds, 0 for none",
     )
+    add_retries_option(gen)
     add_token_option(gen)
     add_load_balancing_option(gen)
 
@@ -106,6 +115,11 @@ def plugin_calls_of(values: list[str] | None, option: str) -> list[dict[str, Any
     return calls
 
 
+def generate_method_of(value: str | None) -> dict[str, Any] | None:
+    """The `generate_method=` argument from `--generate-method NAME[=JSON]` (None without the option)."""
+    return plugin_calls_of([value], "--generate-method")[0] if value else None
+
+
 def generate_command(args) -> int:
     """Run `specwire generate`; the exit code."""
     from specwire.client import SpecwireRpcError, TargetClient
@@ -116,7 +130,11 @@ def generate_command(args) -> int:
     prompts = args.prompt
     allow = args.allow_insecure_token or None  # unset: SPECWIRE_ALLOW_INSECURE_TOKEN decides
     with TargetClient(
-        args.address, timeout=args.timeout or None, allow_insecure_token=allow, load_balancing=args.load_balancing
+        args.address,
+        timeout=args.timeout or None,
+        allow_insecure_token=allow,
+        load_balancing=args.load_balancing,
+        retries=args.retries,
     ) as client:
         kwargs = dict(
             text=prompts if len(prompts) > 1 else prompts[0],
@@ -126,6 +144,7 @@ def generate_command(args) -> int:
             structured_output=structured_output_of(args),
             processors=plugin_calls_of(args.processor, "--processor"),
             stopping_criteria=plugin_calls_of(args.stopping_criterion, "--stopping-criterion"),
+            generate_method=generate_method_of(args.generate_method),
             **overrides,
         )
         if args.stream and not args.as_json:

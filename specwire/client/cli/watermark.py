@@ -6,7 +6,15 @@ import json
 import math
 from typing import Any
 
-from .common import DEFAULT_CONFIG_TIMEOUT_S, EXIT_OK, UsageError, add_command, add_token_option, read_source
+from .common import (
+    DEFAULT_CONFIG_TIMEOUT_S,
+    EXIT_OK,
+    UsageError,
+    add_command,
+    add_retries_option,
+    add_token_option,
+    read_source,
+)
 
 
 def add_watermark_parser(sub: Any) -> None:
@@ -31,6 +39,7 @@ def add_watermark_parser(sub: Any) -> None:
     detect.add_argument("--address", default="127.0.0.1:50052", help="target service host:port")
     detect.add_argument("--as-json", action="store_true", help="print the scores as JSON")
     detect.add_argument("--timeout", type=float, default=DEFAULT_CONFIG_TIMEOUT_S, help="deadline in seconds")
+    add_retries_option(detect)
     add_token_option(detect)
 
 
@@ -64,7 +73,9 @@ def watermark_command(args) -> int:
             raise UsageError("--watermark-json holds a JSON object (the watermarking_config)")
     rows: dict[str, Any] = {"input_ids": _id_rows(args.rows)} if args.ids else {"text": list(args.rows)}
     allow = args.allow_insecure_token or None
-    with TargetClient(args.address, timeout=args.timeout or None, allow_insecure_token=allow) as client:
+    with TargetClient(
+        args.address, timeout=args.timeout or None, allow_insecure_token=allow, retries=args.retries
+    ) as client:
         out = client.detect_watermark(**rows, **kwargs)
     green = out.kind == "green_list"
     columns = (

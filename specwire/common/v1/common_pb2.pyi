@@ -26,6 +26,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
     FINISH_REASON_TIME: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_STOPPING_CRITERION: _ClassVar[FinishReason]
 
 class Severity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -45,6 +46,7 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
 FINISH_REASON_TIME: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_STOPPING_CRITERION: FinishReason
 SEVERITY_UNSPECIFIED: Severity
 SEVERITY_ERROR: Severity
 SEVERITY_WARNING: Severity

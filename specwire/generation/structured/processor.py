@@ -8,27 +8,41 @@ processor keeps the contract of the others (a pure function of `input_ids` and `
 matcher costs ~0.5 us and advancing it a few microseconds (llguidance).
 
 A row whose grammar is complete gets a mask with only the EOS ids (llguidance allows EOS exactly when
-the grammar accepts), so it ends with finish reason `eos`. A prefix the grammar rejects (only a
-finished row fed pad tokens, or a beam already at -inf, reaches one) is left unmasked: its scores
-are never used.
+the grammar accepts), so it ends with finish reason `eos`. A prefix the grammar rejects with a token
+its mask forbade (only a finished row fed pad tokens, a beam already at -inf, or a drafted token past
+the first forbidden one reaches one) is left unmasked: its scores are never used. A token the mask
+*allowed* and the matcher then refuses is the library contradicting itself: `StructuredOutputFailed`
+(INTERNAL, naming llguidance and the spec) ends the request, never a row that goes on unconstrained.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from specwire.errors import SpecwireError, short_value
+
 from .grammars import CompiledGrammar
 
-__all__ = ["StructuredOutputLogitsProcessor"]
+__all__ = ["StructuredOutputFailed", "StructuredOutputLogitsProcessor"]
 
 # How many tokens back a prefix looks for a cached ancestor before replaying from the start state.
 _MAX_WALK_BACK = 64
 # Prefix states kept per request: rows x (draft length + 1) in one round, plus the previous round's.
 _MAX_STATES = 1024
 _REJECTED = object()
+
+log = logging.getLogger(__name__)
+
+
+class StructuredOutputFailed(SpecwireError):
+    """llguidance refused a token its own mask allowed: the request ends (INTERNAL) rather than its row
+    going on unconstrained."""
+
+    code = "INTERNAL"
 
 
 class StructuredOutputLogitsProcessor:
@@ -71,12 +85,37 @@ class StructuredOutputLogitsProcessor:
             matcher = parent.deep_copy()
             # One token at a time: llguidance 1.9's `consume_tokens([eos])` refuses the EOS on a matcher
             # whose grammar is complete (stopped), where `consume_token(eos)` accepts it.
-            if not all(matcher.consume_token(token) for token in generated[start:]):
-                matcher = _REJECTED
+            tokens = generated[start:]
+            for i, token in enumerate(tokens):
+                if not matcher.consume_token(token):
+                    self._check_refusal(parent, tokens[:i], token, start + i, matcher)
+                    matcher = _REJECTED
+                    break
         states[generated] = matcher
         if len(states) > _MAX_STATES:
             states.popitem(last=False)
         return matcher
+
+    def _check_refusal(self, parent: Any, before: tuple[int, ...], token: int, position: int, refused: Any) -> None:
+        """Raises `StructuredOutputFailed` when the matcher refused `token` although its mask allowed it
+        (the state after `parent` and `before`); a token the mask forbade is an ordinary rejection."""
+        matcher = parent.deep_copy()
+        for earlier in before:
+            matcher.consume_token(earlier)
+        if not 0 <= token < self.grammar.vocab_size:
+            return
+        words = torch.zeros(self.grammar.words, dtype=torch.int32)
+        matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+        if not (int(words[token // 32]) >> (token % 32)) & 1:
+            return
+        spec = self.grammar.spec
+        log.error("llguidance refused token %d its own mask allowed (%s): %r", token, spec.field, spec.value)
+        raise StructuredOutputFailed(
+            f"llguidance refused token {token} at generated position {position}, which its own mask allowed, "
+            f"for {spec.field}={short_value(spec.value)!r} ({refused.get_error() or 'no error message'}); the "
+            "request ends rather than go on unconstrained: a bug in llguidance or in specwire's use of it, "
+            "please report it with the spec"
+        )
 
     def allowed_prefix_length(self, ids: torch.Tensor, draft: list[int]) -> int:
         """

@@ -44,7 +44,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[_common_pb2.TokenSequence, _Mapping]] = ..., text: _Optional[str] = ..., attention_mask: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults", "structured_output", "allowed_token_sequences", "processors", "stopping_criteria")
+    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults", "structured_output", "allowed_token_sequences", "processors", "stopping_criteria", "generate_method")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONFIG_REF_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class GenerateRequest(_message.Message):
     ALLOWED_TOKEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PROCESSORS_FIELD_NUMBER: _ClassVar[int]
     STOPPING_CRITERIA_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_METHOD_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     config: _generation_config_pb2.GenerationConfig
     config_ref: str
@@ -71,10 +72,11 @@ class GenerateRequest(_message.Message):
     allowed_token_sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
     processors: _containers.RepeatedCompositeFieldContainer[PluginCall]
     stopping_criteria: _containers.RepeatedCompositeFieldContainer[PluginCall]
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., processors: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ..., stopping_criteria: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ...) -> None: ...
+    generate_method: PluginCall
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., processors: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ..., stopping_criteria: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ..., generate_method: _Optional[_Union[PluginCall, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults", "structured_output", "allowed_token_sequences", "processors", "stopping_criteria")
+    __slots__ = ("prompts", "config", "config_ref", "overrides", "apply_chat_template", "negative_prompt", "proposer", "request_id", "use_model_defaults", "structured_output", "allowed_token_sequences", "processors", "stopping_criteria", "generate_method")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONFIG_REF_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class GenerateStreamRequest(_message.Message):
     ALLOWED_TOKEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PROCESSORS_FIELD_NUMBER: _ClassVar[int]
     STOPPING_CRITERIA_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_METHOD_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     config: _generation_config_pb2.GenerationConfig
     config_ref: str
@@ -101,7 +104,8 @@ class GenerateStreamRequest(_message.Message):
     allowed_token_sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
     processors: _containers.RepeatedCompositeFieldContainer[PluginCall]
     stopping_criteria: _containers.RepeatedCompositeFieldContainer[PluginCall]
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., processors: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ..., stopping_criteria: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ...) -> None: ...
+    generate_method: PluginCall
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., config_ref: _Optional[str] = ..., overrides: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ..., negative_prompt: _Optional[_Union[Prompt, _Mapping]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., request_id: _Optional[str] = ..., use_model_defaults: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., allowed_token_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., processors: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ..., stopping_criteria: _Optional[_Iterable[_Union[PluginCall, _Mapping]]] = ..., generate_method: _Optional[_Union[PluginCall, _Mapping]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "regex", "grammar", "choice")
