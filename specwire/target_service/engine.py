@@ -231,7 +231,10 @@ class Engine:
             return generate_from_plan(model, plan, **common)
         with self._lock:
             opened = self._drafters.get(id(job))
-        open_drafter = _opener(self.drafting.opener(proposer, self.loaded.vocab_size), drafting, opened)
+        opener = self.drafting.opener(
+            proposer, self.loaded.vocab_size, stats=job.speculation, tokenizer=self.loaded.tokenizer
+        )
+        open_drafter = _opener(opener, drafting, opened)
         return speculate_from_plan(
             model,
             plan,
