@@ -188,6 +188,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         # Real jobs handed to the model thread, and started there: drafting ahead stops while they differ.
         self._real_submitted = 0  # written on the event loop only
         self._real_started = 0  # written on the model thread only
+        self._real_dropped = 0  # cancelled before they started; written on the event loop only
         # The draft model's vocabulary, compared with the target's when a stream opens.
         tokenizer = draft_model.tokenizer if draft_model is not None else None
         self._digest = tokenizer_digest(tokenizer) if tokenizer is not None else b""
@@ -215,16 +216,28 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         """Run real work (a session's opening or its next answer) on the model thread; drafting ahead
         gives way to it (`_others_wait`)."""
         self._real_submitted += 1
+        lock, state = threading.Lock(), {"started": False, "dropped": False}
 
         def job() -> Any:
+            with lock:
+                if state["dropped"]:
+                    return None  # its caller was cancelled while it waited: nobody wants the answer
+                state["started"] = True
             self._real_started += 1
             return fn(*args)
 
-        return await asyncio.get_running_loop().run_in_executor(self.executor, job)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, job)
+        except asyncio.CancelledError:
+            with lock:
+                if not state["started"]:  # it will never start: no longer waiting
+                    state["dropped"] = True
+                    self._real_dropped += 1
+            raise
 
     def _others_wait(self) -> bool:
         """Real work is queued for the model thread (each counter has one writer: no lock needed)."""
-        return self._real_submitted > self._real_started
+        return self._real_submitted - self._real_dropped > self._real_started
 
     @handles_errors
     async def Draft(self, request_iterator, context):

@@ -182,6 +182,37 @@ def test_cancel_while_drafting_ahead_frees_the_session(tiny_model_dir):
         assert _settles(lambda: servicer.open_sessions == 0 and threading.active_count() <= threads)
 
 
+def test_drafting_ahead_gives_way_to_another_sessions_answer(tiny_model_dir):
+    """One session drafting a long block ahead does not hold the model thread from another session's real
+    work: that waits at most one draft forward."""
+    draft = load_model(str(tiny_model_dir), progress=False)
+    forwards = threading.Semaphore(0)
+    original = draft.model.forward
+
+    @functools.wraps(original)
+    def slow_forward(*args, **kwargs):
+        forwards.release()
+        time.sleep(0.1)  # 40 tokens drafted ahead: 4 s
+        return original(*args, **kwargs)
+
+    draft.model.forward = slow_forward
+    config = {"eos_token_id": 2, "assistant_confidence_threshold": 0.0}
+    with threaded_server(lambda: build_draft_server(draft)) as running:
+        busy, other = Stream(running.address), Stream(running.address)
+        message = start([[5, 6, 7, 8]], pb.DRAFT_METHOD_MODEL, config, num_tokens=40)
+        message.start.overlap = True
+        busy.send(message)
+        while forwards.acquire(blocking=False):
+            pass
+        assert forwards.acquire(timeout=10)  # drafting ahead has begun
+        began = time.monotonic()
+        other.send(start([[9, 10, 11]], pb.DRAFT_METHOD_MODEL, config, num_tokens=2))
+        assert time.monotonic() - began < 2.0
+        for stream in (busy, other):
+            stream.close()
+        assert _settles(lambda: servicer_of(running).open_sessions == 0)
+
+
 def test_a_block_drafted_ahead_is_cut_or_extended_to_the_length_asked(tiny_model_dir):
     draft = load_model(str(tiny_model_dir), progress=False)
     config = {"eos_token_id": 2, "assistant_confidence_threshold": 0.0}
