@@ -39,3 +39,4 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
     assert equal["met"] is True
     markdown = (out / "results.md").read_text()
     assert "### 11. Speculation matrix" in markdown and "draft remote overlapped (pinned)" in markdown
+    assert "speculation_matrix.png" in results["plots"]
