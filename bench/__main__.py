@@ -10,8 +10,10 @@ repeat), and writes results.json, results.md and PNG plots into the output folde
   python -m bench --workloads greedy,beam --repeats 5
   python -m bench --device cuda --dtype bfloat16   on a GPU: services and transformers on the same device
 
-Workloads: greedy, sampling, beam, prompt_lookup, draft_model, concurrency, draft_length, structured, roundtrip,
-memory.
+Workloads: greedy, sampling, beam, prompt_lookup, draft_model, concurrency, draft_length, structured,
+speculation_matrix, roundtrip, memory. The speculation matrix (issue #23) alone, as the README reports it:
+
+  python -m bench --workloads speculation_matrix --out results/matrix
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ QUICK = {
     "draft_lengths": [2, 8],
     "roundtrip_rounds": 50,
 }
-NEEDS_DRAFT_MODEL = {"draft_model"}
+NEEDS_DRAFT_MODEL = {"draft_model", "speculation_matrix"}
 
 
 def _ints(text: str) -> list[int]:

@@ -119,6 +119,8 @@ def evaluate_targets(results: dict) -> list[dict]:
         "schema-copying prompt, medians (goal: faster)",
     )
 
+    targets += matrix_targets(w.get("speculation_matrix"))
+
     mem = w.get("memory")
     peak = lookup(mem, "services", "target", "peak_rss_mb")
     budget = lookup(mem, "target_budget_mb")
@@ -136,6 +138,65 @@ def evaluate_targets(results: dict) -> list[dict]:
             peak,
             None if peak is None or budget is None or device != "cpu" else peak <= budget,
             detail,
+        )
+    )
+    return targets
+
+
+def matrix_targets(matrix: dict | None) -> list[dict]:
+    """Issue #23's targets, from the speculation matrix (`bench.speculation_matrix`)."""
+    why = lookup(matrix, "reason") or ("workload not run" if matrix is None else "not measured")
+    prompts = lookup(matrix, "prompts", default={}) or {}
+    targets = []
+
+    def at_least(name: str, goal: float, value: float | None, detail: str) -> None:
+        met = None if value is None else value >= goal
+        targets.append(_target(name, f">= {goal:.2f}x", value, met, detail if value is not None else why))
+
+    # With the controller, no speculative row is more than 5% slower than plain greedy on the same services.
+    slowest, where = None, ""
+    for key, p in prompts.items():
+        for name, value in p["ratios"].items():
+            if (
+                "controller on / " in name
+                and "greedy" in name
+                and value is not None
+                and (slowest is None or value < slowest)
+            ):
+                slowest, where = value, f"{name}, {key} prompt"
+    for name, value in (lookup(matrix, "concurrency", "ratios", default={}) or {}).items():
+        if value is not None and (slowest is None or value < slowest):
+            slowest, where = value, f"{name}, {lookup(matrix, 'concurrency', 'clients')} clients"
+    at_least("controller: slowest speculative row vs plain greedy", 0.95, slowest, f"the slowest: {where}")
+    for key in ("chat", "code", "low"):
+        at_least(
+            f"co-located draft vs transformers assisted ({key})",
+            1.0,
+            lookup(prompts, key, "ratios", "co-located, controller on / transformers assisted"),
+            "same draft, medians",
+        )
+        at_least(
+            f"remote overlapped vs remote serial, same pinning ({key})",
+            1.15,
+            lookup(prompts, key, "ratios", "remote overlapped / remote serial, controller on (pinned)"),
+            lookup(matrix, "pinning", default=""),
+        )
+    at_least(
+        "prompt lookup vs transformers' prompt lookup (code edit, matrix)",
+        1.3,
+        lookup(prompts, "code", "ratios", "prompt lookup, controller on / transformers prompt lookup"),
+        "medians",
+    )
+    checks = lookup(matrix, "checks", default=[]) or []
+    ran = [c for c in checks if c["passed"] is not None]
+    equal = all(c["passed"] for c in ran) if ran else None
+    targets.append(
+        _target(
+            "every speculative output equals plain greedy (matrix)",
+            "all",
+            None,
+            equal,
+            f"{sum(1 for c in ran if c['passed'])}/{len(ran)} rows equal token for token" if ran else why,
         )
     )
     return targets

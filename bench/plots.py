@@ -12,6 +12,7 @@ PLOTS = {
     "concurrency.png": "Aggregate tokens/s and latency versus concurrent clients",
     "draft_length.png": "Acceptance and speed versus draft length",
     "memory.png": "Peak resident memory per service",
+    "speculation_matrix.png": "Speculation matrix: speed relative to plain greedy on the same services",
 }
 
 
@@ -225,9 +226,54 @@ def _memory_figure(plt: Any, w: dict, subtitle: str) -> Any:
 
 
 # One function per file of `PLOTS`, in the same order.
+# (label, name, baseline label): the matrix rows, each relative to plain greedy on its own services.
+_MATRIX_BARS = [
+    ("prompt_lookup_on", "prompt lookup", "plain_greedy"),
+    ("colocated_on", "co-located", "plain_greedy"),
+    ("remote_overlapped_on", "remote overlapped", "pinned_plain_greedy"),
+    ("remote_serial_on", "remote serial", "pinned_plain_greedy"),
+    ("transformers_prompt_lookup", "transformers PL", "transformers_greedy"),
+    ("transformers_assisted", "transformers assisted", "transformers_greedy"),
+]
+
+
+def _matrix_figure(plt: Any, w: dict, subtitle: str) -> Any:
+    """Per prompt, each row's tokens/s over plain greedy on the same side, controller on and off."""
+    prompts = lookup(w, "speculation_matrix", "prompts")
+    if not prompts:
+        return None
+    fig, axes = plt.subplots(1, len(prompts), figsize=(5 * len(prompts), 4.5), sharey=True, squeeze=False)
+    for ax, (key, p) in zip(axes[0], prompts.items(), strict=True):
+        series = p["series"]
+
+        def speed(label: str, baseline: str, series: dict = series) -> float:
+            value = lookup(series, label, "tokens_per_second", "median")
+            base = lookup(series, baseline, "tokens_per_second", "median")
+            return value / base if value and base else 0.0
+
+        ours = [i for i, bar in enumerate(_MATRIX_BARS) if bar[0].endswith("_on")]
+        theirs = [i for i, bar in enumerate(_MATRIX_BARS) if not bar[0].endswith("_on")]
+        for offset, suffix, color, name in (
+            (-0.2, "_on", "tab:blue", "specwire, controller on"),
+            (0.2, "_off", "tab:gray", "specwire, controller off (transformers' defaults named)"),
+        ):
+            heights = [speed(_MATRIX_BARS[i][0].replace("_on", suffix), _MATRIX_BARS[i][2]) for i in ours]
+            ax.bar([i + offset for i in ours], heights, 0.4, color=color, label=name)
+        heights = [speed(_MATRIX_BARS[i][0], _MATRIX_BARS[i][2]) for i in theirs]
+        ax.bar(theirs, heights, 0.4, color="tab:orange", label="transformers (in-process)")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(_MATRIX_BARS)), [b[1] for b in _MATRIX_BARS], rotation=30, ha="right")
+        ax.set_title(f"{key} prompt")
+    axes[0][0].set_ylabel("tokens/s / plain greedy (same side)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(subtitle, fontsize=9)
+    return fig
+
+
 _FIGURES = {
     "throughput.png": _throughput_figure,
     "concurrency.png": _concurrency_figure,
     "draft_length.png": _draft_length_figure,
     "memory.png": _memory_figure,
+    "speculation_matrix.png": _matrix_figure,
 }

@@ -1,4 +1,5 @@
-"""The benchmark prompts: a chat question with a long answer, and an input-grounded code edit."""
+"""The benchmark prompts: a chat question with a long answer, an input-grounded code edit, and a
+low-acceptance prompt (an answer with nothing to copy and many near-ties, where drafts mostly miss)."""
 
 from __future__ import annotations
 
@@ -56,4 +57,11 @@ def report(orders: list[Order]) -> str:
 CODE_EDIT_PROMPT = (
     "Rename the method `subtotal` to `items_total` everywhere in this code and return the whole file, "
     "unchanged otherwise:\n\n```python\n" + CODE_SNIPPET + "```"
+)
+
+# Random-looking strings: nothing in the prompt to copy (prompt lookup finds little) and flat next-token
+# distributions (an int8 draft's argmax often differs from the target's).
+LOW_ACCEPTANCE_PROMPT = (
+    "Write thirty random passwords, each twelve characters long, mixing upper and lower case letters, "
+    "digits and symbols such as #, %, & and @. One per line, numbered, with no other text."
 )

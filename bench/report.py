@@ -164,6 +164,57 @@ def _sweep_table(d: dict) -> list[str]:
     return lines
 
 
+MATRIX_ROWS = [
+    ("plain_greedy", "plain greedy"),
+    ("pinned_plain_greedy", "plain greedy, pinned target"),
+    ("prompt_lookup_on", "prompt lookup, controller on"),
+    ("prompt_lookup_off", "prompt lookup, controller off"),
+    ("colocated_on", "draft co-located, controller on"),
+    ("colocated_off", "draft co-located, controller off"),
+    ("remote_overlapped_on", "draft remote overlapped (pinned), controller on"),
+    ("remote_overlapped_off", "draft remote overlapped (pinned), controller off"),
+    ("remote_serial_on", "draft remote serial (pinned), controller on"),
+    ("remote_serial_off", "draft remote serial (pinned), controller off"),
+    ("transformers_greedy", "transformers greedy"),
+    ("transformers_prompt_lookup", "transformers prompt lookup"),
+    ("transformers_assisted", "transformers assisted (same draft)"),
+]
+
+
+def _matrix_tables(m: dict) -> list[str]:
+    prompts = m["prompts"]
+    keys = list(prompts)
+    lines = [
+        f"{m.get('pinning', '')}.",
+        "",
+        "| row | " + " | ".join(f"{k} tok/s" for k in keys) + " | acceptance | drafted ahead: hits / misses |",
+    ]
+    lines.append("|---" * (len(keys) + 3) + "|")
+    for label, name in MATRIX_ROWS:
+        cells = [_fmt(lookup(prompts[k], "series", label, "tokens_per_second")) for k in keys]
+        spec = [lookup(prompts[k], "speculation", label) for k in keys]
+        acceptance = " / ".join(_num(lookup(s, "acceptance_rate", "median")) for s in spec) if any(spec) else ""
+        ahead = ""
+        if label.startswith("remote_overlapped"):
+            ahead = " / ".join(
+                _num(lookup(s, "draft_ahead_hits", "median"), 0)
+                + ":"
+                + _num(lookup(s, "draft_ahead_misses", "median"), 0)
+                for s in spec
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {acceptance} | {ahead} |")
+    lines += ["", "| ratio (medians) | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for name in next(iter(prompts.values()))["ratios"]:
+        lines.append(f"| {name} | " + " | ".join(_num(prompts[k]["ratios"].get(name), 2, "x") for k in keys) + " |")
+    c = m.get("concurrency")
+    if c:
+        lines += ["", f"{c['clients']} concurrent clients, chat prompt, speculation on:", ""]
+        lines += ["| case | aggregate tokens/s |", "|---|---|"]
+        lines += [f"| {label} | {_fmt(summary)} |" for label, summary in c["aggregate_tokens_per_second"].items()]
+        lines += [f"| {name} | {_num(value, 2, 'x')} |" for name, value in c["ratios"].items()]
+    return lines
+
+
 def markdown(results: dict, plots: list[str]) -> str:
     meta, w = results["meta"], results["workloads"]
     m, v = meta["machine"], meta["versions"]
@@ -256,6 +307,8 @@ def markdown(results: dict, plots: list[str]) -> str:
         from bench.structured_workload import readme_table
 
         out += ["", "### 10. Structured output (JSON schemas, greedy)", "", *readme_table(w["structured"])]
+    if "speculation_matrix" in w and w["speculation_matrix"].get("prompts"):
+        out += ["", "### 11. Speculation matrix (issue #23)", "", *_matrix_tables(w["speculation_matrix"])]
     out += ["", "## Checks", ""]
     if meta.get("dtype", "float32") != "float32":
         out += [

@@ -49,6 +49,7 @@ class Service:
     log_path: Path
     process: subprocess.Popen | None = None
     log_file: object = None
+    cpus: str | None = None  # `taskset -c` list: the process and its threads run on these cores only
 
     @property
     def address(self) -> str:
@@ -56,7 +57,8 @@ class Service:
 
     def start(self, env: dict[str, str]) -> None:
         self.log_file = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        command = [
+        command = ["taskset", "-c", self.cpus] if self.cpus else []
+        command += [
             sys.executable,
             "-m",
             self.module,

@@ -23,6 +23,7 @@ from typing import Any
 
 from bench.progress import log
 from bench.service_workloads import concurrency, memory, roundtrip
+from bench.speculation_matrix import speculation_matrix
 from bench.structured_workload import structured
 from bench.workload_context import (
     PROMPT_LOOKUP_TOKENS,
@@ -267,6 +268,7 @@ WORKLOADS: dict[str, Callable[[Context], dict]] = {
     "concurrency": concurrency,
     "draft_length": draft_length,
     "structured": structured,
+    "speculation_matrix": speculation_matrix,  # its own services: the co-located, serial and pinned targets
     "roundtrip": roundtrip,  # after the speculative workloads: it also summarizes their per-round stats
     "memory": memory,  # last: peak memory over the whole run
 }

@@ -51,6 +51,9 @@ class SpeculationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     fallback_reason: str = ""
+    # A remote draft with overlap: rows answered from the block drafted ahead / whose block was discarded.
+    draft_ahead_hits: int = 0
+    draft_ahead_misses: int = 0
 
     @classmethod
     def from_proto(cls, message: pb.SpeculationStats) -> SpeculationStats:
@@ -64,6 +67,8 @@ class SpeculationStats:
             draft_seconds=message.draft_seconds,
             verify_seconds=message.verify_seconds,
             fallback_reason=message.fallback_reason,
+            draft_ahead_hits=message.draft_ahead_hits,
+            draft_ahead_misses=message.draft_ahead_misses,
         )
 
 

@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         "assistant_early_exit the early-exit draft)",
     )
     parser.add_argument(
+        "--no-draft-overlap",
+        dest="draft_overlap",
+        action="store_false",
+        help="with --draft-address: wait for each draft block instead of letting the draft service draft the "
+        "next block ahead while this target verifies (overlap is on by default; outputs are the same)",
+    )
+    parser.add_argument(
         "--draft-timeout",
         type=float,
         default=5.0,
@@ -443,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
         args.draft_timeout,
         prompt_lookup_rule=args.prompt_lookup_rule,
         draft_model=draft_model,
+        draft_overlap=args.draft_overlap,
     )
     options = SchedulerOptions(
         max_batch_rows=args.max_batch_rows,

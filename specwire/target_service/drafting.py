@@ -14,6 +14,14 @@ blocked on the request iterator, and reading its answers with a deadline costs a
 threads per stream, which leaked whenever a stream was not closed.) `close()` ends the call on every
 exit path of the decoding loop (`speculative_loop` closes its drafter in a `finally`).
 
+Overlap (`DraftPolicy.draft_overlap`, on unless `--no-draft-overlap`): draft-model streams ask the draft
+service to draft the next block ahead while this target verifies (`DraftStart.overlap`); the proposals
+are the ones serial drafting makes, so nothing here changes but the wait. Each answer says per row
+whether it came from the block drafted ahead, counted in the request's `speculation` stats
+(`draft_ahead_hits`/`draft_ahead_misses`). Every draft-model stream also sends the target tokenizer's
+digest, so a draft service whose model has another vocabulary refuses the stream (and the request
+decodes without drafts, saying why in `fallback_reason`).
+
 Co-located draft (`--draft-model`, `DraftPolicy.draft_model`): `draft_model` requests get the draft
 service's own `ModelDrafter` (`open_model_drafter`) over a draft model loaded in this process, no RPC,
 as transformers' assisted generation drafts. Its forwards run on the thread that calls `propose`: in
@@ -49,6 +57,8 @@ from specwire.generation.speculation.drafters import (
     open_model_drafter,
 )
 from specwire.generation.speculation.early_exit import early_exit_model
+from specwire.generation.speculation.stats import SpeculationStats
+from specwire.models.tokenizer_digest import tokenizer_digest
 from specwire.security.channels import RenewingChannel
 from specwire.vocabulary import PROPOSER_EARLY_EXIT, PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
 from specwire.wire.generation_config import config_to_proto
@@ -164,21 +174,44 @@ class RemoteDrafter:
         round_timeout_s (`float`): deadline of each answer.
         deadline (`float`, *optional*): the caller's deadline (`specwire.deadline`, `time.monotonic()`
             clock): the stream's deadline, and every round waits at most until then.
+        overlap (`bool`, defaults to `False`): ask the draft service to draft each next block ahead
+            while the target verifies (draft models only: `DraftStart.overlap`).
+        stats (`SpeculationStats`, *optional*): receives the hits and misses of the blocks drafted ahead.
+        digest (`tuple[int, bytes]`, *optional*): the target tokenizer's size and `tokenizer_digest`, sent
+            with draft-model streams so that a draft with another vocabulary is refused.
     """
 
-    def __init__(self, channel, rows, config, method, vocab_size, return_probs, round_timeout_s, deadline=None):
+    def __init__(
+        self,
+        channel,
+        rows,
+        config,
+        method,
+        vocab_size,
+        return_probs,
+        round_timeout_s,
+        deadline=None,
+        overlap: bool = False,
+        stats: SpeculationStats | None = None,
+        digest: tuple[int, bytes] | None = None,
+    ):
         self.channel = channel
         self.timeout = round_timeout_s
         self.deadline = deadline
         self.num_rows = len(rows)
         self.vocab_size = vocab_size
-        self.start = pb.DraftStart(
+        start = pb.DraftStart(
             rows=[common_pb2.TokenSequence(ids=r) for r in rows],
             method=method,
             config=config_to_proto(config),
             vocab_size=vocab_size,
             return_probs=return_probs,
+            overlap=overlap and method == pb.DRAFT_METHOD_MODEL,
         )
+        if digest is not None and method == pb.DRAFT_METHOD_MODEL:
+            start.tokenizer_size, start.tokenizer_digest = digest
+        self.start: pb.DraftStart | None = start  # sent with the first propose
+        self.stats = stats
         self.pending: pb.DraftFeedback | None = None
         self.call: Any = None
         self.closed = False
@@ -245,6 +278,9 @@ class RemoteDrafter:
                     )
             tokens.append(ids)
             probs.append(row_probs)
+        if self.stats is not None:  # counted once the answer is known good
+            self.stats.draft_ahead_hits += sum(1 for r in answer.rows if r.ahead == pb.DRAFT_AHEAD_HIT)
+            self.stats.draft_ahead_misses += sum(1 for r in answer.rows if r.ahead == pb.DRAFT_AHEAD_MISS)
         return Proposal(tokens, probs)
 
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
@@ -297,6 +333,8 @@ class DraftPolicy:
         draft_model (`LoadedModel`, *optional*): a co-located draft (`--draft-model`): `draft_model`
             requests draft with it in this process, no RPC, like transformers' assisted generation.
             Exclusive with `draft_address` (one draft model per target; refused at start).
+        draft_overlap (`bool`, defaults to `True`): remote draft-model streams draft each next block
+            ahead while the target verifies (`--no-draft-overlap` turns it off).
     """
 
     draft_address: str | None = None
@@ -305,6 +343,7 @@ class DraftPolicy:
     prompt_lookup_tokens: int = 10
     prompt_lookup_rule: str = "longest"
     draft_model: Any = None
+    draft_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.draft_model is not None and self.draft_address is not None:
@@ -316,6 +355,7 @@ class DraftPolicy:
         self._channel_lock = threading.Lock()
         self._local_lock = threading.Lock()
         self._local_open = 0  # co-located drafters opened and not yet closed
+        self._digests: dict[int, tuple[Any, tuple[int, bytes]]] = {}  # id(tokenizer) -> (tokenizer, digest)
 
     @property
     def open_streams(self) -> int:
@@ -359,11 +399,38 @@ class DraftPolicy:
             return PROPOSER_PROMPT_LOOKUP
         return self.default_proposer
 
-    def opener(self, proposer: str, vocab_size: int, target: Any = None, early_exit: int | None = None):
+    def _digest(self, tokenizer: Any) -> tuple[int, bytes] | None:
+        """The tokenizer's size and digest, computed once per tokenizer (hashing a vocabulary takes ms)."""
+        if tokenizer is None:
+            return None
+        with self._local_lock:
+            known = self._digests.get(id(tokenizer))
+            if known is None or known[0] is not tokenizer:
+                known = (tokenizer, (len(tokenizer.get_vocab()), tokenizer_digest(tokenizer)))
+                self._digests[id(tokenizer)] = known
+            return known[1]
+
+    def opener(
+        self,
+        proposer: str,
+        vocab_size: int,
+        *,
+        target: Any = None,
+        early_exit: int | None = None,
+        stats: SpeculationStats | None = None,
+        tokenizer: Any = None,
+    ):
         """`open_drafter(rows, resolved_config) -> Drafter` for the decoding loop.
 
-        `target` and `early_exit` (the request's `assistant_early_exit`) make the early-exit draft, checked
-        here, before any forward (INVALID_ARGUMENT for a layer count the served model does not have).
+        Args:
+            proposer (`str`): the request's proposer.
+            vocab_size (`int`): the target's vocabulary size (width of its logits).
+            target (*optional*), early_exit (`int`, *optional*): the served model and the request's
+                `assistant_early_exit`, which make the early-exit draft, checked here, before any forward
+                (INVALID_ARGUMENT for a layer count the served model does not have).
+            stats (`SpeculationStats`, *optional*): the request's stats (hits and misses of the blocks a
+                remote draft drafted ahead).
+            tokenizer (*optional*): the target's tokenizer, whose digest remote draft-model streams send.
         """
         draft_view = None
         if proposer == PROPOSER_EARLY_EXIT:
@@ -395,6 +462,9 @@ class DraftPolicy:
                 (sampling or config.assistant_ensemble_weight is not None) and method == pb.DRAFT_METHOD_MODEL,
                 self.round_timeout_s,
                 caller_deadline(),
+                overlap=self.draft_overlap,
+                stats=stats,
+                digest=self._digest(tokenizer) if method == pb.DRAFT_METHOD_MODEL else None,
             )
 
         return open_drafter

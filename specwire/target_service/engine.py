@@ -260,7 +260,12 @@ class Engine:
         with self._lock:
             opened = self._drafters.get(id(job))
         opener = self.drafting.opener(
-            proposer, self.loaded.vocab_size, self.loaded.model, job.config.assistant_early_exit
+            proposer,
+            self.loaded.vocab_size,
+            target=self.loaded.model,
+            early_exit=job.config.assistant_early_exit,
+            stats=job.speculation,
+            tokenizer=self.loaded.tokenizer,
         )
         open_drafter = _opener(opener, drafting, opened)
         return speculate_from_plan(

@@ -81,6 +81,8 @@ def speculation_to_proto(stats: SpeculationStats) -> pb.SpeculationStats:
         draft_seconds=stats.draft_seconds,
         verify_seconds=stats.verify_seconds,
         fallback_reason=stats.fallback_reason,
+        draft_ahead_hits=stats.draft_ahead_hits,
+        draft_ahead_misses=stats.draft_ahead_misses,
     )
 
 

@@ -318,6 +318,13 @@ def test_a_colocated_draft_model_is_the_targets_flag_and_no_draft_address(tools)
     assert "--draft-address" not in r.container("target")["args"]
 
 
+def test_draft_overlap_is_on_by_default_and_a_value_turns_it_off(tools):
+    args = Rendered(template(tools).stdout).container("target")["args"]
+    assert "--draft-address" in args and "--no-draft-overlap" not in args
+    args = Rendered(template(tools, "--set", "target.draftOverlap=false").stdout).container("target")["args"]
+    assert "--draft-address" in args and "--no-draft-overlap" in args
+
+
 HEALTH_SERVER = textwrap.dedent(
     """
     import sys, grpc

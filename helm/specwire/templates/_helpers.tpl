@@ -280,6 +280,9 @@ the password never shows on the command line. */ -}}
 {{- end -}}
 {{- if hasKey $settings "SPECWIRE_DRAFT_ADDRESS" -}}
 {{- $args = concat $args (list "--draft-address" "$(SPECWIRE_DRAFT_ADDRESS)") -}}
+{{- if not $v.draftOverlap -}}
+{{- $args = concat $args (list "--no-draft-overlap") -}}
+{{- end -}}
 {{- end -}}
 {{- if hasKey $settings "SPECWIRE_DRAFT_MODEL" -}}
 {{- $args = concat $args (list "--draft-model" "$(SPECWIRE_DRAFT_MODEL)") -}}

@@ -15,25 +15,40 @@ class DraftMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_METHOD_UNSPECIFIED: _ClassVar[DraftMethod]
     DRAFT_METHOD_PROMPT_LOOKUP: _ClassVar[DraftMethod]
     DRAFT_METHOD_MODEL: _ClassVar[DraftMethod]
+
+class DraftAhead(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_AHEAD_UNSPECIFIED: _ClassVar[DraftAhead]
+    DRAFT_AHEAD_HIT: _ClassVar[DraftAhead]
+    DRAFT_AHEAD_MISS: _ClassVar[DraftAhead]
 DRAFT_METHOD_UNSPECIFIED: DraftMethod
 DRAFT_METHOD_PROMPT_LOOKUP: DraftMethod
 DRAFT_METHOD_MODEL: DraftMethod
+DRAFT_AHEAD_UNSPECIFIED: DraftAhead
+DRAFT_AHEAD_HIT: DraftAhead
+DRAFT_AHEAD_MISS: DraftAhead
 
 class DraftStart(_message.Message):
-    __slots__ = ("rows", "method", "config", "num_tokens", "return_probs", "vocab_size")
+    __slots__ = ("rows", "method", "config", "num_tokens", "return_probs", "vocab_size", "overlap", "tokenizer_size", "tokenizer_digest")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     rows: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
     method: DraftMethod
     config: _generation_config_pb2.GenerationConfig
     num_tokens: int
     return_probs: bool
     vocab_size: int
-    def __init__(self, rows: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., method: _Optional[_Union[DraftMethod, str]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., num_tokens: _Optional[int] = ..., return_probs: _Optional[bool] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    overlap: bool
+    tokenizer_size: int
+    tokenizer_digest: bytes
+    def __init__(self, rows: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., method: _Optional[_Union[DraftMethod, str]] = ..., config: _Optional[_Union[_generation_config_pb2.GenerationConfig, _Mapping]] = ..., num_tokens: _Optional[int] = ..., return_probs: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., overlap: _Optional[bool] = ..., tokenizer_size: _Optional[int] = ..., tokenizer_digest: _Optional[bytes] = ...) -> None: ...
 
 class RowFeedback(_message.Message):
     __slots__ = ("num_accepted", "appended_ids", "finished")
@@ -62,12 +77,14 @@ class DraftRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DraftStart, _Mapping]] = ..., feedback: _Optional[_Union[DraftFeedback, _Mapping]] = ...) -> None: ...
 
 class RowDraft(_message.Message):
-    __slots__ = ("token_ids", "probs")
+    __slots__ = ("token_ids", "probs", "ahead")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _common_pb2.DenseTensor
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ...) -> None: ...
+    ahead: DraftAhead
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., ahead: _Optional[_Union[DraftAhead, str]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("rows",)

@@ -256,27 +256,76 @@ class ModelDrafter:
             drafted: list[int] = []
             row_probs: list[torch.Tensor] = []
             if not self.finished[i]:
-                new = row.tokens[row.cached :]
-                for _ in range(num_tokens):
-                    scores = self._fit_vocab(self._next_scores(row, new))
-                    context = torch.tensor([row.tokens + drafted], dtype=torch.long, device=self.device)
-                    scores = self.processors[i](context, scores)  # [1, vocab]
-                    if self.do_sample:
-                        q = scores.softmax(-1)
-                        token = int(torch.multinomial(q, 1, generator=self.generator))
-                        row_probs.append(q[0])
-                    else:
-                        token = int(scores.argmax(-1))
-                        if self.return_probs:
-                            row_probs.append(scores.softmax(-1)[0])
-                    drafted.append(token)
-                    if token in self.eos or self._unsure(token, scores):
-                        break
-                    new = [token]
+                drafted, row_probs, _ = self._extend(i, row.tokens, num_tokens)
             row.drafted = drafted
             tokens.append(drafted)
-            probs.append(torch.stack(row_probs).cpu() if row_probs and self.return_probs else None)
+            probs.append(self._stacked(row_probs))
         return Proposal(tokens, probs)
+
+    def _stacked(self, row_probs: list[torch.Tensor]) -> torch.Tensor | None:
+        return torch.stack(row_probs).cpu() if row_probs and self.return_probs else None
+
+    def _uncached(self, row: _RowCache, base: list[int]) -> list[int]:
+        """The tokens of `base` the row's cache lacks: at least the last one (its logits are needed)."""
+        if row.cached >= len(base):
+            self._crop(row, len(base) - 1)
+        return base[row.cached :]
+
+    @staticmethod
+    def _crop(row: _RowCache, keep: int) -> None:
+        if row.cached > keep:
+            row.cache.crop(keep - row.cached)  # transformers 5 crops by a negative count
+            row.cached = keep
+
+    def _processed(self, i: int, base: list[int]) -> torch.Tensor:
+        """Row `i`'s processed draft scores of the token after `base` (the cache holds a prefix of it)."""
+        row = self.rows[i]
+        scores = self._fit_vocab(self._next_scores(row, self._uncached(row, base)))
+        context = torch.tensor([base], dtype=torch.long, device=self.device)
+        return self.processors[i](context, scores)  # [1, vocab]
+
+    def _extend(
+        self,
+        i: int,
+        base: list[int],
+        num_tokens: int,
+        should_stop: Any = None,
+        states: list[torch.Tensor] | None = None,
+    ) -> tuple[list[int], list[torch.Tensor], bool]:
+        """Draft up to `num_tokens` tokens after `base` for row `i`, one forward each.
+
+        Args:
+            i (`int`): the row.
+            base (`list[int]`): the tokens the draft continues (the row's cache holds a prefix of them).
+            num_tokens (`int`): the most tokens to draft.
+            should_stop (`Callable[[], bool]`, *optional*): asked before every forward; `True` ends the
+                drafting there (drafting ahead gives way to real work).
+            states (`list[torch.Tensor]`, *optional*): receives the generator's state after each token.
+
+        Returns:
+            `tuple`: the drafted tokens, their probabilities (when sampling or returning them), and
+            whether the draft ended by itself (an EOS or the confidence threshold) rather than by the count.
+        """
+        drafted: list[int] = []
+        row_probs: list[torch.Tensor] = []
+        for _ in range(num_tokens):
+            if should_stop is not None and should_stop():
+                return drafted, row_probs, False
+            scores = self._processed(i, base + drafted)
+            if self.do_sample:
+                q = scores.softmax(-1)
+                token = int(torch.multinomial(q, 1, generator=self.generator))
+                row_probs.append(q[0])
+            else:
+                token = int(scores.argmax(-1))
+                if self.return_probs:
+                    row_probs.append(scores.softmax(-1)[0])
+            if states is not None and self.generator is not None:
+                states.append(self.generator.get_state())
+            drafted.append(token)
+            if token in self.eos or self._unsure(token, scores):
+                return drafted, row_probs, True
+        return drafted, row_probs, False
 
     def _unsure(self, token: int, scores: torch.Tensor) -> bool:
         """Whether the draft's confidence in the token it just drafted is below the threshold."""
@@ -284,22 +333,23 @@ class ModelDrafter:
 
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
         for i, (n, extra) in enumerate(zip(num_accepted, appended, strict=True)):
-            row = self.rows[i]
-            kept = len(row.tokens) + n
-            row.tokens += row.drafted[:n] + list(extra)
-            # The cache holds the old tokens plus all drafted tokens but the last; keep the accepted ones.
-            if row.cached > kept:
-                row.cache.crop(kept - row.cached)  # transformers 5 crops by a negative count
-                row.cached = kept
-            row.drafted = []
-            self.finished[i] = self.finished[i] or finished[i]
+            self._feedback_row(i, n, extra, finished[i])
+
+    def _feedback_row(self, i: int, num_accepted: int, appended: list[int], finished: bool) -> None:
+        row = self.rows[i]
+        kept = len(row.tokens) + num_accepted
+        row.tokens += row.drafted[:num_accepted] + list(appended)
+        # The cache holds the old tokens plus drafted tokens; keep the accepted ones.
+        self._crop(row, kept)
+        row.drafted = []
+        self.finished[i] = self.finished[i] or finished
 
     def close(self) -> None:
         self.rows = []
 
 
 def open_model_drafter(
-    model: Any, rows: list[list[int]], config: Any, vocab_size: int, return_probs: bool
+    model: Any, rows: list[list[int]], config: Any, vocab_size: int, return_probs: bool, overlap: bool = False
 ) -> ModelDrafter:
     """A `ModelDrafter` with its own random stream when the request samples.
 
@@ -311,6 +361,8 @@ def open_model_drafter(
         config (`GenerationConfig`): the request's effective config (`do_sample`, `seed`, processors).
         vocab_size (`int`): the target's vocabulary size.
         return_probs (`bool`): return the draft's probabilities (the target samples, or mixes an ensemble).
+        overlap (`bool`, defaults to `False`): an `OverlappingModelDrafter`, which can draft the next block
+            ahead while the target verifies (the draft service's `DraftStart.overlap`).
     """
     generator = None
     if config.do_sample:
@@ -321,4 +373,9 @@ def open_model_drafter(
             generator.manual_seed(config.seed)
         else:
             generator.seed()
+    if overlap:
+        # Imported here: draft_ahead builds on this module.
+        from specwire.generation.speculation.draft_ahead import OverlappingModelDrafter
+
+        return OverlappingModelDrafter(model, rows, config, vocab_size, return_probs, generator)
     return ModelDrafter(model, rows, config, vocab_size, return_probs, generator)

@@ -36,6 +36,10 @@ class SpeculationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     fallback_reason: str = ""
+    # A remote draft with overlap: rows whose proposals came from the block drafted ahead while the
+    # target verified (hits), and rows whose block drafted ahead was discarded (misses).
+    draft_ahead_hits: int = 0
+    draft_ahead_misses: int = 0
     # One entry per round with a draft: (rows, asked, drafted, accepted, draft_s, verify_s, start_ns,
     # end_ns, drafted_rows), for tracing.
     round_log: list[RoundRecord] = field(default_factory=list)

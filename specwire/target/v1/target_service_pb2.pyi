@@ -138,7 +138,7 @@ class GeneratedSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("proposer", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "accepted_by_position", "draft_seconds", "verify_seconds", "fallback_reason")
+    __slots__ = ("proposer", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "accepted_by_position", "draft_seconds", "verify_seconds", "fallback_reason", "draft_ahead_hits", "draft_ahead_misses")
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,8 @@ class SpeculationStats(_message.Message):
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
     proposer: Proposer
     rounds: int
     drafted_tokens: int
@@ -157,7 +159,9 @@ class SpeculationStats(_message.Message):
     draft_seconds: float
     verify_seconds: float
     fallback_reason: str
-    def __init__(self, proposer: _Optional[_Union[Proposer, str]] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
+    draft_ahead_hits: int
+    draft_ahead_misses: int
+    def __init__(self, proposer: _Optional[_Union[Proposer, str]] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ...) -> None: ...
 
 class ResolvedConfig(_message.Message):
     __slots__ = ("name", "version")

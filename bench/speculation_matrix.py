@@ -1,0 +1,298 @@
+"""The speculation matrix (issue #23): every proposer and draft placement side by side, with the
+adaptive controller on and off, on three prompts, against plain greedy on the same services and
+against transformers in this process.
+
+Rows, per prompt (chat, code edit, and a low-acceptance one):
+
+- plain greedy (the main target) and transformers greedy;
+- prompt lookup (the main target) and transformers' prompt lookup;
+- draft model co-located (a target started with `--draft-model`) and transformers' assisted generation
+  with the same draft;
+- draft model remote, overlapped and serial: two targets that differ only by `--no-draft-overlap`,
+  pinned to one core while their draft service is pinned to another (`taskset`, same pinning for
+  both), with plain greedy on the same pinned target as their baseline.
+
+Controller "off" requests name transformers' defaults explicitly (`num_assistant_tokens=20`,
+`num_assistant_tokens_schedule="constant"`; prompt lookup: `prompt_lookup_num_tokens=10`), which the
+controller leaves alone; "on" requests name none. Every speculative output is checked token for token
+against plain greedy on the same service. Last, `clients` concurrent clients (8; 2 in quick mode)
+with speculation on, against the same clients decoding plainly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from bench.progress import log
+from bench.service_workloads import _wave
+from bench.services import Service, free_port, wait_healthy
+from bench.stats import ratio, summarize
+from bench.target import Specwire, speculation_unavailable
+from bench.workload_context import (
+    PROMPT_LOOKUP_TOKENS,
+    Context,
+    ReferenceSpeculativeRuns,
+    SpeculationUnavailable,
+    alternate,
+    check_entry,
+    run_series,
+    same_tokens,
+)
+
+PROMPTS = ("chat", "code", "low")
+# What a controller-off request names: transformers' defaults, explicitly (the controller leaves them alone).
+OFF_DRAFT = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant"}
+OFF_LOOKUP = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
+# (label, target, request arguments beyond greedy decoding)
+SPECULATIVE = [
+    ("prompt_lookup_on", "main", {"proposer": "prompt_lookup"}),
+    ("prompt_lookup_off", "main", {"proposer": "prompt_lookup", **OFF_LOOKUP}),
+    ("colocated_on", "colocated", {"proposer": "draft_model"}),
+    ("colocated_off", "colocated", {"proposer": "draft_model", **OFF_DRAFT}),
+    ("remote_overlapped_on", "overlapped", {"proposer": "draft_model"}),
+    ("remote_overlapped_off", "overlapped", {"proposer": "draft_model", **OFF_DRAFT}),
+    ("remote_serial_on", "serial", {"proposer": "draft_model"}),
+    ("remote_serial_off", "serial", {"proposer": "draft_model", **OFF_DRAFT}),
+]
+# Ratios the report shows: (name, label, baseline label). Baselines on the same services, then transformers.
+RATIOS = [
+    ("prompt lookup, controller on / plain greedy", "prompt_lookup_on", "plain_greedy"),
+    ("prompt lookup, controller off / plain greedy", "prompt_lookup_off", "plain_greedy"),
+    ("prompt lookup, controller on / transformers prompt lookup", "prompt_lookup_on", "transformers_prompt_lookup"),
+    ("co-located, controller on / plain greedy", "colocated_on", "plain_greedy"),
+    ("co-located, controller off / plain greedy", "colocated_off", "plain_greedy"),
+    ("co-located, controller on / transformers assisted", "colocated_on", "transformers_assisted"),
+    ("co-located, controller off / transformers assisted", "colocated_off", "transformers_assisted"),
+    ("remote overlapped, controller on / pinned plain greedy", "remote_overlapped_on", "pinned_plain_greedy"),
+    ("remote serial, controller on / pinned plain greedy", "remote_serial_on", "pinned_plain_greedy"),
+    ("remote overlapped / remote serial, controller on (pinned)", "remote_overlapped_on", "remote_serial_on"),
+    ("remote overlapped / remote serial, controller off (pinned)", "remote_overlapped_off", "remote_serial_off"),
+    ("remote overlapped, controller on / transformers assisted", "remote_overlapped_on", "transformers_assisted"),
+]
+
+
+def pinning() -> tuple[str | None, str | None, str]:
+    """(target cores, draft cores, note): separate cores for the pinned target and its draft service."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return None, None, f"{len(cores)} usable core(s): remote serial and overlapped run unpinned"
+    half = len(cores) // 2
+    target, draft = ",".join(map(str, cores[:half])), ",".join(map(str, cores[half:]))
+    return target, draft, f"pinned targets on cores {target}, their draft service on cores {draft} (taskset)"
+
+
+class MatrixServices:
+    """The extra services of the matrix: a pinned draft service, the overlapped and the serial target pinned
+    apart from it, and a target with the co-located draft. Its `sides` are clients of every target."""
+
+    def __init__(self, ctx: Context):
+        stack = ctx.stack
+        self.log_dir = stack.log_dir
+        self.target_cpus, self.draft_cpus, self.note = pinning()
+        draft_port = free_port()
+        model_args = ["--model", stack.model, "--device", stack.device, "--dtype", stack.dtype]
+        draft_args = ["--model", ctx.draft_name, "--device", stack.draft_device, "--dtype", stack.draft_dtype]
+        remote = [*model_args, "--draft-address", f"127.0.0.1:{draft_port}", "--draft-timeout", "30"]
+        self.services = {
+            "pinned_draft": Service(
+                "pinned draft-service",
+                "specwire.draft_service",
+                draft_args,
+                draft_port,
+                self.log_dir / "matrix-draft.log",
+                cpus=self.draft_cpus,
+            ),
+            "overlapped": self._target("overlapped", remote, self.target_cpus),
+            "serial": self._target("serial", [*remote, "--no-draft-overlap"], self.target_cpus),
+            "colocated": self._target("colocated", [*model_args, "--draft-model", ctx.draft_name], None),
+        }
+        self.sides: dict[str, Specwire] = {"main": ctx.specwire}
+
+    def _target(self, name: str, args: list[str], cpus: str | None) -> Service:
+        return Service(
+            f"{name} target-service",
+            "specwire.target_service",
+            args,
+            free_port(),
+            self.log_dir / f"matrix-{name}.log",
+            cpus=cpus,
+        )
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        for service in self.services.values():
+            service_env = dict(env)
+            if service.cpus:  # one torch thread per pinned core: more would only contend
+                service_env["OMP_NUM_THREADS"] = str(len(service.cpus.split(",")))
+            log(
+                f"starting {service.name} on {service.address} ({' '.join(service.args)}; cpus {service.cpus or 'all'})"
+            )
+            service.start(service_env)
+        for name, service in self.services.items():
+            wait_healthy(service, 900.0)
+            if name != "pinned_draft":
+                self.sides[name] = Specwire(service.address)
+
+    def stop(self) -> None:
+        for name, side in self.sides.items():
+            if name != "main":
+                side.close()
+        for service in self.services.values():
+            service.stop()
+
+
+class Runs:
+    """One row of the matrix on one target: timed runs, speculation stats, and the check against plain
+    greedy on the same target (`greedy`, shared by the rows of that target and prompt)."""
+
+    def __init__(self, side: Specwire, prompt: list[int], label: str, greedy: dict, **kwargs: Any):
+        self.side, self.prompt, self.label, self.greedy, self.kwargs = side, prompt, label, greedy, kwargs
+        self.stats: list[dict] = []
+        self.matches: list[bool] = []
+        self.detail = ""
+
+    def __call__(self):
+        run, output = self.side.generate(self.prompt, **self.kwargs)
+        if self.kwargs.get("proposer"):
+            reason = speculation_unavailable(output)
+            if reason:
+                raise SpeculationUnavailable(reason)
+            self.stats.append(dict(output.speculation.__dict__))
+            if "sequence" not in self.greedy:
+                plain, _ = self.side.generate(
+                    self.prompt, do_sample=False, max_new_tokens=self.kwargs["max_new_tokens"]
+                )
+                self.greedy["sequence"] = plain.sequence
+            same, self.detail = same_tokens(run.sequence, self.greedy["sequence"])
+            self.matches.append(same)
+        else:
+            self.greedy.setdefault("sequence", run.sequence)
+        return run
+
+    def summary(self) -> dict | None:
+        if not self.stats:
+            return None
+        keys = (
+            "acceptance_rate",
+            "rounds",
+            "drafted_tokens",
+            "draft_seconds",
+            "draft_ahead_hits",
+            "draft_ahead_misses",
+        )
+        return {key: summarize([s.get(key, 0) for s in self.stats]) for key in keys}
+
+    def check(self) -> dict | None:
+        if not self.kwargs.get("proposer"):
+            return None
+        name = f"specwire {self.label.replace('_', ' ')} equals plain greedy on the same target"
+        if not self.matches:
+            return check_entry(name, None, "not run (speculation not available)")
+        return check_entry(
+            name, all(self.matches), f"{sum(self.matches)}/{len(self.matches)} runs; last: {self.detail}"
+        )
+
+
+def _prompt_rows(ctx: Context, services: MatrixServices, key: str) -> dict:
+    prompt = ctx.prompt(key)
+    base = {"do_sample": False, "max_new_tokens": ctx.max_new_tokens}
+    greedy: dict[str, dict] = {name: {} for name in services.sides}
+    rows: dict[str, Any] = {
+        "plain_greedy": Runs(services.sides["main"], prompt, "plain_greedy", greedy["main"], **base),
+        "pinned_plain_greedy": Runs(services.sides["serial"], prompt, "pinned_plain_greedy", greedy["serial"], **base),
+    }
+    for label, target, extra in SPECULATIVE:
+        # The two pinned targets are one service each but the same model and pinning: one greedy baseline.
+        shared = greedy["serial"] if target == "overlapped" else greedy[target]
+        rows[label] = Runs(services.sides[target], prompt, label, shared, **base, **extra)
+    assistant = ctx.reference.draft(ctx.draft_name)
+    rows["transformers_greedy"] = lambda: ctx.reference.generate(prompt, **base)
+    rows["transformers_prompt_lookup"] = ReferenceSpeculativeRuns(
+        ctx, key, f"transformers prompt lookup ({key})", **OFF_LOOKUP, **base
+    )
+    rows["transformers_assisted"] = ReferenceSpeculativeRuns(
+        ctx, key, f"transformers assisted ({key})", assistant=assistant, **base
+    )
+    runs, unavailable = alternate(ctx, rows, f"matrix {key}")
+    series = {label: run_series(r) for label, r in runs.items() if r}
+    ratios = {}
+    for name, label, baseline in RATIOS:
+        value = ratio(series.get(label, {}).get("tokens_per_second"), series.get(baseline, {}).get("tokens_per_second"))
+        ratios[name] = value
+    checks = [c for c in (getattr(r, "check", lambda: None)() for r in rows.values()) if c is not None]
+    return {
+        "prompt_tokens": len(prompt),
+        "series": series,
+        "ratios": ratios,
+        "speculation": {label: r.summary() for label, r in rows.items() if isinstance(r, Runs) and r.stats},
+        "unavailable": unavailable,
+        "checks": checks,
+    }
+
+
+def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
+    """`clients` concurrent requests with speculation on (controller on) against the same clients plain."""
+    prompt = ctx.prompt("chat")
+    base = {"do_sample": False, "max_new_tokens": ctx.max_new_tokens}
+    cases = {
+        "plain_greedy": ("main", base),
+        "prompt_lookup_on": ("main", {**base, "proposer": "prompt_lookup"}),
+        "remote_draft_on": ("main", {**base, "proposer": "draft_model"}),
+        "colocated_plain_greedy": ("colocated", base),
+        "colocated_on": ("colocated", {**base, "proposer": "draft_model"}),
+    }
+    throughput: dict[str, list[float]] = {label: [] for label in cases}
+    for repeat in range(ctx.repeats):
+        for label in cases if repeat % 2 == 0 else list(cases)[::-1]:
+            target, args = cases[label]
+            wall, _, tokens = _wave(services.sides[target].address, prompt, clients, args)
+            throughput[label].append(tokens / wall)
+            log(f"  matrix {clients} clients [{repeat + 1}/{ctx.repeats}] {label}: {tokens / wall:.1f} tok/s aggregate")
+    summaries = {label: summarize(values) for label, values in throughput.items()}
+    return {
+        "clients": clients,
+        "aggregate_tokens_per_second": summaries,
+        "ratios": {
+            "prompt lookup / plain greedy": ratio(summaries["prompt_lookup_on"], summaries["plain_greedy"]),
+            "remote draft / plain greedy": ratio(summaries["remote_draft_on"], summaries["plain_greedy"]),
+            "co-located draft / plain greedy (same target)": ratio(
+                summaries["colocated_on"], summaries["colocated_plain_greedy"]
+            ),
+        },
+    }
+
+
+def speculation_matrix(ctx: Context) -> dict:
+    """11. The speculation matrix: proposers x placements x controller on/off x prompts, and concurrency."""
+    if ctx.stack.draft_model_error:
+        return {
+            "title": "Speculation matrix",
+            "status": "unavailable",
+            "reason": ctx.stack.draft_model_error,
+            "checks": [],
+        }
+    services = MatrixServices(ctx)
+    try:
+        services.start()
+        prompts = {key: _prompt_rows(ctx, services, key) for key in PROMPTS}
+        concurrency = _concurrency(ctx, services, 2 if ctx.quick else 8)
+    finally:
+        services.stop()
+    unavailable = {f"{key}: {label}": why for key, p in prompts.items() for label, why in p["unavailable"].items()}
+    return {
+        "title": "Speculation matrix (controller on/off, draft placements, three prompts)",
+        "status": "partial" if unavailable else "ok",
+        "reason": "; ".join(f"{label}: {why}" for label, why in unavailable.items()) or None,
+        "config": {
+            "do_sample": False,
+            "max_new_tokens": ctx.max_new_tokens,
+            "off_draft": OFF_DRAFT,
+            "off_lookup": OFF_LOOKUP,
+        },
+        "pinning": services.note,
+        "prompts": prompts,
+        "concurrency": concurrency,
+        "checks": [c for p in prompts.values() for c in p["checks"]],
+        "notes": [services.note],
+    }

@@ -1,0 +1,42 @@
+"""`python -m bench --quick --workloads speculation_matrix` on a tiny random model (the draft is the target's
+own weights, so blocks are accepted and drafted ahead): every row of the matrix ran on each prompt or says
+why not, every speculative output equals plain greedy on the same target, the pinned remote targets
+drafted ahead with hits, and the report carries the matrix and issue #23's targets. Timings are never
+asserted."""
+
+from __future__ import annotations
+
+from bench.speculation_matrix import PROMPTS, SPECULATIVE
+from tests.bench.test_bench_quick import run_quick
+
+
+def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
+    out = tmp_path / "results"
+    _, results = run_quick(
+        out, "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir), "--workloads", "speculation_matrix"
+    )
+    matrix = results["workloads"]["speculation_matrix"]
+    assert matrix["status"] in ("ok", "partial"), matrix.get("reason")
+    assert set(matrix["prompts"]) == set(PROMPTS)
+    for key, prompt in matrix["prompts"].items():
+        for label in ["plain_greedy", "pinned_plain_greedy", *(row[0] for row in SPECULATIVE)]:
+            assert label in prompt["series"] or label in prompt["unavailable"], (key, label)
+        for label in ("transformers_greedy", "transformers_prompt_lookup", "transformers_assisted"):
+            assert prompt["series"][label]["tokens_per_second"]["median"] > 0
+        hits = prompt["speculation"]["remote_overlapped_off"]["draft_ahead_hits"]["median"]
+        assert hits > 0, key  # the target's own weights: whole blocks accepted, the bonus guessed
+        assert prompt["speculation"]["remote_serial_off"]["draft_ahead_hits"]["median"] == 0
+        assert prompt["ratios"]["remote overlapped / remote serial, controller off (pinned)"] is not None
+    checks = matrix["checks"]
+    assert checks and not [c for c in checks if c["passed"] is False], [c for c in checks if c["passed"] is False]
+    assert sum(1 for c in checks if c["passed"]) >= len(PROMPTS) * 6
+    concurrency = matrix["concurrency"]
+    assert concurrency["clients"] == 2 and all(v is not None for v in concurrency["ratios"].values())
+    names = {t["name"] for t in results["targets"]}
+    assert "controller: slowest speculative row vs plain greedy" in names
+    assert "remote overlapped vs remote serial, same pinning (chat)" in names
+    equal = next(t for t in results["targets"] if t["name"] == "every speculative output equals plain greedy (matrix)")
+    assert equal["met"] is True
+    markdown = (out / "results.md").read_text()
+    assert "### 11. Speculation matrix" in markdown and "draft remote overlapped (pinned)" in markdown
+    assert "speculation_matrix.png" in results["plots"]
