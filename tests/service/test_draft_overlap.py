@@ -64,6 +64,18 @@ def _generate(address: str, rows, **kwargs):
         return client.generate(rows, **kwargs)
 
 
+def _eventually(generate, counted, attempts: int = 5):
+    """Whether a round counts as a hit or a miss depends on timing: the draft service must finish a
+    block ahead before the target's feedback arrives, which a loaded machine may prevent in one run.
+    Outputs never depend on it; so counters are asserted over a few runs, and a broken overlap fails
+    every one of them."""
+    for _ in range(attempts):
+        out = generate()
+        if counted(out.speculation):
+            return out
+    pytest.fail(f"no run of {attempts} counted as expected: {out.speculation}")
+
+
 @pytest.mark.parametrize("draft", ["same", "other"])
 @pytest.mark.parametrize("draft_length", [1, 4])
 @pytest.mark.parametrize("max_new_tokens", [7, 13, 24])  # the limit falls inside blocks drafted ahead
@@ -76,7 +88,9 @@ def test_greedy_equals_plain_greedy_with_overlap(stack, draft, draft_length, max
     s = spec.speculation
     assert s.fallback_reason == "" and s.rounds > 0
     if draft == "same" and max_new_tokens > 7:
-        assert s.draft_ahead_hits > 0  # the target's own weights: whole blocks accepted, bonus guessed
+        # the target's own weights: whole blocks accepted, bonus guessed
+        kwargs = dict(max_new_tokens=max_new_tokens, num_assistant_tokens=draft_length, **DRAFT)
+        _eventually(lambda: _generate(address, BATCH, **kwargs), lambda c: c.draft_ahead_hits > 0)
     assert s.draft_ahead_hits + s.draft_ahead_misses <= len(BATCH) * s.rounds
     assert _settles(lambda: policy.open_streams == 0 and servicer_of(drafts).open_sessions == 0)
 
@@ -90,10 +104,11 @@ def test_eos_inside_a_block_drafted_ahead(stack, loaded):
     eos = plain.sequences[0, -width + 6].item()
     kwargs = dict(max_new_tokens=30, eos_token_id=[2, eos])
     plain_eos = _generate(address, BATCH, proposer="none", **kwargs)
-    spec_eos = _generate(address, BATCH, num_assistant_tokens=3, **DRAFT, **kwargs)
+    spec_eos = _eventually(
+        lambda: _generate(address, BATCH, num_assistant_tokens=3, **DRAFT, **kwargs), lambda c: c.draft_ahead_hits > 0
+    )
     assert torch.equal(spec_eos.sequences, plain_eos.sequences)
     assert spec_eos.finish_reasons == plain_eos.finish_reasons and "eos" in spec_eos.finish_reasons
-    assert spec_eos.speculation.draft_ahead_hits > 0
 
 
 def test_hits_and_misses_are_counted_and_overlap_off_has_none(stack):
@@ -102,15 +117,20 @@ def test_hits_and_misses_are_counted_and_overlap_off_has_none(stack):
     other draft model gets its blocks rejected (misses only). Without overlap nothing is drafted ahead,
     and the output is the same."""
     kwargs = dict(max_new_tokens=40, min_new_tokens=40, num_assistant_tokens=2, do_sample=True, seed=3, **DRAFT)
-    on = _generate(stack["same", True][0], BATCH[:1], **kwargs)
+    on = _eventually(
+        lambda: _generate(stack["same", True][0], BATCH[:1], **kwargs),
+        lambda c: c.draft_ahead_hits > 0 and c.draft_ahead_misses > 0,
+    )
     off = _generate(stack["same", False][0], BATCH[:1], **kwargs)
     assert torch.equal(on.sequences, off.sequences)
-    assert on.speculation.draft_ahead_hits > 0 and on.speculation.draft_ahead_misses > 0
     assert off.speculation.draft_ahead_hits == off.speculation.draft_ahead_misses == 0
     assert on.speculation.rounds == off.speculation.rounds
     assert on.speculation.accepted_tokens == off.speculation.accepted_tokens
-    rejected = _generate(stack["other", True][0], BATCH, max_new_tokens=12, num_assistant_tokens=2, **DRAFT)
-    assert rejected.speculation.draft_ahead_misses > 0 and rejected.speculation.draft_ahead_hits == 0
+    rejected = _eventually(
+        lambda: _generate(stack["other", True][0], BATCH, max_new_tokens=12, num_assistant_tokens=2, **DRAFT),
+        lambda c: c.draft_ahead_misses > 0,
+    )
+    assert rejected.speculation.draft_ahead_hits == 0
 
 
 @pytest.mark.parametrize("draft", ["same", "other"])
@@ -118,12 +138,14 @@ def test_seeded_sampling_is_the_same_with_overlap_on_and_off(stack, draft):
     """The blocks drafted ahead are the tokens serial drafting draws (the draft's generator is rewound
     or advanced as serial drafting leaves it), so a seed gives the same output either way."""
     kwargs = dict(max_new_tokens=24, do_sample=True, seed=5, top_k=20, num_assistant_tokens=3, **DRAFT)
-    on = _generate(stack[draft, True][0], BATCH[:1], **kwargs)
+    on = _eventually(
+        lambda: _generate(stack[draft, True][0], BATCH[:1], **kwargs),
+        lambda c: c.draft_ahead_hits + c.draft_ahead_misses > 0,
+    )
     again = _generate(stack[draft, True][0], BATCH[:1], **kwargs)
     off = _generate(stack[draft, False][0], BATCH[:1], **kwargs)
     assert torch.equal(on.sequences, again.sequences)
     assert torch.equal(on.sequences, off.sequences)
-    assert on.speculation.draft_ahead_hits + on.speculation.draft_ahead_misses > 0
 
 
 def _settles(predicate, timeout: float = 30.0) -> bool:
