@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specwire.generation.speculation.controller import (
     AcceptanceEstimate,
@@ -59,8 +60,11 @@ def test_acceptance_estimate_counts_the_first_rejection_and_forgets():
     for _ in range(20):
         estimate.observe(4, 0)  # rejected at once, again and again: the old evidence fades
     assert estimate.mean < 0.2
-    estimate.observe(0, 0)  # nothing drafted: no evidence
+    estimate.observe(0, 0)  # nothing asked: no evidence
     assert estimate.mean < 0.2
+    short = AcceptanceEstimate(prior_mean=0.5, prior_strength=2.0)
+    short.observe(4, 2)  # asked 4, the draft stopped after 2 and both were kept: the block ended there
+    assert short.mean == pytest.approx(3 / 5)
 
 
 def test_slow_draft_and_low_acceptance_pick_plain_decoding():
@@ -97,7 +101,7 @@ def test_time_off_then_probes_that_back_off_then_resume():
     def round_with(acceptance_accepted: int) -> int:
         k = controller.next_length()
         drafted = [k] if k else [0]
-        controller.observe(k, drafted, [min(acceptance_accepted, k)], 0.03 * k, 0.032, 1 + k)
+        controller.observe(k, [k], drafted, [min(acceptance_accepted, k)], 0.03 * k, 0.032, 1 + k)
         return k
 
     lengths = [round_with(0) for _ in range(30)]
@@ -123,10 +127,10 @@ def test_draft_cost_is_not_learned_from_cold_or_probe_rounds():
     costs = SharedCosts()
     controller = SpeculationController(costs, "draft_model")
     controller.next_length()
-    controller.observe(3, [3], [3], 5.0, 0.03, 4)  # the first block: the draft's prefill
+    controller.observe(3, [3], [3], [3], 5.0, 0.03, 4)  # the first block: the draft's prefill
     assert costs._drafts == {}
     controller.next_length()
-    controller.observe(3, [3], [3], 0.03, 0.03, 4)
+    controller.observe(3, [3], [3], [3], 0.03, 0.03, 4)
     assert costs.draft("draft_model", 0.03) == pytest.approx((0.0, 0.01), abs=1e-6)
 
 
@@ -137,3 +141,76 @@ def test_options_are_checked():
         ControllerOptions(off_rounds=8, max_off_rounds=4)
     with pytest.raises(ValueError, match="prior_mean"):
         AcceptanceEstimate(prior_mean=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rejection-sampling distribution with the controller on: a tiny target, a tiny draft of other
+# weights (its distribution differs), the decoding loop in-process.
+
+SAMPLES = 300
+PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
+
+
+def _marginals(tokens: list[list[int]], vocab: int) -> torch.Tensor:
+    """`[positions, vocab]`: how often each token came at each generated position, as frequencies."""
+    counts = torch.zeros(len(tokens[0]), vocab)
+    for row in tokens:
+        for position, token in enumerate(row):
+            counts[position, token] += 1
+    return counts / len(tokens)
+
+
+def _total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest per-position total variation distance between two `[positions, vocab]` marginals."""
+    return float(0.5 * (a - b).abs().sum(-1).max())
+
+
+def test_sampling_with_the_controller_keeps_the_target_distribution(tiny_model_dir, tiny_draft_dir):
+    from specwire.generation.config import GenerationConfig, merge
+    from specwire.generation.loops.generate import drain, generate
+    from specwire.generation.loops.speculative import iter_speculative
+    from specwire.generation.speculation.drafters import open_model_drafter
+    from specwire.generation.speculation.stats import SpeculationStats
+    from specwire.models import load_model
+
+    target, draft = load_model(str(tiny_model_dir), progress=False), load_model(str(tiny_draft_dir), progress=False)
+    prompt = torch.tensor([PROMPT])
+    width = len(PROMPT)
+
+    def config(seed: int) -> GenerationConfig:
+        given = GenerationConfig.from_dict(
+            {"do_sample": True, "top_k": 2, "max_new_tokens": 3, "min_new_tokens": 3, "seed": seed}
+        )
+        return merge(given, target.generation_config)
+
+    plain, own_draft, speculative = [], [], []
+    drafted = 0
+    for seed in range(SAMPLES):
+        plain.append(generate(target.model, prompt, config=config(seed)).sequences[0, width:].tolist())
+        if seed < SAMPLES // 3:  # enough to tell the draft's distribution apart
+            own_draft.append(generate(draft.model, prompt, config=config(seed)).sequences[0, width:].tolist())
+        stats = SpeculationStats()
+        result = drain(
+            iter_speculative(
+                target.model,
+                prompt,
+                config=config(10_000 + seed),
+                open_drafter=lambda rows, resolved: open_model_drafter(
+                    draft.model, rows, resolved, target.vocab_size, True
+                ),
+                stats=stats,
+                # Fresh costs: each request's first round drafts the prior's few tokens (shared costs
+                # would soon measure that this draft does not pay, and stop drafting).
+                controller=SpeculationController(SharedCosts(), "draft_model"),
+            )
+        )
+        speculative.append(result.sequences[0, width:].tolist())
+        drafted += stats.drafted_tokens
+        assert stats.decided_by == "controller"
+    assert drafted >= SAMPLES  # every request verified drafts: rejection sampling decided their tokens
+    vocab = target.vocab_size
+    p, q, ours = _marginals(plain, vocab), _marginals(own_draft, vocab), _marginals(speculative, vocab)
+    # Two samples of the same distribution stay close (two plain samples of 300: about 0.09 apart); the
+    # draft's own distribution is far from it (so a loop that kept the draft's tokens would fail this test).
+    assert _total_variation(ours, p) < 0.15
+    assert _total_variation(q, p) > 0.5

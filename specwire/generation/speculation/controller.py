@@ -42,6 +42,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specwire.vocabulary import DRAFT_LENGTH_CONTROLLER, DRAFT_LENGTH_SCHEDULE
+
 __all__ = [
     "DECIDED_BY_CONTROLLER",
     "DECIDED_BY_SCHEDULE",
@@ -54,8 +56,8 @@ __all__ = [
 ]
 
 # What decided a request's draft lengths (`SpeculationStats.decided_by`).
-DECIDED_BY_CONTROLLER = "controller"
-DECIDED_BY_SCHEDULE = "schedule"
+DECIDED_BY_CONTROLLER = DRAFT_LENGTH_CONTROLLER
+DECIDED_BY_SCHEDULE = DRAFT_LENGTH_SCHEDULE
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -163,8 +165,10 @@ class SharedCosts:
 class AcceptanceEstimate:
     """Per-token acceptance of one request: a Beta posterior whose evidence is forgotten geometrically.
 
-    A row that drafted `n` tokens and kept `m` adds `m` acceptances and, when `m < n`, one rejection
-    (the tokens after the first rejection were never judged).
+    A row that asked for `k` tokens, got `n` and kept `m` adds `m` acceptances and, when `m < k`, one
+    rejection (the tokens after the first rejection were never judged). A draft that stops short of
+    `k` (prompt lookup without a match, a draft's EOS or confidence stop) ends the block there as a
+    rejection would: the rounds gain as little.
 
     Args:
         prior_mean (`float`, *optional*, defaults to 0.6): acceptance before any round.
@@ -181,11 +185,12 @@ class AcceptanceEstimate:
         self.accepted = 0.0
         self.rejected = 0.0
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
+    def observe(self, asked: int, accepted: int) -> None:
+        """A row asked for `asked` draft tokens and kept `accepted` of them (none asked: no evidence)."""
+        if asked <= 0:
             return
         self.accepted = self.accepted * self.decay + accepted
-        self.rejected = self.rejected * self.decay + (1.0 if accepted < drafted else 0.0)
+        self.rejected = self.rejected * self.decay + (1.0 if accepted < asked else 0.0)
 
     @property
     def mean(self) -> float:
@@ -297,6 +302,7 @@ class SpeculationController:
     def observe(
         self,
         asked: int,
+        wanted: list[int],
         drafted: list[int],
         accepted: list[int],
         draft_s: float,
@@ -307,13 +313,14 @@ class SpeculationController:
 
         Args:
             asked (`int`): the draft length asked of the drafter (0: it was not called).
+            wanted (`list[int]`): per row, the draft length it asked for (0 for a finished row).
             drafted (`list[int]`), accepted (`list[int]`): per row, drafts verified and kept.
             draft_s (`float`): wall time of `propose`.
             verify_s (`float`): wall time of the verify forward and its acceptance.
             verify_tokens (`int`): tokens the verify forward ran for this request.
         """
-        for n, m in zip(drafted, accepted, strict=True):
-            self.acceptance.observe(n, m)
+        for k, n, m in zip(wanted, drafted, accepted, strict=True):
+            self.acceptance.observe(k if asked else 0, min(m, n))
         self.costs.observe_verify(verify_tokens, verify_s)
         if asked and self.drafted_last_round and not self.probing:
             self.costs.observe_draft(self.proposer, asked, draft_s)
