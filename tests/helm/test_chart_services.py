@@ -315,6 +315,15 @@ def test_a_colocated_draft_model_is_the_targets_flag_and_no_draft_address(tools)
     assert "--draft-address" not in r.container("target")["args"]
 
 
+def test_the_adaptive_speculation_controller_is_on_unless_turned_off(tools):
+    assert "--no-adaptive-speculation" not in Rendered(template(tools).stdout).container("target")["args"]
+    off = Rendered(template(tools, "--set", "target.adaptiveSpeculation=false").stdout)
+    assert "--no-adaptive-speculation" in off.container("target")["args"]
+    # A typo or a string is refused by the values schema, not ignored.
+    bad = template(tools, "--set-string", "target.adaptiveSpeculation=no", check=False)
+    assert bad.returncode != 0 and "adaptiveSpeculation" in bad.stderr
+
+
 HEALTH_SERVER = textwrap.dedent(
     """
     import sys, grpc

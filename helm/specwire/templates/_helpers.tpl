@@ -281,6 +281,9 @@ the password never shows on the command line. */ -}}
 {{- if hasKey $settings "SPECWIRE_DRAFT_MODEL" -}}
 {{- $args = concat $args (list "--draft-model" "$(SPECWIRE_DRAFT_MODEL)") -}}
 {{- end -}}
+{{- if not $v.adaptiveSpeculation -}}
+{{- $args = concat $args (list "--no-adaptive-speculation") -}}
+{{- end -}}
 {{- $args = concat $args (list "--scheduler" "$(SPECWIRE_SCHEDULER)" "--max-batch-rows" "$(SPECWIRE_MAX_BATCH_ROWS)") -}}
 {{- $args = concat $args (list "--max-tokens-per-step" "$(SPECWIRE_MAX_TOKENS_PER_STEP)" "--max-queued" "$(SPECWIRE_MAX_QUEUED)") -}}
 {{- $args = concat $args (list "--max-lane-requests" "$(SPECWIRE_MAX_LANE_REQUESTS)") -}}
