@@ -2,22 +2,27 @@
 
 A request that names no draft schedule (no `num_assistant_tokens`, no `num_assistant_tokens_schedule`,
 no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each round it picks `k` in
-`0..max_length` maximizing
+`0..max_length` maximizing the expected tokens per second of the round. Per row, asked for `k`:
 
-    rows * E(k) / (D(k) + V(rows * (k + 1)) + L(k))
-
-- `E(k) = (1 - a^(k+1)) / (1 - a)`: the expected tokens one row emits from a block of `k` drafts
-  (accepted drafts plus the target's recovered or bonus token) when each draft token is accepted
-  with probability `a` (`AcceptanceEstimate`: a Beta posterior over the request's own rounds,
+- the drafter proposes its next token with probability `c` (prompt lookup may find no match, a draft
+  model may stop at its EOS or its confidence threshold) and the target accepts a proposed token
+  with probability `a` (`AcceptanceEstimate` each: a Beta posterior over the request's own rounds,
   forgetting old rounds so that it follows a request whose text changes character);
-- `D(k) = d0 + d1 * k`: the wall time of `drafter.propose(k)` as the target sees it, so a remote,
-  overlapped or co-located draft is measured the same way (`LinearCost`, shared by the requests of
-  one target and proposer);
-- `V(n) = v0 + v1 * n`: the verify forward and its bookkeeping for `n` tokens (shared by every request
-  on the target: a property of the model and the hardware);
-- `L(k) = others * v1 * rows * k`: the load term. With other requests in the same forwards (the
-  batched scheduler) or in turn on the model thread, a block's `rows * k` extra tokens make each of
-  them wait `v1` per token; `others` comes from a callable the target passes in.
+- so the round emits `E(k) = (1 - (ca)^(k+1)) / (1 - ca)` tokens (accepted drafts plus the target's
+  recovered or bonus token), verifies `N(k) = c + c^2 + .. + c^k` drafted tokens, and has a block at
+  all with probability `c`;
+- it costs `D + c * v0 + (1 - c) * P(rows) + v1 * rows * (c + N(k)) + L`, where
+  `D = d0 + d1 * rows * N(k)` is the wall time of `drafter.propose(k)` as the target sees it (a
+  remote, overlapped or co-located draft is measured the same way; `LinearCost` per proposer, shared
+  by the requests of one target), `V(n) = v0 + v1 * n` a round with drafts for `n` tokens (the verify
+  forward and its bookkeeping: each position's processors, the acceptance, the cache crop) and
+  `P(n) = p0 + p1 * n` a round without. Two lines, because a round with drafts costs a fixed amount
+  more than one without (on a 2-core CPU with SmolLM2-135M about 30 ms over a 37 ms plain round), which
+  one line through both would mistake for a steep cost per token. Both are shared by every request on
+  the target: they are properties of the model and the hardware;
+- `L = others * v1 * rows * N(k)` is the load term: with other requests in the same forwards (the
+  batched scheduler) or in turn on the model thread, a block's extra tokens make each of them wait
+  `v1` per token; `others` comes from a callable the target passes in.
 
 `k = 0` is plain decoding (one target forward per round, no draft). A drafting choice must beat
 plain decoding by `ControllerOptions.margin`. When plain decoding wins, the controller stops
@@ -25,12 +30,12 @@ drafting for `off_rounds` rounds ("time off"), then drafts a short probe block t
 acceptance changed; each probe after which drafting still does not pay doubles the time off (up to
 `max_off_rounds`), and one that pays resumes drafting and resets it.
 
-Cost priors. Until a cost has been measured it is taken relative to the verify forward's intercept
-(`v1 = verify_slope_prior * v0`, `d1 = draft_slope_prior * v0`, `d0 = 0`), so the first rounds draft a
-few tokens, not transformers' 20. Draft times are learned only from rounds whose previous round also
-drafted: the first block of a request (the draft's prefill) and a probe after time off (the draft
-catches up on every token since it last drafted) would teach it a per-round cost that steady
-drafting does not pay.
+Cost priors. Until a cost has been measured it is taken relative to the plain round's cost
+(`v1 = verify_slope_prior * v0`, `d1 = draft_slope_prior * p0`, `d0 = 0`; a drafting round is first
+assumed to cost what a plain one does), so the first rounds draft a few tokens, not transformers' 20.
+Draft times are learned only from rounds whose previous round also drafted: the first block of a
+request (the draft's prefill) and a probe after time off (the draft catches up on every token since
+it last drafted) would teach it a per-round cost that steady drafting does not pay.
 
 Pure Python, thread-safe where shared (`SharedCosts`); no services. Output never depends on it: the
 draft length changes how many tokens a round verifies, not which tokens are emitted.
@@ -79,11 +84,13 @@ class LinearCost:
 
     Args:
         decay (`float`, *optional*, defaults to 0.98): weight kept by past observations at each new one.
-        slope_weight (`float`, *optional*, defaults to 4.0): strength of the slope prior, in
-            observation-weight times x².
+        slope_weight (`float`, *optional*, defaults to 40.0): strength of the slope prior, in
+            observation-weight times x². Strong on purpose: rounds of nearly one size (blocks of 2 and
+            3 tokens) on a busy CPU give a slope that is mostly noise, and a steep one would rule long
+            blocks out before they were ever tried; blocks of many sizes outweigh it.
     """
 
-    def __init__(self, decay: float = 0.98, slope_weight: float = 4.0):
+    def __init__(self, decay: float = 0.98, slope_weight: float = 40.0):
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"`decay` must lie in (0, 1], got {decay}; e.g. 0.98.")
         self.decay = decay
@@ -116,7 +123,7 @@ class LinearCost:
         cov = self._xy / w - mean_x * mean_y
         # The prior's line through the mean: intercept * (1 + ratio * mean_x) = mean_y.
         if slope_ratio is None:
-            prior_slope = mean_y / max(mean_x, 1e-9)
+            prior_slope = mean_y / max(mean_x, 1.0)  # (x counts tokens: below one, the cost is fixed)
         else:
             prior_slope = slope_ratio * mean_y / (1.0 + slope_ratio * mean_x)
         slope = max((w * cov + self.slope_weight * prior_slope) / (w * var + self.slope_weight), 0.0)
@@ -138,19 +145,26 @@ class SharedCosts:
         self.verify_slope_prior = verify_slope_prior
         self.draft_slope_prior = draft_slope_prior
         self._lock = threading.Lock()
-        self._verify = LinearCost()
+        self._verify = LinearCost()  # rounds with drafts
+        self._plain = LinearCost()  # rounds without
         self._drafts: dict[str, LinearCost] = {}
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
+    def observe_verify(self, tokens: int, seconds: float, drafted: bool = True) -> None:
+        """A round's verify forward and bookkeeping took `seconds` for `tokens` (`drafted`: some row drafted)."""
         with self._lock:
-            self._verify.observe(tokens, seconds)
+            (self._verify if drafted else self._plain).observe(tokens, seconds)
+
+    def plain(self) -> tuple[float, float] | None:
+        """`(p0, p1)`: a round without drafts costs `p0 + p1 * tokens`; None before one was measured."""
+        with self._lock:
+            return self._plain.fit(self.verify_slope_prior)
 
     def observe_draft(self, proposer: str, k: int, seconds: float) -> None:
         with self._lock:
             self._drafts.setdefault(proposer, LinearCost()).observe(k, seconds)
 
     def verify(self) -> tuple[float, float] | None:
-        """`(v0, v1)`: verify seconds = `v0 + v1 * tokens`; None before any verify forward was measured."""
+        """`(v0, v1)`: a round with drafts costs `v0 + v1 * tokens`; None before one was measured."""
         with self._lock:
             return self._verify.fit(self.verify_slope_prior)
 
@@ -163,20 +177,21 @@ class SharedCosts:
 
 
 class AcceptanceEstimate:
-    """Per-token acceptance of one request: a Beta posterior whose evidence is forgotten geometrically.
+    """A per-token probability of one request (acceptance, continuation): a Beta posterior whose evidence
+    is forgotten geometrically.
 
-    A row that asked for `k` tokens, got `n` and kept `m` adds `m` acceptances and, when `m < k`, one
-    rejection (the tokens after the first rejection were never judged). A draft that stops short of
-    `k` (prompt lookup without a match, a draft's EOS or confidence stop) ends the block there as a
-    rejection would: the rounds gain as little.
+    A chain of `k` trials of which the first `m` succeeded adds `m` successes and, when `m < k`, one
+    failure (the trials after the first failure never happened): `n` drafted tokens of which the
+    target kept `m` (acceptance), or `k` tokens asked of which the drafter proposed `n` (continuation).
 
     Args:
         prior_mean (`float`, *optional*, defaults to 0.6): acceptance before any round.
-        prior_strength (`float`, *optional*, defaults to 2.0): pseudo-tokens the prior weighs.
-        decay (`float`, *optional*, defaults to 0.9): evidence kept at each observed row-round.
+        prior_strength (`float`, *optional*, defaults to 4.0): pseudo-tokens the prior weighs.
+        decay (`float`, *optional*, defaults to 0.95): evidence kept at each observed row-round (about
+            the last 20 rounds count).
     """
 
-    def __init__(self, prior_mean: float = 0.6, prior_strength: float = 2.0, decay: float = 0.9):
+    def __init__(self, prior_mean: float = 0.6, prior_strength: float = 4.0, decay: float = 0.95):
         if not 0.0 < prior_mean < 1.0:
             raise ValueError(f"`prior_mean` must lie in (0, 1), got {prior_mean}.")
         self.alpha0 = prior_mean * prior_strength
@@ -185,12 +200,12 @@ class AcceptanceEstimate:
         self.accepted = 0.0
         self.rejected = 0.0
 
-    def observe(self, asked: int, accepted: int) -> None:
-        """A row asked for `asked` draft tokens and kept `accepted` of them (none asked: no evidence)."""
-        if asked <= 0:
+    def observe(self, trials: int, successes: int) -> None:
+        """A chain of `trials` whose first `successes` succeeded (no trials: no evidence)."""
+        if trials <= 0:
             return
-        self.accepted = self.accepted * self.decay + accepted
-        self.rejected = self.rejected * self.decay + (1.0 if accepted < asked else 0.0)
+        self.accepted = self.accepted * self.decay + successes
+        self.rejected = self.rejected * self.decay + (1.0 if successes < trials else 0.0)
 
     @property
     def mean(self) -> float:
@@ -239,7 +254,10 @@ class SpeculationController:
         rows (`int`): the request's rows (every block verifies one per row).
         load (`Callable[[], float]`, *optional*): how many other requests wait on this one's forwards now.
         options (`ControllerOptions`, *optional*): bounds.
-        acceptance (`AcceptanceEstimate`, *optional*): the request's acceptance (a fresh prior by default).
+        acceptance (`AcceptanceEstimate`, *optional*): the request's acceptance of proposed tokens (a fresh
+            prior by default).
+        continuation (`AcceptanceEstimate`, *optional*): how often the drafter proposes the next token
+            asked of it (a fresh prior, 0.8, by default).
     """
 
     costs: SharedCosts
@@ -248,32 +266,54 @@ class SpeculationController:
     load: Callable[[], float] | None = None
     options: ControllerOptions = field(default_factory=ControllerOptions)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    continuation: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(prior_mean=0.8))
     probes: int = 0
     off_left: int = 0  # rounds of time off still to go
     off_period: int = 0  # the current time off (doubles after each failed probe)
     probing: bool = False  # the last length handed out was a probe
     drafted_last_round: bool = False
 
-    def rate(self, k: int, verify: tuple[float, float], draft: tuple[float, float], others: float) -> float:
-        """Expected tokens per second of a round drafting `k` tokens per row."""
+    def rate(
+        self,
+        k: int,
+        verify: tuple[float, float],
+        draft: tuple[float, float],
+        others: float,
+        plain: tuple[float, float] | None = None,
+    ) -> float:
+        """Expected tokens per second of a round drafting `k` tokens per row (`plain` prices `k = 0`)."""
+        if k == 0:
+            p0, p1 = plain if plain is not None else verify
+            return self.rows / max(p0 + p1 * self.rows, 1e-9)
         v0, v1 = verify
         d0, d1 = draft
-        seconds = v0 + v1 * self.rows * (k + 1)
-        if k:
-            seconds += d0 + d1 * k + others * v1 * self.rows * k
-        return self.rows * expected_tokens(self.acceptance.mean, k) / max(seconds, 1e-9)
+        p0, p1 = plain if plain is not None else verify
+        c = self.continuation.mean
+        drafted = sum(c**i for i in range(1, k + 1))  # N(k): expected drafts per row
+        seconds = (
+            d0
+            + d1 * self.rows * drafted
+            + c * v0
+            + (1.0 - c) * (p0 + p1 * self.rows)
+            + v1 * self.rows * (c + drafted)
+            + others * v1 * self.rows * drafted
+        )
+        return self.rows * expected_tokens(c * self.acceptance.mean, k) / max(seconds, 1e-9)
 
     def best_length(self) -> int:
         """The `k` in `0..max_length` with the highest expected rate; 0 unless drafting beats plain by the margin."""
-        verify = self.costs.verify()
-        if verify is None:  # nothing measured yet: the prior's shape, on a unit scale
-            verify = (1.0, self.costs.verify_slope_prior)
-        draft = self.costs.draft(self.proposer, verify[0])
+        verify, plain = self.costs.verify(), self.costs.plain()
+        if verify is None and plain is None:  # nothing measured yet: the prior's shape, on a unit scale
+            plain = (1.0, self.costs.verify_slope_prior)
+        # A drafting round not measured yet is assumed to cost a plain one's line (it is then measured).
+        verify = verify if verify is not None else plain
+        plain = plain if plain is not None else verify
+        assert verify is not None and plain is not None  # one of them was measured, or the prior set it
+        draft = self.costs.draft(self.proposer, plain[0])
         others = max(float(self.load()), 0.0) if self.load is not None else 0.0
-        plain = self.rate(0, verify, draft, others)
-        best, best_rate = 0, plain * (1.0 + self.options.margin)
+        best, best_rate = 0, self.rate(0, verify, draft, others, plain) * (1.0 + self.options.margin)
         for k in range(1, self.options.max_length + 1):
-            rate = self.rate(k, verify, draft, others)
+            rate = self.rate(k, verify, draft, others, plain)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -320,10 +360,11 @@ class SpeculationController:
             verify_tokens (`int`): tokens the verify forward ran for this request.
         """
         for k, n, m in zip(wanted, drafted, accepted, strict=True):
-            self.acceptance.observe(k if asked else 0, min(m, n))
-        self.costs.observe_verify(verify_tokens, verify_s)
+            self.continuation.observe(k if asked else 0, n)
+            self.acceptance.observe(n, min(m, n))
+        self.costs.observe_verify(verify_tokens, verify_s, drafted=any(drafted))
         if asked and self.drafted_last_round and not self.probing:
-            self.costs.observe_draft(self.proposer, asked, draft_s)
+            self.costs.observe_draft(self.proposer, sum(drafted), draft_s)
         self.drafted_last_round = asked > 0
         if self.probing:
             if self.best_length() > 0:
