@@ -286,7 +286,7 @@ class SpeculativeRun:
         self, block: _Block, outcome: _Outcome, events: list[tuple[list[int], str | None]], verify_s: float
     ) -> None:
         """The controller and the statistics learn what the round asked, cost and gave."""
-        self.stats.record_length(block.asked)
+        self.stats.record_length(block.asked if block.proposed else 0)  # 0 too once the drafter failed
         if self.controller is None:
             return
         if self._time_off:
