@@ -148,7 +148,8 @@ def test_a_draft_that_cannot_pay_is_switched_off_and_probed(loaded, tiny_draft_d
     assert torch.equal(spec.sequences, plain.sequences)
     s = _controlled(spec)
     assert s.tokens_without_draft > 40, s  # most of the request decoded without drafting
-    assert s.probes >= 2  # it kept checking, less and less often
+    assert s.probes >= 1  # it checked again, then took longer off (a probe of this draft is dear)
+    assert max(rounds for length, rounds in s.draft_lengths if length == 0) >= 8
     lengths = s.round_lengths()
     probes = [i for i, length in enumerate(lengths) if length and i > 3]
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]

@@ -99,9 +99,11 @@ def test_prior_before_any_measurement_drafts_a_few_tokens():
     assert 1 <= k <= 6  # not transformers' 20, not plain decoding
 
 
-def test_time_off_then_probes_that_back_off_then_resume():
+@pytest.mark.parametrize("budget, first_gaps", [(0.0, [4, 8, 8]), (0.05, [8, 8, 8])])
+def test_time_off_then_probes_that_back_off_then_resume(budget, first_gaps):
     costs = _costs(draft=(0.005, 0.030))
-    options = ControllerOptions(off_rounds=2, max_off_rounds=8, probe_length=2)
+    # A probe costs 0.06 s more than a plain round of 0.032 s: within a 5 % budget, 38 plain rounds (capped at 8).
+    options = ControllerOptions(off_rounds=2, max_off_rounds=8, probe_length=2, probe_budget=budget)
     always = AcceptanceEstimate(prior_mean=0.999, prior_strength=1e6)
     controller = SpeculationController(costs, "draft_model", options=options, continuation=always)
 
@@ -117,7 +119,7 @@ def test_time_off_then_probes_that_back_off_then_resume():
     probes = [i for i, k in enumerate(lengths) if k]
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
     assert all(k == 2 for k in (lengths[i] for i in probes))
-    assert gaps[:3] == [4, 8, 8]
+    assert gaps[:3] == first_gaps
     assert controller.probes == len(probes)
     # The draft becomes cheap (another request measured it) and the next probe is all accepted: drafting resumes.
     for k in range(1, 7):

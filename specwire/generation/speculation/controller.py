@@ -27,8 +27,9 @@ no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each rou
 `k = 0` is plain decoding (one target forward per round, no draft). A drafting choice must beat
 plain decoding by `ControllerOptions.margin`. When plain decoding wins, the controller stops
 drafting for `off_rounds` rounds ("time off"), then drafts a short probe block to learn whether the
-acceptance changed; each probe after which drafting still does not pay doubles the time off (up to
-`max_off_rounds`), and one that pays resumes drafting and resets it.
+acceptance changed; each probe after which drafting still does not pay at least doubles the time off
+(up to `max_off_rounds`), and makes it long enough that the probe's extra cost stays within
+`probe_budget` of it; a probe that pays resumes drafting and resets it.
 
 Cost priors. Until a cost has been measured it is taken relative to the plain round's cost
 (`v1 = verify_slope_prior * v0`, `d1 = draft_slope_prior * p0`, `d0 = 0`; a drafting round is first
@@ -43,6 +44,7 @@ draft length changes how many tokens a round verifies, not which tokens are emit
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -224,6 +226,11 @@ class ControllerOptions:
         max_off_rounds (`int`, *optional*, defaults to 256): the longest time off, after failed probes.
         margin (`float`, *optional*, defaults to 0.02): how much faster than plain decoding drafting must
             be expected to be (drafting on a tie only risks the cost estimates' errors).
+        probe_budget (`float`, *optional*, defaults to 0.05): the most a failed probe's extra cost may
+            add to the time off before the next one (the time off after it is at least the probe's
+            extra seconds / (budget x a plain round)); 0 only doubles. A draft model's probe pays its
+            catch-up on every token since it last drafted (and the first one the draft's prefill of
+            the prompt): on a CPU that is several plain rounds, which probing every few rounds repeats.
     """
 
     max_length: int = 20
@@ -231,6 +238,7 @@ class ControllerOptions:
     off_rounds: int = 4
     max_off_rounds: int = 256
     margin: float = 0.02
+    probe_budget: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_length < 1 or self.probe_length < 1 or self.off_rounds < 1:
@@ -370,5 +378,17 @@ class SpeculationController:
             if self.best_length() > 0:
                 self.off_period = 0  # drafting pays again
             else:
-                self.off_period = min(self.off_period * 2, self.options.max_off_rounds)
+                self.off_period = min(
+                    max(self.off_period * 2, self._budgeted_off_rounds(draft_s + verify_s)),
+                    self.options.max_off_rounds,
+                )
                 self.off_left = self.off_period
+
+    def _budgeted_off_rounds(self, probe_seconds: float) -> int:
+        """Plain rounds after which a probe's extra cost is at most `probe_budget` of the time off."""
+        plain = self.costs.plain()
+        if not self.options.probe_budget or plain is None:
+            return 0
+        plain_round = plain[0] + plain[1] * self.rows
+        extra = max(probe_seconds - plain_round, 0.0)
+        return int(math.ceil(extra / (self.options.probe_budget * max(plain_round, 1e-9))))
