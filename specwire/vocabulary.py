@@ -31,6 +31,15 @@ PROPOSERS: Final = (PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP, PROPOSER_DRAFT_MODEL,
 # What a client shows for the wire's zero value (a response that names no proposer).
 PROPOSER_UNSPECIFIED: Final = "unspecified"
 
+# Who chose a request's draft lengths (`SpeculationStats.decided_by`, the wire's `DraftLengthSource`,
+# `DRAFT_LENGTH_SOURCE_<NAME>`): the adaptive controller, or a schedule (named by the request, or the
+# server's constant one when the controller is off).
+DRAFT_LENGTH_CONTROLLER: Final = "controller"
+DRAFT_LENGTH_SCHEDULE: Final = "schedule"
+DRAFT_LENGTH_SOURCES: Final = (DRAFT_LENGTH_CONTROLLER, DRAFT_LENGTH_SCHEDULE)
+# What a client shows for the wire's zero value (a request that did not speculate, an older server).
+DRAFT_LENGTH_SOURCE_UNSPECIFIED: Final = "unspecified"
+
 # ---------------------------------------------------------------------------------------------------
 # Finish reasons: why a row stopped. Results, step events, the client's `finish_reasons` and the
 # `gen_ai.response.finish_reasons` span attribute carry the names; stopping criteria compute the

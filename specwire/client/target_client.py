@@ -28,10 +28,15 @@ from specwire.generation.outputs import compute_transition_scores as _compute_tr
 from specwire.security.channels import DEFAULT_CLIENT_MAX_MESSAGE_BYTES, secure_channel
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
-from specwire.vocabulary import FINISH_UNSPECIFIED, PROPOSER_NONE, PROPOSER_UNSPECIFIED
+from specwire.vocabulary import (
+    DRAFT_LENGTH_SOURCE_UNSPECIFIED,
+    FINISH_UNSPECIFIED,
+    PROPOSER_NONE,
+    PROPOSER_UNSPECIFIED,
+)
 from specwire.wire.common import FINISH_REASON_FROM_PROTO
 from specwire.wire.generation_config import config_from_proto
-from specwire.wire.proposers import PROPOSER_FROM_PROTO, PROPOSER_TO_PROTO
+from specwire.wire.proposers import DRAFT_LENGTH_SOURCE_FROM_PROTO, PROPOSER_FROM_PROTO, PROPOSER_TO_PROTO
 from specwire.wire.tensors import tensor_from_proto
 
 # A request's `proposer` argument -> the wire's enum; None leaves the choice to the target.
@@ -40,7 +45,14 @@ PROPOSERS: dict[str | None, pb.Proposer] = dict([(None, pb.PROPOSER_UNSPECIFIED)
 
 @dataclass
 class SpeculationStats:
-    """Speculative decoding statistics of one request."""
+    """Speculative decoding statistics of one request.
+
+    `draft_length_source` says who chose the draft lengths (`controller`, `schedule`, or `unspecified`
+    when the request did not speculate); `draft_lengths` holds the length asked each round, run-length
+    encoded as `(length, rounds)` in round order (`round_lengths()` expands it), 0 for a round without a
+    draft; `tokens_without_draft` counts the tokens decoded while the controller took time off, and
+    `probes` the short drafts it tried after it.
+    """
 
     proposer: str = PROPOSER_NONE
     rounds: int = 0
@@ -54,6 +66,15 @@ class SpeculationStats:
     # A remote draft with overlap: rows answered from the block drafted ahead / whose block was discarded.
     draft_ahead_hits: int = 0
     draft_ahead_misses: int = 0
+    draft_length_source: str = DRAFT_LENGTH_SOURCE_UNSPECIFIED
+    draft_lengths: list[tuple[int, int]] = field(default_factory=list)
+    draft_length_rounds_dropped: int = 0
+    tokens_without_draft: int = 0
+    probes: int = 0
+
+    def round_lengths(self) -> list[int]:
+        """The draft length asked each round, in order (the runs of `draft_lengths` expanded)."""
+        return [length for length, rounds in self.draft_lengths for _ in range(rounds)]
 
     @classmethod
     def from_proto(cls, message: pb.SpeculationStats) -> SpeculationStats:
@@ -69,6 +90,13 @@ class SpeculationStats:
             fallback_reason=message.fallback_reason,
             draft_ahead_hits=message.draft_ahead_hits,
             draft_ahead_misses=message.draft_ahead_misses,
+            draft_length_source=DRAFT_LENGTH_SOURCE_FROM_PROTO.get(
+                message.draft_length_source, DRAFT_LENGTH_SOURCE_UNSPECIFIED
+            ),
+            draft_lengths=[(run.length, run.rounds) for run in message.draft_lengths],
+            draft_length_rounds_dropped=message.draft_length_rounds_dropped,
+            tokens_without_draft=message.tokens_without_draft,
+            probes=message.probes,
         )
 
 

@@ -168,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt lookup without a draft service: longest (the longest earlier suffix match of 2+ "
         "tokens) or transformers (its exact rule); outputs are the same, drafts differ (default longest)",
     )
+    parser.add_argument(
+        "--no-adaptive-speculation",
+        dest="adaptive_speculation",
+        action="store_false",
+        help="turn the adaptive speculation controller off: requests that name no draft length draft "
+        "transformers' constant 20 tokens a round (prompt lookup: 10) instead of the length the controller "
+        "measures to be fastest (default: on)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
@@ -451,6 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         prompt_lookup_rule=args.prompt_lookup_rule,
         draft_model=draft_model,
         draft_overlap=args.draft_overlap,
+        adaptive=args.adaptive_speculation,
     )
     options = SchedulerOptions(
         max_batch_rows=args.max_batch_rows,

@@ -39,7 +39,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
 import grpc
@@ -49,6 +49,7 @@ from specwire.deadline import caller_deadline, remaining
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.errors import FieldProblem, InvalidArgument
+from specwire.generation.speculation.controller import SharedCosts, SpeculationController
 from specwire.generation.speculation.drafters import (
     Drafter,
     DraftFailure,
@@ -335,6 +336,9 @@ class DraftPolicy:
             Exclusive with `draft_address` (one draft model per target; refused at start).
         draft_overlap (`bool`, defaults to `True`): remote draft-model streams draft each next block
             ahead while the target verifies (`--no-draft-overlap` turns it off).
+        adaptive (`bool`, defaults to True): the adaptive speculation controller chooses the draft length
+            of requests that name none (`--no-adaptive-speculation` turns it off: transformers' constant
+            20, and `prompt_lookup_tokens` for prompt lookup).
     """
 
     draft_address: str | None = None
@@ -344,6 +348,7 @@ class DraftPolicy:
     prompt_lookup_rule: str = "longest"
     draft_model: Any = None
     draft_overlap: bool = True
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.draft_model is not None and self.draft_address is not None:
@@ -356,6 +361,8 @@ class DraftPolicy:
         self._local_lock = threading.Lock()
         self._local_open = 0  # co-located drafters opened and not yet closed
         self._digests: dict[int, tuple[Any, tuple[int, bytes]]] = {}  # id(tokenizer) -> (tokenizer, digest)
+        # The costs every request's controller measures and reads (the verify forward, each proposer's draft).
+        self.costs = SharedCosts()
 
     @property
     def open_streams(self) -> int:
@@ -513,6 +520,21 @@ class DraftPolicy:
         if proposer == PROPOSER_PROMPT_LOOKUP:
             return config.prompt_lookup_num_tokens or self.prompt_lookup_tokens
         return None
+
+    def controller(
+        self, proposer: str, named_fields: tuple[str, ...], load: Callable[[], float] | None
+    ) -> SpeculationController | None:
+        """The adaptive controller of a request, or None when its draft lengths are decided otherwise.
+
+        Args:
+            proposer (`str`): the request's proposer.
+            named_fields (`tuple[str, ...]`): the draft-length fields the request (its overrides, its
+                config or its registry config) sets; any of them keeps transformers' schedule exact.
+            load (`Callable[[], float]`, *optional*): other requests waiting on this one's forwards now.
+        """
+        if not self.adaptive or proposer == PROPOSER_NONE or named_fields:
+            return None
+        return SpeculationController(self.costs, proposer, load=load)
 
     def close(self) -> None:
         """Cancel the draft streams still open and close the channel."""

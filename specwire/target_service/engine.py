@@ -268,12 +268,14 @@ class Engine:
             tokenizer=self.loaded.tokenizer,
         )
         open_drafter = _opener(opener, drafting, opened)
+        controller = self.drafting.controller(proposer, job.draft_fields, self._others_waiting)
         return speculate_from_plan(
             model,
             plan,
             open_drafter=open_drafter,
             stats=job.speculation,
-            draft_length=self.drafting.draft_length(proposer, job.config),
+            draft_length=None if controller is not None else self.drafting.draft_length(proposer, job.config),
+            controller=controller,
             **common,
         )
 
@@ -313,6 +315,11 @@ class Engine:
 
         on_model_thread = batcher.forward if batcher is not None else None
         return GenerateMethodSteps(run, on_model_thread, caller_deadline(), heartbeat)
+
+    def _others_waiting(self) -> float:
+        """Other requests whose forwards a request's verify block delays (the controller's load term):
+        those sharing the batched scheduler's packed forwards, or taking turns on the model thread."""
+        return max(self.load().running - 1, 0)
 
     def _step(self, steps, watched: bool):
         with self._lock:

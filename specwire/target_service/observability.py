@@ -316,6 +316,10 @@ class RequestObserver:
                 "specwire.speculation.acceptance_rate": stats.acceptance_rate,
             }
         )
+        if stats.decided_by:  # who chose the draft lengths (each round span has the length it asked)
+            attributes["specwire.speculation.draft_length_source"] = stats.decided_by
+            attributes["specwire.speculation.tokens_without_draft"] = stats.tokens_without_draft
+            attributes["specwire.speculation.probes"] = stats.probes
         span.set_attributes(attributes)
         self._round_spans(stats)
         if stats.fallback_reason:

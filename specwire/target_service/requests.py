@@ -61,6 +61,9 @@ class GenerationJob:
     stopping_criteria: list[Any] = field(default_factory=list)
     # A server plugin generate method (`specwire.generation.generate_methods`) replacing the loops.
     generate_method: BuiltMethod | None = None
+    # The draft-length fields the request itself named (`named_draft_fields`): transformers' schedule
+    # then decides, not the adaptive controller.
+    draft_fields: tuple[str, ...] = ()
 
 
 # `generate()` arguments that are code, not data, and what a request sends instead (messages stay under
@@ -107,6 +110,27 @@ def model_defaults(request: pb.GenerateRequest | pb.GenerateStreamRequest, loade
     if not request.HasField("use_model_defaults") or request.use_model_defaults:
         return loaded.generation_config
     return GenerationConfig(**{name: getattr(loaded.generation_config, name) for name in _SPECIAL_TOKENS})
+
+
+# A request that sets one of these names its draft lengths: transformers' schedule decides them exactly.
+DRAFT_LENGTH_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "prompt_lookup_num_tokens")
+
+
+def named_draft_fields(
+    request: pb.GenerateRequest | pb.GenerateStreamRequest, resolved: ResolvedConfig | None
+) -> tuple[str, ...]:
+    """The draft-length fields set by the request's overrides, its inline config or its registry config.
+
+    The model's generation_config.json does not count: it is a layer users rarely know is there, and a
+    value left in it (transformers writes a `"heuristic"` schedule's last value back into it) would
+    silently turn the adaptive controller off for every request to that model.
+    """
+    named = [name for name in DRAFT_LENGTH_FIELDS if request.overrides.HasField(name)]
+    if resolved is not None:
+        named += [name for name in DRAFT_LENGTH_FIELDS if getattr(resolved.config, name) is not None]
+    elif request.WhichOneof("config_source") == "config":
+        named += [name for name in DRAFT_LENGTH_FIELDS if request.config.HasField(name)]
+    return tuple(dict.fromkeys(named))
 
 
 def effective_config(
@@ -386,6 +410,7 @@ def prepare_job(
         logits_processor=processors,
         stopping_criteria=criteria,
         generate_method=method,
+        draft_fields=named_draft_fields(request, resolved),
         # A config served from the target's cache during a registry outage says so first.
         warnings=[*(resolved.warnings if resolved is not None else ()), *warnings],
     )

@@ -32,7 +32,7 @@ from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOp
 from specwire.target_service.watermarks import detect
 from specwire.wire.common import FINISH_REASON_TO_PROTO, violation_to_proto
 from specwire.wire.generation_config import config_to_proto
-from specwire.wire.proposers import PROPOSER_TO_PROTO
+from specwire.wire.proposers import DRAFT_LENGTH_SOURCE_TO_PROTO, PROPOSER_TO_PROTO
 from specwire.wire.tensors import tensor_to_proto
 
 log = logging.getLogger("specwire.target_service")
@@ -83,6 +83,11 @@ def speculation_to_proto(stats: SpeculationStats) -> pb.SpeculationStats:
         fallback_reason=stats.fallback_reason,
         draft_ahead_hits=stats.draft_ahead_hits,
         draft_ahead_misses=stats.draft_ahead_misses,
+        draft_length_source=DRAFT_LENGTH_SOURCE_TO_PROTO.get(stats.decided_by, pb.DRAFT_LENGTH_SOURCE_UNSPECIFIED),
+        draft_lengths=[pb.DraftLengthRun(length=length, rounds=rounds) for length, rounds in stats.length_runs],
+        draft_length_rounds_dropped=stats.length_rounds_dropped,
+        tokens_without_draft=stats.tokens_without_draft,
+        probes=stats.probes,
     )
 
 

@@ -325,6 +325,15 @@ def test_draft_overlap_is_on_by_default_and_a_value_turns_it_off(tools):
     assert "--draft-address" in args and "--no-draft-overlap" in args
 
 
+def test_the_adaptive_speculation_controller_is_on_unless_turned_off(tools):
+    assert "--no-adaptive-speculation" not in Rendered(template(tools).stdout).container("target")["args"]
+    off = Rendered(template(tools, "--set", "target.adaptiveSpeculation=false").stdout)
+    assert "--no-adaptive-speculation" in off.container("target")["args"]
+    # A typo or a string is refused by the values schema, not ignored.
+    bad = template(tools, "--set-string", "target.adaptiveSpeculation=no", check=False)
+    assert bad.returncode != 0 and "adaptiveSpeculation" in bad.stderr
+
+
 HEALTH_SERVER = textwrap.dedent(
     """
     import sys, grpc

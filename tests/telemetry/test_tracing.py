@@ -150,6 +150,8 @@ def test_one_speculative_request_is_one_trace_across_the_three_services(stack, s
     assert a["gen_ai.request.model"] == output.model_id and a["specwire.rows"] == 1
     assert a["specwire.config.name"] == "spec-greedy" and a["specwire.config.version"] == 1
     assert a["specwire.speculation.proposer"] == "draft_model"
+    assert a["specwire.speculation.draft_length_source"] == stats.draft_length_source
+    assert a["specwire.speculation.tokens_without_draft"] == stats.tokens_without_draft
     assert a["gen_ai.usage.input_tokens"] == len(PROMPT) and a["gen_ai.usage.output_tokens"] == generated
     assert list(a["gen_ai.response.finish_reasons"]) == output.finish_reasons
     assert not [e for e in request.events if e.name == FALLBACK_EVENT]

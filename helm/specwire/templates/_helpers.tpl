@@ -291,6 +291,9 @@ the password never shows on the command line. */ -}}
 {{- /* target-service starts ranks 1..N-1 itself (no torchrun in the image): one container, N GPUs. */ -}}
 {{- $args = concat $args (list "--tensor-parallel" "$(SPECWIRE_TENSOR_PARALLEL)") -}}
 {{- end -}}
+{{- if not $v.adaptiveSpeculation -}}
+{{- $args = concat $args (list "--no-adaptive-speculation") -}}
+{{- end -}}
 {{- $args = concat $args (list "--scheduler" "$(SPECWIRE_SCHEDULER)" "--max-batch-rows" "$(SPECWIRE_MAX_BATCH_ROWS)") -}}
 {{- $args = concat $args (list "--max-tokens-per-step" "$(SPECWIRE_MAX_TOKENS_PER_STEP)" "--max-queued" "$(SPECWIRE_MAX_QUEUED)") -}}
 {{- $args = concat $args (list "--max-lane-requests" "$(SPECWIRE_MAX_LANE_REQUESTS)") -}}

@@ -231,5 +231,28 @@ def print_stats(output) -> None:
             f"-- accepted by draft position: {s.accepted_by_position} | draft {s.draft_seconds:.2f}s, "
             f"verify {s.verify_seconds:.2f}s"
         )
+    lengths = draft_lengths_line(s)
+    if lengths:
+        print(lengths)
     if s.fallback_reason:
         print(f"-- fell back to plain decoding: {s.fallback_reason}")
+
+
+# Runs of draft lengths the stats line shows before it elides the rest.
+_RUNS_SHOWN = 12
+
+
+def draft_lengths_line(stats) -> str:
+    """`-- draft lengths (controller): 3x5 0x4 2 ...`: the length asked per round as `length x rounds`
+    runs, who chose them, and the controller's time off; "" when no round ran."""
+    runs = getattr(stats, "draft_lengths", None)
+    if not runs:
+        return ""
+    shown = " ".join(f"{length}x{rounds}" if rounds > 1 else str(length) for length, rounds in runs[:_RUNS_SHOWN])
+    more = len(runs) - _RUNS_SHOWN + (1 if stats.draft_length_rounds_dropped else 0)
+    if more > 0:
+        shown += f" ... ({sum(r for _, r in runs) + stats.draft_length_rounds_dropped} rounds)"
+    line = f"-- draft lengths ({stats.draft_length_source}): {shown}"
+    if stats.tokens_without_draft or stats.probes:
+        line += f" | without drafting: {stats.tokens_without_draft} tokens, {stats.probes} probes"
+    return line

@@ -2,8 +2,10 @@
 
 Each round has four steps (`SpeculativeRun.round`, in `loops.speculative_rounds`):
 
-1. **draft**: every row asks the drafter for up to `k` tokens (`DraftSchedule` per row, bounded by
-   `max_length`); rows that already finished get the pad filler instead.
+1. **draft**: every row asks the drafter for up to `k` tokens (bounded by `max_length`): the length the
+   adaptive controller picks for the request (`speculation.controller`, when the request names no
+   schedule; 0 is a round of plain decoding), else each row's `DraftSchedule`; rows that already
+   finished get the pad filler instead.
 2. **verify**: the target runs `[last token, block...]` for all rows in one forward
    (`RaggedRows.verify`), and the request's processors are applied at each candidate position with
    that position's own prefix (all rows and positions in one `process` call).
@@ -43,6 +45,7 @@ from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import GenerationPlan, model_limits, prepare_generation
 from specwire.generation.processors import build_logits_processors
 from specwire.generation.rows import RaggedRows, SpeculativeRows
+from specwire.generation.speculation.controller import SpeculationController
 from specwire.generation.speculation.drafters import Drafter
 from specwire.generation.speculation.stats import SpeculationStats
 
@@ -60,6 +63,7 @@ def speculative_loop(
     stats: SpeculationStats,
     reason_names: dict[int, str],
     draft_length: int | None = None,
+    controller: SpeculationController | None = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """Greedy or sampling with speculative rounds (see the module docstring).
 
@@ -76,9 +80,11 @@ def speculative_loop(
         reason_names (`dict`): finish-reason code -> name.
         draft_length (`int`, *optional*): a constant draft length (prompt lookup) instead of the
             config's `num_assistant_tokens` schedule.
+        controller (`SpeculationController`, *optional*): chooses each round's draft length instead of
+            `draft_length` and the schedule (`speculation.controller`).
     """
     run = SpeculativeRun(
-        plan, rows, input_ids, row_processors, row_stop_codes, generator, stats, reason_names, draft_length
+        plan, rows, input_ids, row_processors, row_stop_codes, generator, stats, reason_names, draft_length, controller
     )
     early = run.drafts_from_the_prompt
     if not early:
@@ -150,6 +156,7 @@ def iter_speculative(
     rows_factory: Callable[..., SpeculativeRows] | None = None,
     structured_output: Any = None,
     allowed_token_sequences: Any = None,
+    controller: SpeculationController | None = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """`iter_generate` with speculative rounds when the request allows it, else plain decoding.
 
@@ -163,6 +170,8 @@ def iter_speculative(
         draft_length (`int`, *optional*): constant draft length (prompt lookup) instead of the schedule.
         rows_factory (`Callable`, *optional*): builds the model-side state instead of `RaggedRows`
             (a `SpeculativeRows`); passed on to plain decoding.
+        controller (`SpeculationController`, *optional*): the adaptive controller chooses each round's
+            draft length (instead of `draft_length` and the config's schedule).
     """
     if config.token_healing:  # as transformers: the prompts are healed, then decoded as usual
         input_ids = heal_same_shape(model, tokenizer, input_ids)
@@ -188,6 +197,7 @@ def iter_speculative(
         max_position_embeddings=max_position_embeddings,
         draft_length=draft_length,
         rows_factory=rows_factory,
+        controller=controller,
     )
 
 
@@ -204,6 +214,7 @@ def speculate_from_plan(
     max_position_embeddings: int | None = None,
     draft_length: int | None = None,
     rows_factory: Callable[..., SpeculativeRows] | None = None,
+    controller: SpeculationController | None = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """`iter_speculative` from a `GenerationPlan` that `prepare_generation` already made for this model
     (the target service plans once per request, to route it, and runs from that plan).
@@ -212,7 +223,7 @@ def speculate_from_plan(
         model (`PreTrainedModel`): the model the plan was prepared for.
         plan (`GenerationPlan`): what `prepare_generation` resolved.
         open_drafter, stats, tokenizer, generator, negative_prompt_ids, negative_prompt_attention_mask,
-        max_position_embeddings, draft_length, rows_factory: as for `iter_speculative`.
+        max_position_embeddings, draft_length, rows_factory, controller: as for `iter_speculative`.
     """
     blocker = speculation_blocker(plan)
     if blocker:
@@ -252,6 +263,7 @@ def speculate_from_plan(
         stats,
         reason_names(),
         draft_length,
+        controller,
     )
 
 

@@ -25,6 +25,11 @@ from specwire.generation.speculation.acceptance import (
     rejection_sample,
     sampled_accept_without_draft_probs,
 )
+from specwire.generation.speculation.controller import (
+    DECIDED_BY_CONTROLLER,
+    DECIDED_BY_SCHEDULE,
+    SpeculationController,
+)
 from specwire.generation.speculation.drafters import Drafter, DraftFailure, Proposal
 from specwire.generation.speculation.schedules import DraftSchedule
 from specwire.generation.speculation.stats import SpeculationStats
@@ -61,6 +66,8 @@ class _Block:
         probs (`list[torch.Tensor | None]`): per row, the draft's probabilities of them.
         blocks (`list[list[int]]`): per row, the drafts, or the pad filler of a finished row.
         draft_s (`float`): seconds spent drafting.
+        proposed (`bool`): whether the drafter was asked at all.
+        want (`list[int]`): per row, the draft length it asked for.
     """
 
     asked: int
@@ -68,6 +75,8 @@ class _Block:
     probs: list[torch.Tensor | None]
     blocks: list[list[int]]
     draft_s: float
+    proposed: bool = False
+    want: list[int] = field(default_factory=list)
 
     @property
     def k(self) -> int:
@@ -97,6 +106,8 @@ class SpeculativeRun:
         stats (`SpeculationStats`): filled in as the rounds go.
         reason_names (`dict`): finish-reason code -> name.
         draft_length (`int`, *optional*): a constant draft length instead of the config's schedule.
+        controller (`SpeculationController`, *optional*): chooses every round's draft length instead
+            (the request names no schedule); `draft_length` and the config's schedule are then unused.
     """
 
     def __init__(
@@ -110,6 +121,7 @@ class SpeculativeRun:
         stats: SpeculationStats,
         reason_names: dict[int, str],
         draft_length: int | None,
+        controller: SpeculationController | None = None,
     ):
         config = plan.config
         self.plan = plan
@@ -124,6 +136,11 @@ class SpeculativeRun:
         pad_finished = plan.eos_token_ids is not None and plan.pad_token_id is not None
         self.pad = plan.pad_token_id if pad_finished else None
         self.drafter: Drafter | None = None
+        self.controller = controller
+        stats.decided_by = DECIDED_BY_SCHEDULE if controller is None else DECIDED_BY_CONTROLLER
+        if controller is not None:
+            controller.rows = input_ids.shape[0]
+        self._time_off = False  # this round's length is the controller's time off (no draft)
 
         # Every row has its own draft schedule (schedule state never leaks between requests or rows).
         def schedule() -> DraftSchedule:
@@ -250,6 +267,7 @@ class SpeculativeRun:
         for r, row in enumerate(self.state):
             if block.drafts[r]:
                 row.schedule.update(outcome.accepted[r], len(block.drafts[r]))
+        self._observe(block, outcome, events, verify_s)
         self.stats.observe_round(
             [len(d) for d in block.drafts],
             outcome.accepted,
@@ -264,18 +282,49 @@ class SpeculativeRun:
             step=step, tokens=[e[0] for e in events], finish_reasons=[e[1] for e in events], final=self.done()
         )
 
+    def _observe(
+        self, block: _Block, outcome: _Outcome, events: list[tuple[list[int], str | None]], verify_s: float
+    ) -> None:
+        """The controller and the statistics learn what the round asked, cost and gave."""
+        self.stats.record_length(block.asked if block.proposed else 0)  # 0 too once the drafter failed
+        if self.controller is None:
+            return
+        if self._time_off:
+            self.stats.tokens_without_draft += sum(len(tokens) for tokens, _ in events)
+        self.controller.observe(
+            block.asked if block.proposed else 0,
+            block.want,
+            [len(d) for d in block.drafts],
+            outcome.accepted,
+            block.draft_s,
+            verify_s,
+            sum(len(b) + 1 for b in block.blocks),
+        )
+        self.stats.probes = self.controller.probes
+
+    def _lengths(self, room: list[int]) -> list[int]:
+        """Each row's draft length this round: the controller's choice, or the row's schedule."""
+        chosen = None
+        if self.controller is not None:
+            chosen = self.controller.next_length()
+            self._time_off = chosen == 0 and self.controller.off
+        return [
+            0
+            if row.finished
+            else max(min(row.schedule.num_assistant_tokens if chosen is None else chosen, room[r] - 1), 0)
+            for r, row in enumerate(self.state)
+        ]
+
     def _draft(self) -> _Block:
         """Draft lengths per row, bounded so the block (drafts + 1) fits under max_length, and the drafts."""
         state, pad = self.state, self.pad
         room = [self.plan.max_length - self.input_len - len(row.generated) for row in state]
-        want = [
-            0 if row.finished else max(min(row.schedule.num_assistant_tokens, room[r] - 1), 0)
-            for r, row in enumerate(state)
-        ]
+        want = self._lengths(room)
         asked = max(want)
         proposal = Proposal([[] for _ in state], [None] * len(state))
-        draft_s = 0.0
+        draft_s, proposed = 0.0, False
         if self.drafter is not None and asked > 0:
+            proposed = True
             started = time.perf_counter()
             try:
                 proposal = self.drafter.propose(asked)
@@ -300,7 +349,7 @@ class SpeculativeRun:
             for r, row in enumerate(state)
         ]
         blocks = [drafts[r] or forced[r] for r in range(len(state))]
-        return _Block(asked, drafts, list(proposal.probs), blocks, draft_s)
+        return _Block(asked, drafts, list(proposal.probs), blocks, draft_s, proposed, want)
 
     def _candidates(self, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
         """`[last token, block...]` per row `[rows, k + 1]`, and which of those slots are real tokens."""

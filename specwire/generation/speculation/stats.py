@@ -7,7 +7,11 @@ from typing import NamedTuple
 
 from specwire.vocabulary import PROPOSER_NONE
 
-__all__ = ["RoundRecord", "SpeculationStats"]
+__all__ = ["MAX_LENGTH_RUNS", "RoundRecord", "SpeculationStats"]
+
+# Runs of equal draft lengths kept per request (`SpeculationStats.length_runs`): a response stays small
+# however long the request; the rounds past them are only counted (`length_rounds_dropped`).
+MAX_LENGTH_RUNS = 256
 
 
 class RoundRecord(NamedTuple):
@@ -40,9 +44,30 @@ class SpeculationStats:
     # target verified (hits), and rows whose block drafted ahead was discarded (misses).
     draft_ahead_hits: int = 0
     draft_ahead_misses: int = 0
+    # Who chose the draft lengths: "controller" (the adaptive controller) or "schedule" (a named or
+    # constant schedule: transformers' `num_assistant_tokens(_schedule)`, `prompt_lookup_num_tokens`).
+    decided_by: str = ""
+    # The draft length asked each round, run-length encoded: `[(length, rounds), ...]` in round order,
+    # 0 for a round without drafting; at most MAX_LENGTH_RUNS runs.
+    length_runs: list[tuple[int, int]] = field(default_factory=list)
+    length_rounds_dropped: int = 0
+    # Tokens decoded while the controller took time off (rounds it chose not to draft), and its probes.
+    tokens_without_draft: int = 0
+    probes: int = 0
     # One entry per round with a draft: (rows, asked, drafted, accepted, draft_s, verify_s, start_ns,
     # end_ns, drafted_rows), for tracing.
     round_log: list[RoundRecord] = field(default_factory=list)
+
+    def record_length(self, length: int) -> None:
+        """One round asked for `length` draft tokens (0: no draft)."""
+        if self.length_rounds_dropped:  # past the cap: later rounds are only counted, in order
+            self.length_rounds_dropped += 1
+        elif self.length_runs and self.length_runs[-1][0] == length:
+            self.length_runs[-1] = (length, self.length_runs[-1][1] + 1)
+        elif len(self.length_runs) < MAX_LENGTH_RUNS:
+            self.length_runs.append((length, 1))
+        else:
+            self.length_rounds_dropped += 1
 
     @property
     def acceptance_rate(self) -> float:

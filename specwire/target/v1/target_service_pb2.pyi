@@ -19,6 +19,12 @@ class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROPOSER_DRAFT_MODEL: _ClassVar[Proposer]
     PROPOSER_EARLY_EXIT: _ClassVar[Proposer]
 
+class DraftLengthSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_LENGTH_SOURCE_UNSPECIFIED: _ClassVar[DraftLengthSource]
+    DRAFT_LENGTH_SOURCE_CONTROLLER: _ClassVar[DraftLengthSource]
+    DRAFT_LENGTH_SOURCE_SCHEDULE: _ClassVar[DraftLengthSource]
+
 class WatermarkKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WATERMARK_KIND_UNSPECIFIED: _ClassVar[WatermarkKind]
@@ -29,6 +35,9 @@ PROPOSER_NONE: Proposer
 PROPOSER_PROMPT_LOOKUP: Proposer
 PROPOSER_DRAFT_MODEL: Proposer
 PROPOSER_EARLY_EXIT: Proposer
+DRAFT_LENGTH_SOURCE_UNSPECIFIED: DraftLengthSource
+DRAFT_LENGTH_SOURCE_CONTROLLER: DraftLengthSource
+DRAFT_LENGTH_SOURCE_SCHEDULE: DraftLengthSource
 WATERMARK_KIND_UNSPECIFIED: WatermarkKind
 WATERMARK_KIND_GREEN_LIST: WatermarkKind
 WATERMARK_KIND_SYNTHID: WatermarkKind
@@ -138,7 +147,7 @@ class GeneratedSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("proposer", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "accepted_by_position", "draft_seconds", "verify_seconds", "fallback_reason", "draft_ahead_hits", "draft_ahead_misses")
+    __slots__ = ("proposer", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "accepted_by_position", "draft_seconds", "verify_seconds", "fallback_reason", "draft_ahead_hits", "draft_ahead_misses", "draft_length_source", "draft_lengths", "draft_length_rounds_dropped", "tokens_without_draft", "probes")
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +159,11 @@ class SpeculationStats(_message.Message):
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTH_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTH_ROUNDS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_WITHOUT_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
     proposer: Proposer
     rounds: int
     drafted_tokens: int
@@ -161,7 +175,20 @@ class SpeculationStats(_message.Message):
     fallback_reason: str
     draft_ahead_hits: int
     draft_ahead_misses: int
-    def __init__(self, proposer: _Optional[_Union[Proposer, str]] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ...) -> None: ...
+    draft_length_source: DraftLengthSource
+    draft_lengths: _containers.RepeatedCompositeFieldContainer[DraftLengthRun]
+    draft_length_rounds_dropped: int
+    tokens_without_draft: int
+    probes: int
+    def __init__(self, proposer: _Optional[_Union[Proposer, str]] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., draft_length_source: _Optional[_Union[DraftLengthSource, str]] = ..., draft_lengths: _Optional[_Iterable[_Union[DraftLengthRun, _Mapping]]] = ..., draft_length_rounds_dropped: _Optional[int] = ..., tokens_without_draft: _Optional[int] = ..., probes: _Optional[int] = ...) -> None: ...
+
+class DraftLengthRun(_message.Message):
+    __slots__ = ("length", "rounds")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    rounds: int
+    def __init__(self, length: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class ResolvedConfig(_message.Message):
     __slots__ = ("name", "version")

@@ -1,0 +1,256 @@
+"""The adaptive speculation controller's cost model and decisions, on synthetic costs (no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specwire.generation.speculation.controller import (
+    AcceptanceEstimate,
+    ControllerOptions,
+    LinearCost,
+    SharedCosts,
+    SpeculationController,
+    expected_tokens,
+)
+
+
+def _costs(verify=(0.030, 0.002), draft=(0.0, 0.010), proposer="draft_model", samples=20) -> SharedCosts:
+    """Costs measured `samples` times at several sizes, exactly on the given lines."""
+    costs = SharedCosts()
+    for i in range(samples):
+        tokens = 1 + i % 8  # a round of one token had no draft
+        costs.observe_verify(tokens, verify[0] + verify[1] * tokens, drafted=tokens > 1)
+        k = 1 + i % 6
+        costs.observe_draft(proposer, k, draft[0] + draft[1] * k)
+    return costs
+
+
+def _controller(costs: SharedCosts, acceptance: float, **kwargs) -> SpeculationController:
+    estimate = AcceptanceEstimate(prior_mean=acceptance, prior_strength=1e6)  # pinned
+    always = AcceptanceEstimate(prior_mean=0.999, prior_strength=1e6)  # the drafter always proposes
+    return SpeculationController(costs, "draft_model", acceptance=estimate, continuation=always, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "a,k,expected", [(0.0, 0, 1.0), (0.0, 5, 1.0), (0.5, 1, 1.5), (0.5, 2, 1.75), (1.0, 4, 5.0), (0.9, 0, 1.0)]
+)
+def test_expected_tokens(a, k, expected):
+    assert expected_tokens(a, k) == pytest.approx(expected)
+
+
+def test_linear_cost_recovers_a_line_and_keeps_the_prior_with_one_size():
+    cost = LinearCost()
+    for x in (1, 3, 5, 9, 2, 7, 12, 21, 16) * 4:  # blocks of many sizes outweigh the prior
+        cost.observe(x, 0.02 + 0.004 * x)
+    intercept, slope = cost.fit(0.05)
+    assert intercept == pytest.approx(0.02, rel=0.1) and slope == pytest.approx(0.004, rel=0.1)
+    noisy = LinearCost()
+    for i in range(30):  # blocks of 2 and 3 tokens with noise: the slope stays near the prior's
+        noisy.observe(2 + i % 2, 0.060 + (0.03 if i % 4 == 1 else 0.0))
+    intercept, slope = noisy.fit(0.05)
+    assert slope < 0.2 * intercept
+    one = LinearCost()
+    for _ in range(5):
+        one.observe(1, 0.021)
+    intercept, slope = one.fit(0.05)  # one size: the prior's ratio, through the measured point
+    assert intercept + slope == pytest.approx(0.021) and slope == pytest.approx(0.05 * intercept)
+    assert LinearCost().fit(0.05) is None
+
+
+def test_acceptance_estimate_counts_the_first_rejection_and_forgets():
+    estimate = AcceptanceEstimate(prior_mean=0.5, prior_strength=2.0, decay=0.8)
+    assert estimate.mean == pytest.approx(0.5)
+    estimate.observe(4, 4)  # all accepted: 4 successes, no failure
+    assert estimate.mean == pytest.approx(5 / 6)  # (1 + 4) / (2 + 4)
+    for _ in range(20):
+        estimate.observe(4, 0)  # rejected at once, again and again: the old evidence fades
+    assert estimate.mean < 0.2
+    estimate.observe(0, 0)  # nothing asked: no evidence
+    assert estimate.mean < 0.2
+    short = AcceptanceEstimate(prior_mean=0.5, prior_strength=2.0)
+    short.observe(4, 2)  # a chain of 4 whose first 2 succeeded: 2 successes, then a failure
+    assert short.mean == pytest.approx(3 / 5)
+
+
+def test_slow_draft_and_low_acceptance_pick_plain_decoding():
+    costs = _costs(draft=(0.005, 0.030))  # a draft token costs as much as a target forward
+    assert _controller(costs, 0.3).best_length() == 0
+
+
+def test_cheap_draft_and_high_acceptance_pick_long_blocks():
+    costs = _costs(verify=(0.030, 0.0005), draft=(0.0, 0.0005))
+    assert _controller(costs, 0.95).best_length() >= 12
+    # The same acceptance with a dearer draft picks shorter blocks.
+    dear = _costs(verify=(0.030, 0.0005), draft=(0.0, 0.006))
+    assert 0 < _controller(dear, 0.95).best_length() < _controller(costs, 0.95).best_length()
+
+
+def test_load_makes_blocks_shorter_and_can_stop_drafting():
+    costs = _costs(verify=(0.030, 0.004), draft=(0.0, 0.001))
+    alone = _controller(costs, 0.7).best_length()
+    busy = _controller(costs, 0.7, load=lambda: 3).best_length()
+    crowded = _controller(costs, 0.7, load=lambda: 30).best_length()
+    assert alone > busy > crowded == 0
+
+
+def test_prior_before_any_measurement_drafts_a_few_tokens():
+    k = SpeculationController(SharedCosts(), "draft_model").best_length()
+    assert 1 <= k <= 6  # not transformers' 20, not plain decoding
+
+
+@pytest.mark.parametrize("budget, first_gaps", [(0.0, [4, 8, 8]), (0.05, [8, 8, 8])])
+def test_time_off_then_probes_that_back_off_then_resume(budget, first_gaps):
+    costs = _costs(draft=(0.005, 0.030))
+    # A probe costs 0.06 s more than a plain round of 0.032 s: within a 5 % budget, 38 plain rounds (capped at 8).
+    options = ControllerOptions(off_rounds=2, max_off_rounds=8, probe_length=2, probe_budget=budget)
+    always = AcceptanceEstimate(prior_mean=0.999, prior_strength=1e6)
+    controller = SpeculationController(costs, "draft_model", options=options, continuation=always)
+
+    def round_with(acceptance_accepted: int) -> int:
+        k = controller.next_length()
+        drafted = [k] if k else [0]
+        controller.observe(k, [k], drafted, [min(acceptance_accepted, k)], 0.03 * k, 0.032, 1 + k)
+        return k
+
+    lengths = [round_with(0) for _ in range(30)]
+    # Plain decoding at once (the draft is too slow), probes of 2, each followed by twice the time off (to 8).
+    assert lengths[:3] == [0, 0, 2]
+    probes = [i for i, k in enumerate(lengths) if k]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    assert all(k == 2 for k in (lengths[i] for i in probes))
+    assert gaps[:3] == first_gaps
+    assert controller.probes == len(probes)
+    # The draft becomes cheap (another request measured it) and the next probe is all accepted: drafting resumes.
+    for k in range(1, 7):
+        for _ in range(10):
+            costs.observe_draft("draft_model", k, 0.0001 * k)
+    controller.acceptance = AcceptanceEstimate(prior_mean=0.9, prior_strength=1e6)
+    lengths = [round_with(20) for _ in range(12)]
+    first = next(i for i, k in enumerate(lengths) if k)
+    assert all(k > 0 for k in lengths[first:]) and max(lengths) > 2
+    assert controller.off_period == 0
+
+
+def test_draft_cost_is_not_learned_from_cold_or_probe_rounds():
+    costs = SharedCosts()
+    controller = SpeculationController(costs, "draft_model")
+    controller.next_length()
+    controller.observe(3, [3], [3], [3], 5.0, 0.03, 4)  # the first block: the draft's prefill
+    assert costs._drafts == {}
+    controller.next_length()
+    controller.observe(3, [3], [3], [3], 0.03, 0.03, 4)
+    assert costs.draft("draft_model", 0.03) == pytest.approx((0.0, 0.01), abs=1e-6)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="max_length"):
+        ControllerOptions(max_length=0)
+    with pytest.raises(ValueError, match="max_off_rounds"):
+        ControllerOptions(off_rounds=8, max_off_rounds=4)
+    with pytest.raises(ValueError, match="prior_mean"):
+        AcceptanceEstimate(prior_mean=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rejection-sampling distribution with the controller on: a tiny target, a tiny draft of other
+# weights (its distribution differs), the decoding loop in-process.
+
+SAMPLES = 300
+PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
+
+
+def _marginals(tokens: list[list[int]], vocab: int) -> torch.Tensor:
+    """`[positions, vocab]`: how often each token came at each generated position, as frequencies."""
+    counts = torch.zeros(len(tokens[0]), vocab)
+    for row in tokens:
+        for position, token in enumerate(row):
+            counts[position, token] += 1
+    return counts / len(tokens)
+
+
+def _total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest per-position total variation distance between two `[positions, vocab]` marginals."""
+    return float(0.5 * (a - b).abs().sum(-1).max())
+
+
+def test_sampling_with_the_controller_keeps_the_target_distribution(tiny_model_dir, tiny_draft_dir):
+    from specwire.generation.config import GenerationConfig, merge
+    from specwire.generation.loops.generate import drain, generate
+    from specwire.generation.loops.speculative import iter_speculative
+    from specwire.generation.speculation.drafters import open_model_drafter
+    from specwire.generation.speculation.stats import SpeculationStats
+    from specwire.models import load_model
+
+    target, draft = load_model(str(tiny_model_dir), progress=False), load_model(str(tiny_draft_dir), progress=False)
+    prompt = torch.tensor([PROMPT])
+    width = len(PROMPT)
+
+    def config(seed: int) -> GenerationConfig:
+        given = GenerationConfig.from_dict(
+            {"do_sample": True, "top_k": 2, "max_new_tokens": 3, "min_new_tokens": 3, "seed": seed}
+        )
+        return merge(given, target.generation_config)
+
+    plain, own_draft, speculative = [], [], []
+    drafted = 0
+    for seed in range(SAMPLES):
+        plain.append(generate(target.model, prompt, config=config(seed)).sequences[0, width:].tolist())
+        if seed < SAMPLES // 3:  # enough to tell the draft's distribution apart
+            own_draft.append(generate(draft.model, prompt, config=config(seed)).sequences[0, width:].tolist())
+        stats = SpeculationStats()
+        result = drain(
+            iter_speculative(
+                target.model,
+                prompt,
+                config=config(10_000 + seed),
+                open_drafter=lambda rows, resolved: open_model_drafter(
+                    draft.model, rows, resolved, target.vocab_size, True
+                ),
+                stats=stats,
+                # Fresh costs: each request's first round drafts the prior's few tokens (shared costs
+                # would soon measure that this draft does not pay, and stop drafting).
+                controller=SpeculationController(SharedCosts(), "draft_model"),
+            )
+        )
+        speculative.append(result.sequences[0, width:].tolist())
+        drafted += stats.drafted_tokens
+        assert stats.decided_by == "controller"
+    assert drafted >= SAMPLES  # every request verified drafts: rejection sampling decided their tokens
+    vocab = target.vocab_size
+    p, q, ours = _marginals(plain, vocab), _marginals(own_draft, vocab), _marginals(speculative, vocab)
+    # Two samples of the same distribution stay close (two plain samples of 300: about 0.09 apart); the
+    # draft's own distribution is far from it (so a loop that kept the draft's tokens would fail this test).
+    assert _total_variation(ours, p) < 0.15
+    assert _total_variation(q, p) > 0.5
+
+
+def test_a_fixed_cost_of_drafting_rounds_is_not_mistaken_for_a_cost_per_token():
+    """SmolLM2-135M on a 2-core CPU: a plain round 37 ms, a round with drafts 30 ms more plus 3 ms a token."""
+    costs = SharedCosts()
+    for _ in range(10):
+        costs.observe_verify(1, 0.037, drafted=False)
+        for tokens in (2, 3):
+            costs.observe_verify(tokens, 0.067 + 0.003 * tokens)
+        for k in (1, 2):
+            costs.observe_draft("draft_model", k, 0.005 * k)
+    # Long blocks amortize the fixed cost; one line through all rounds would price a token at ~30 ms.
+    assert _controller(costs, 0.85).best_length() >= 4
+    assert _controller(costs, 0.3).best_length() == 0  # and low acceptance still does not pay it
+
+
+def test_a_drafter_that_rarely_proposes_costs_little_and_still_pays_when_it_does():
+    """Prompt lookup on chat: mostly no match (a plain round), now and then a long accepted copy."""
+    costs = SharedCosts()
+    for _ in range(10):
+        costs.observe_verify(1, 0.037, drafted=False)
+        for tokens in (3, 6, 11):
+            costs.observe_verify(tokens, 0.067 + 0.003 * tokens)
+        costs.observe_draft("prompt_lookup", 0, 0.0001)
+        costs.observe_draft("prompt_lookup", 5, 0.0002)
+    controller = SpeculationController(costs, "prompt_lookup")
+    for _ in range(20):  # asked 8: no match in 3 rounds of 4, else 8 proposed and all kept
+        for proposed in (0, 0, 0, 8):
+            controller.observe(8, [8], [proposed], [proposed], 0.0001, 0.05, 1 + proposed)
+    assert controller.continuation.mean < 0.8 and controller.acceptance.mean > 0.9
+    assert controller.best_length() >= 4
