@@ -35,6 +35,9 @@ from tests.service.caller_echo import callers, echo_server
 
 READER, ADMIN = "reader-token-1", "admin-token-2"
 GREEDY = {"max_new_tokens": 4, "do_sample": False}
+# The shared config names its draft length: left to the adaptive controller, a tiny random model's
+# drafts may not pay and the controller would rightly stop drafting.
+SHARED = {**GREEDY, "num_assistant_tokens": 3, "num_assistant_tokens_schedule": "constant"}
 WRITES = ("create", "update", "set_tag", "delete", "import_json")
 
 
@@ -60,7 +63,7 @@ def stack(tmp_path_factory, loaded):
         policy = DraftPolicy(draft.address, round_timeout_s=30.0)
         target = ThreadedServer(lambda: build_target_server(loaded, config.address, drafting=policy))
         with ConfigClient(config.address, token=ADMIN) as admin:
-            admin.create("shared", GREEDY)
+            admin.create("shared", SHARED)
         with TargetClient(target.address, token=READER) as client:
             client.generate([[5, 6, 7, 5, 6]], generation_config="shared", proposer="draft_model")
     try:
