@@ -1,7 +1,8 @@
 """Structured output on the embedded SmolLM2 through real target servers: JSON that validates against
-its schema (a pydantic model), a regex and a choice, run concurrently on the batched scheduler with
-different specs and equal to the sequential server's answers; prompt lookup on a schema-copying
-prompt gives plain constrained decoding's tokens."""
+its schema (a pydantic model), a regex, a choice and a grammar, run concurrently on the batched
+scheduler with different specs and equal to the sequential server's answers; beam search keeps every
+returned beam in the grammar; prompt lookup on a schema-copying prompt gives plain constrained
+decoding's tokens."""
 
 from __future__ import annotations
 
@@ -30,10 +31,14 @@ class Person(pydantic.BaseModel):
 
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 CITIES = ["Paris", "London", "Berlin", "Madrid"]
+# A Lark grammar (llguidance's dialect) and the regex that says the same thing, to check the outputs.
+SUM_GRAMMAR = 'start: NUMBER "+" NUMBER "=" NUMBER\nNUMBER: /[0-9]{1,3}/\n'
+SUM = r"[0-9]{1,3}\+[0-9]{1,3}=[0-9]{1,3}"
 CASES = [
     ("Describe a fictional person as JSON with a name, an age and a city.", {"json_schema": Person}),
     ("On which date did the Apollo 11 crew land on the Moon? Answer with the date.", {"regex": DATE}),
     ("What is the capital of France?", {"choice": CITIES}),
+    ("Write an addition of two small numbers and its result, like 2+2=4.", {"grammar": SUM_GRAMMAR}),
 ]
 
 
@@ -43,6 +48,8 @@ def check(spec, text):
         Person.model_validate_json(text)
     elif kind == "regex":
         assert re.fullmatch(value, text), text
+    elif kind == "grammar":
+        assert re.fullmatch(SUM, text), text
     else:
         assert text in value, text
 
@@ -74,6 +81,23 @@ def test_json_regex_and_choice_batched_with_different_specs(smollm):
     assert not errors, errors
     for ours, theirs in zip(got, want, strict=True):
         assert torch.equal(ours.sequences, theirs.sequences), (ours.text, theirs.text)
+
+
+def test_beam_search_keeps_every_returned_beam_in_the_grammar(smollm):
+    prompt, spec = CASES[-1]
+    with threaded_server(lambda: build_server(smollm)) as server:
+        with TargetClient(server.address) as client:
+            out = client.generate(
+                text=prompt,
+                structured_output=spec,
+                apply_chat_template=True,
+                max_new_tokens=16,
+                num_beams=3,
+                num_return_sequences=3,
+            )
+    assert len(out.text) == 3 and len(set(out.text)) == 3, out.text
+    for text in out.text:
+        check(spec, text)
 
 
 def test_prompt_lookup_on_a_schema_copying_prompt_equals_plain_constrained_decoding(smollm):
