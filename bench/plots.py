@@ -13,6 +13,7 @@ PLOTS = {
     "draft_length.png": "Acceptance and speed versus draft length",
     "memory.png": "Peak resident memory per service",
     "speculation_matrix.png": "Speculation matrix: speed relative to plain greedy on the same services",
+    "controller_draft_length.png": "Draft length the adaptive controller chose per round, per prompt",
 }
 
 
@@ -270,10 +271,32 @@ def _matrix_figure(plt: Any, w: dict, subtitle: str) -> Any:
     return fig
 
 
+def _controller_figure(plt: Any, w: dict, subtitle: str) -> Any:
+    """Per prompt of the speculation matrix, the draft length the controller chose over one request."""
+    from bench.controller_plot import TITLE, draw_draft_lengths
+
+    prompts = lookup(w, "speculation_matrix", "prompts")
+    if not prompts or not any(p.get("controller") for p in prompts.values()):
+        return None
+    fig, axes = plt.subplots(len(prompts), 1, figsize=(10, 3 * len(prompts)), squeeze=False)
+    for ax, (key, p) in zip(axes[:, 0], prompts.items(), strict=True):
+        rows = p.get("controller") or {}
+        label = {name: name.removesuffix("_on").replace("_", " ") for name in rows}
+        draw_draft_lengths(
+            ax,
+            {label[name]: row["draft_lengths"] or [] for name, row in rows.items()},
+            {label[name]: row["tokens_without_draft"] for name, row in rows.items()},
+        )
+        ax.set_title(f"{key} prompt", fontsize=9)
+    fig.suptitle(f"{TITLE}\n{subtitle}", fontsize=10)
+    return fig
+
+
 _FIGURES = {
     "throughput.png": _throughput_figure,
     "concurrency.png": _concurrency_figure,
     "draft_length.png": _draft_length_figure,
     "memory.png": _memory_figure,
     "speculation_matrix.png": _matrix_figure,
+    "controller_draft_length.png": _controller_figure,
 }

@@ -226,6 +226,12 @@ def _prompt_rows(ctx: Context, services: MatrixServices, key: str) -> dict:
         "series": series,
         "ratios": ratios,
         "speculation": {label: r.summary() for label, r in rows.items() if isinstance(r, Runs) and r.stats},
+        # What the controller chose over the last request of each controller-on row (the plot's input).
+        "controller": {
+            label: {key: r.stats[-1].get(key) for key in ("draft_lengths", "tokens_without_draft", "probes")}
+            for label, r in rows.items()
+            if isinstance(r, Runs) and r.stats and label.endswith("_on")
+        },
         "unavailable": unavailable,
         "checks": checks,
     }

@@ -27,6 +27,8 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
         assert hits > 0, key  # the target's own weights: whole blocks accepted, the bonus guessed
         assert prompt["speculation"]["remote_serial_off"]["draft_ahead_hits"]["median"] == 0
         assert prompt["ratios"]["remote overlapped / remote serial, controller off (pinned)"] is not None
+        chosen = prompt["controller"]["colocated_on"]  # what the controller chose, for the plot
+        assert sum(rounds for _, rounds in chosen["draft_lengths"]) > 0, chosen
     checks = matrix["checks"]
     assert checks and not [c for c in checks if c["passed"] is False], [c for c in checks if c["passed"] is False]
     assert sum(1 for c in checks if c["passed"]) >= len(PROMPTS) * 6
@@ -40,3 +42,5 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
     markdown = (out / "results.md").read_text()
     assert "### 11. Speculation matrix" in markdown and "draft remote overlapped (pinned)" in markdown
     assert "speculation_matrix.png" in results["plots"]
+    assert "controller_draft_length.png" in results["plots"]
+    assert (out / "controller_draft_length.png").read_bytes()[:4] == b"\x89PNG"
