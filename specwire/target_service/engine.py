@@ -256,6 +256,15 @@ class Engine:
                         "warning",
                     )
                 )
+            if job.config.use_mtp:
+                job.warnings.append(
+                    FieldProblem(
+                        "config.use_mtp",
+                        True,
+                        "not honoured: the request asks for proposer none (plain decoding, no MTP draft)",
+                        "warning",
+                    )
+                )
             return generate_from_plan(model, plan, **common)
         with self._lock:
             opened = self._drafters.get(id(job))
@@ -274,7 +283,9 @@ class Engine:
             plan,
             open_drafter=open_drafter,
             stats=job.speculation,
-            draft_length=None if controller is not None else self.drafting.draft_length(proposer, job.config),
+            draft_length=None
+            if controller is not None
+            else self.drafting.draft_length(proposer, job.config, self.loaded.model),
             controller=controller,
             **common,
         )
