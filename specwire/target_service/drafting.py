@@ -30,6 +30,12 @@ wait like a remote round, so the packed forwards of other requests go on meanwhi
 batched or in the lane by the same rules as with a remote draft); with the sequential scheduler the
 model thread; never the event loop. It excludes `--draft-address` (refused at start: one draft model
 per target, no precedence to guess).
+
+Self-speculation, always in this process: `early_exit` (`assistant_early_exit=N`) drafts with a view of
+the target's first N layers; `mtp` (`use_mtp=True`) with the served model's multi-token prediction layers
+(`models.mtp_layers.mtp_model_for`, loaded on the first such request), fed the target's last hidden states
+by the speculative loop. MTP requests run in the batched scheduler's sequential lane (`routing`), with a
+constant draft length of `num_mtp_layers` and no adaptive controller, as transformers drafts them.
 """
 
 from __future__ import annotations

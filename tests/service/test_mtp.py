@@ -2,8 +2,9 @@
 target's process. Greedy output equals plain greedy and transformers' `generate(use_mtp=True)` (ids exact,
 scores within 1e-4) through both schedulers, with the `speculation` stats filled; every round drafts the tokens
 transformers' `MTPCandidateGenerator` drafts (one MTP layer from the checkpoint, and two layers, whose cache
-transformers corrects after a rejection); speculative sampling with the MTP draft keeps the target's
-distribution; a model without MTP layers is INVALID_ARGUMENT naming `config.use_mtp`."""
+transformers corrects after a rejection); `assistant_ensemble_weight` mixes the MTP draft as transformers does;
+speculative sampling with the MTP draft keeps the target's distribution and a seeded request repeats itself; a
+model without MTP layers (or without their weights) is INVALID_ARGUMENT naming `config.use_mtp`."""
 
 from __future__ import annotations
 
@@ -123,6 +124,25 @@ def test_drafts_are_accepted_and_rejected_as_the_target_decides(target):
     # One MTP layer: one draft a round; a repeated token is drafted right, an alternation not.
     assert repeats.accepted_tokens == repeats.drafted_tokens == repeats.rounds > 0, repeats
     assert alternates.accepted_tokens == 0 and alternates.drafted_tokens > 0, alternates
+
+
+@pytest.mark.parametrize("weight", [0.3, 0.7])
+def test_the_ensemble_weight_mixes_the_mtp_draft_as_transformers_does(target, reference, weight):
+    kwargs = dict(use_mtp=True, assistant_ensemble_weight=weight, max_new_tokens=12, do_sample=False)
+    changed = 0
+    for prompt in PROMPTS:
+        ours = target.generate([prompt], **kwargs)
+        assert ours.sequences.tolist() == reference.generate(torch.tensor([prompt]), **kwargs).tolist()
+        assert ours.speculation.proposer == "mtp" and not ours.warnings
+        changed += ours.sequences.tolist() != target.generate([prompt], max_new_tokens=12).sequences.tolist()
+    assert changed  # lossy by design: the weight changes the output of the alternating prompt
+
+
+def test_seeded_sampling_repeats_itself(target):
+    kwargs = dict(use_mtp=True, do_sample=True, top_k=8, seed=5, max_new_tokens=12)
+    first = target.generate(PROMPTS, **kwargs)
+    assert first.sequences.tolist() == target.generate(PROMPTS, **kwargs).sequences.tolist()
+    assert first.speculation.proposer == "mtp" and first.speculation.drafted_tokens > 0
 
 
 def test_a_batch_with_padding_equals_plain_greedy(target):

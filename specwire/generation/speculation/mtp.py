@@ -36,9 +36,11 @@ __all__ = ["HiddenStates", "MtpDrafter", "bind_hidden_states", "mtp_layer_count"
 
 class HiddenStates(Protocol):
     """Where the drafter reads the target's last-layer hidden states (`RowBatch` with `keep_last_hidden_states`):
-    those of the latest prefill (one tensor per chunk) or verify forward, each `[rows, positions, hidden]`."""
+    those of the latest prefill (one tensor per chunk) or verify forward, each `[rows, positions, hidden]`, and
+    the rows' attention mask (`None` without padding), which says which prefill positions are real tokens."""
 
     last_hidden_states: list[torch.Tensor]
+    attention_mask: torch.Tensor | None
 
 
 def mtp_layer_count(model: Any) -> int | None:
@@ -69,7 +71,8 @@ class _Row:
         self.ran = 0
         self.fed = 0
         self.pending: list[torch.Tensor] = []  # [1, n, hidden] pieces of positions [fed, ran)
-        self.history: torch.Tensor | None = None  # [1, ran, hidden], kept with two or more MTP layers
+        # [1, n, hidden]: the last hidden states up to `ran` (two or more MTP layers: a correction reruns them)
+        self.history: torch.Tensor | None = None
         self.stale = False  # drafts fed to layers > 0 were rejected: recompute the last positions first
         self.drafted: list[int] = []
         self.probs: list[torch.Tensor] = []
@@ -130,13 +133,18 @@ class MtpDrafter:
         return torch.cat(cast(HiddenStates, self.source).last_hidden_states, dim=1).to(self.device)
 
     def _take_prefill(self) -> None:
-        """Each row's prompt positions of the prefill (the last ones: prompts are left padded): every token but
+        """Each row's prompt positions of the prefill (those the mask keeps, or the last ones): every token but
         the newest, which the loop took from the prefill's logits."""
-        hidden = self._latest()
+        hidden = self._latest()  # [rows, padded prompt, hidden]
+        mask = cast(HiddenStates, self.source).attention_mask
         for r, row in enumerate(self.rows):
             prompt = len(row.tokens) - 1
-            if prompt > 0 and not row.finished:
+            if prompt <= 0 or row.finished:
+                continue
+            if mask is None:
                 row.receive(hidden[r : r + 1, hidden.shape[1] - prompt :], self.layers > 1)
+            else:
+                row.receive(hidden[r][mask[r, : hidden.shape[1]].to(hidden.device).bool()][None], self.layers > 1)
         self.prefilled = True
 
     @torch.inference_mode()
@@ -164,7 +172,7 @@ class MtpDrafter:
             # tokens (layers > 0 had cached the drafts they were fed). Never more than the cache holds.
             back = min(self.layers, row.fed)
             row.cache.crop(-back)
-            hidden = row.history[:, row.ran - hidden.shape[1] - back :]
+            hidden = row.history[:, -(hidden.shape[1] + back) :]
         start = row.ran - hidden.shape[1] + 1  # position of the token paired with the first hidden state
         ids = torch.tensor([row.tokens[start : row.ran + 1]], dtype=torch.long, device=self.device)
         positions = torch.arange(start, row.ran + 1, device=self.device)[None]
@@ -175,17 +183,18 @@ class MtpDrafter:
             logits = self.mtp._project_to_logits(hidden[:, -1:])[:, -1].float()  # [1, head vocab]
             scores = self.processors[i](torch.tensor([context], device=self.device), _fit(logits, self.vocab_size))
             if self.do_sample:
-                q = scores.softmax(-1)
-                token = int(torch.multinomial(q, 1, generator=self.generator))
+                token = int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator))
             else:
                 token = int(scores.argmax(-1))
-                q = scores.softmax(-1) if self.return_probs else scores
+            if self.return_probs:
+                row.probs.append(scores.softmax(-1)[0])
             row.drafted.append(token)
-            row.probs.append(q[0])
             context.append(token)
             ids = torch.cat([ids[:, 1:], ids.new_tensor([[token]])], dim=-1)
             positions = torch.cat([positions[:, 1:], positions[:, -1:] + 1], dim=-1)
         row.pending, row.fed, row.stale = [], row.ran, False
+        if row.history is not None:  # a correction reruns at most the last L positions before the new ones
+            row.history = row.history[:, -self.layers :].clone()  # (a copy: the slice would keep the rest)
 
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
         """The rows' outcomes, then the hidden states of the positions each kept (those the target verified)."""
