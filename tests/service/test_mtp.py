@@ -79,7 +79,7 @@ def _transformers_drafts(model, prompt, monkeypatch, **kwargs) -> tuple[list[lis
     return drafts[1:], ids[0].tolist()
 
 
-def _our_drafts(model, mtp, prompt, config) -> tuple[list[list[int]], list[int], SpeculationStats]:
+def _our_drafts(model, mtp, prompt, config, attention_mask=None) -> tuple[list[list[int]], list[int], SpeculationStats]:
     """specwire's speculative loop with the MTP drafter over `mtp`: the drafts of every round and the ids."""
     drafts: list[list[int]] = []
 
@@ -98,6 +98,7 @@ def _our_drafts(model, mtp, prompt, config) -> tuple[list[list[int]], list[int],
     steps = iter_speculative(
         model,
         torch.tensor([prompt]),
+        None if attention_mask is None else torch.tensor([attention_mask]),
         config=config,
         open_drafter=open_drafter,
         stats=(stats := SpeculationStats()),
@@ -151,6 +152,31 @@ def test_a_batch_with_padding_equals_plain_greedy(target):
     assert ours.sequences.tolist() == plain.sequences.tolist()
     _close(ours.scores, plain.scores)
     assert ours.speculation.proposer == "mtp" and ours.speculation.accepted_tokens > 0
+
+
+def test_a_chunked_prefill_and_padding_that_is_not_left_padding_draft_the_same(target):
+    chunked = target.generate([PROMPTS[2]], use_mtp=True, prefill_chunk_size=3, **GREEDY)
+    whole = target.generate([PROMPTS[2]], use_mtp=True, **GREEDY)
+    assert chunked.sequences.tolist() == whole.sequences.tolist()
+    assert chunked.speculation.accepted_tokens == whole.speculation.accepted_tokens > 0
+    # Right padding (the sequential lane runs it): outputs as plain decoding's.
+    padded = target.generate([PROMPTS[2] + [0, 0]], attention_mask=[[1] * 7 + [0, 0]], use_mtp=True, **GREEDY)
+    plain = target.generate([PROMPTS[2] + [0, 0]], attention_mask=[[1] * 7 + [0, 0]], **GREEDY)
+    assert padded.sequences.tolist() == plain.sequences.tolist()
+
+
+@pytest.mark.parametrize("mask", [[1] * 7 + [0, 0], [0, 0] + [1] * 7, [1, 1, 1, 0, 0, 1, 1, 1, 1]])
+def test_padding_leaves_the_drafts_as_without_it(reference, mask, monkeypatch):
+    """The drafter takes the prompt's hidden states where the mask says: the drafts are those of the prompt
+    alone, wherever its padding is (two attentive MTP layers: their drafts depend on every position fed)."""
+    prompt, config = PROMPTS[2], GenerationConfig(max_new_tokens=12, do_sample=False, use_mtp=True)
+    tokens = iter(prompt)
+    padded = [next(tokens) if m else 0 for m in mask]
+    monkeypatch.setattr(reference.config, "num_nextn_predict_layers", 2)
+    mtp = _two_layer_mtp(reference)
+    alone, ids, _ = _our_drafts(reference, mtp, prompt, config)
+    ours, padded_ids, _ = _our_drafts(reference, mtp, padded, config, attention_mask=mask)
+    assert ours == alone and padded_ids[len(mask) :] == ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
