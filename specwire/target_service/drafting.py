@@ -448,6 +448,7 @@ class DraftPolicy:
         early_exit: int | None = None,
         stats: SpeculationStats | None = None,
         tokenizer: Any = None,
+        speculates: bool = True,
     ):
         """`open_drafter(rows, resolved_config) -> Drafter` for the decoding loop.
 
@@ -460,18 +461,23 @@ class DraftPolicy:
             stats (`SpeculationStats`, *optional*): the request's stats (hits and misses of the blocks a
                 remote draft drafted ahead).
             tokenizer (*optional*): the target's tokenizer, whose digest remote draft-model streams send.
+            speculates (`bool`, defaults to `True`): whether the request speculates at all (beam search, for one,
+                decodes plainly): only then are the served model's MTP layers needed (transformers ignores
+                `use_mtp` with beam search, with a warning, whatever the model).
         """
         draft_view = mtp = None
         if proposer == PROPOSER_EARLY_EXIT:
             draft_view = early_exit_model(target, cast(int, early_exit), field="config.assistant_early_exit")
-        elif proposer == PROPOSER_MTP:
+        elif proposer == PROPOSER_MTP and speculates:
             mtp = mtp_model_for(target)  # INVALID_ARGUMENT for a model without MTP layers
 
         def open_drafter(rows: list[list[int]], config: Any) -> Drafter:
             sampling = bool(config.do_sample)
             if draft_view is not None:
                 return self._local(draft_view, rows, config, vocab_size)
-            if mtp is not None:
+            if proposer == PROPOSER_MTP:
+                if mtp is None:  # not loaded: the request was not to speculate
+                    raise DraftFailure("the MTP layers were not loaded for a request that does not speculate")
                 return self._counted(open_mtp_drafter(mtp, rows, config, vocab_size, self._wants_probs(config)))
             if proposer == PROPOSER_PROMPT_LOOKUP:
                 if self.draft_address is None:

@@ -45,7 +45,7 @@ from specwire.generation.compilation import compile_warning, compiled_call
 from specwire.generation.config import uses_static_cache
 from specwire.generation.generate_methods import GenerateMethodSteps, run_generate_method
 from specwire.generation.loops.generate import generate_from_plan
-from specwire.generation.loops.speculative import speculate_from_plan
+from specwire.generation.loops.speculative import speculate_from_plan, speculation_blocker
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import GenerationPlan, prepare_generation
 from specwire.generation.speculation.drafters import Drafter, Proposal
@@ -275,6 +275,7 @@ class Engine:
             early_exit=job.config.assistant_early_exit,
             stats=job.speculation,
             tokenizer=self.loaded.tokenizer,
+            speculates=not speculation_blocker(plan),
         )
         open_drafter = _opener(opener, drafting, opened)
         controller = self.drafting.controller(proposer, job.draft_fields, self._others_waiting)

@@ -268,9 +268,12 @@ def test_a_model_without_mtp_layers_is_invalid_argument(tmp_path):
         with TargetClient(server.address) as client:
             with pytest.raises(SpecwireRpcError) as info:
                 client.generate([PROMPTS[0]], use_mtp=True, max_new_tokens=3)
+            # transformers ignores use_mtp with beam search (a warning), whatever the model: so does specwire.
+            beams = client.generate([PROMPTS[0]], use_mtp=True, num_beams=2, max_new_tokens=3)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     message = str(info.value)
     assert "config.use_mtp" in message and "no multi-token prediction layers" in message and "unset use_mtp" in message
+    assert [w for w in beams.warnings if w.field == "config.use_mtp"] and beams.speculation.fallback_reason
 
 
 def test_a_checkpoint_without_the_mtp_weights_is_invalid_argument(tmp_path, reference):
