@@ -27,7 +27,10 @@ PROPOSER_DRAFT_MODEL: Final = "draft_model"
 # Self-speculation: the target's first `assistant_early_exit` layers draft (a request's choice only: it needs
 # the request's layer count, so it is no server default).
 PROPOSER_EARLY_EXIT: Final = "early_exit"
-PROPOSERS: Final = (PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP, PROPOSER_DRAFT_MODEL, PROPOSER_EARLY_EXIT)
+# Multi-token prediction: the target's own MTP layers draft from its last hidden states (`use_mtp`; a request's
+# choice only, like early exit: only a model whose checkpoint has MTP layers can run it).
+PROPOSER_MTP: Final = "mtp"
+PROPOSERS: Final = (PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP, PROPOSER_DRAFT_MODEL, PROPOSER_EARLY_EXIT, PROPOSER_MTP)
 # What a client shows for the wire's zero value (a response that names no proposer).
 PROPOSER_UNSPECIFIED: Final = "unspecified"
 

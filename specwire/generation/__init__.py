@@ -11,6 +11,7 @@ Its parts, in the order a request meets them:
 - `loops/`: `generate` (`iter_generate`), the sample and beam loops (`sample`, `beam`, with
   `sampling` and `beam_search`), and `speculative` (`iter_speculative`: draft, verify, accept).
 - `speculation/`: `acceptance` (greedy, rejection sampling, the cut at stops), `drafters`,
-  `early_exit` (the target's first layers as its own draft), `prompt_lookup`, `schedules` and `stats`.
+  `early_exit` (the target's first layers as its own draft), `mtp` (the target's multi-token prediction
+  layers, fed its hidden states), `prompt_lookup`, `schedules` and `stats`.
 - `outputs`: `StepEvent`, `GenerationResult`, transition scores.
 """

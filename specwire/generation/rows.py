@@ -141,6 +141,11 @@ class RowBatch:
         compiled_forward (`Callable`, *optional*):
             Runs the model's decoding forwards, and a chunked prefill's chunks, instead of `model(...)`: the
             compiled call (`specwire.generation.compilation`), used where transformers uses it.
+        keep_last_hidden_states (`bool`, *optional*, defaults to `False`):
+            Ask every forward for the last layer's hidden states only (`output_hidden_states=-1`, as
+            transformers' MTP assistant does) and keep those of the latest prefill (one `[rows, chunk,
+            hidden]` tensor per chunk) or verify (`[rows, k, hidden]`) in `last_hidden_states`: the MTP
+            drafter (`speculation.mtp`) drafts from them.
     """
 
     def __init__(
@@ -156,8 +161,11 @@ class RowBatch:
         output_hidden_states: bool = False,
         static_cache_len: int | None = None,
         compiled_forward: Callable[..., Any] | None = None,
+        keep_last_hidden_states: bool = False,
     ):
         self.model = model
+        self.keep_last_hidden_states = keep_last_hidden_states
+        self.last_hidden_states: list[torch.Tensor] = []
         self.compiled_forward = compiled_forward
         self.output_attentions = output_attentions
         self.output_hidden_states = output_hidden_states
@@ -250,6 +258,8 @@ class RowBatch:
             inputs["output_attentions"] = True
         if self.output_hidden_states:
             inputs["output_hidden_states"] = True
+        elif self.keep_last_hidden_states:
+            inputs["output_hidden_states"] = -1
         call = self.model
         if compiled and self.compiled_forward is not None:
             call = self.compiled_forward
@@ -262,6 +272,8 @@ class RowBatch:
             self.attentions.append(tuple(layer.detach().clone() for layer in outputs.attentions))
         if self.output_hidden_states:
             self.hidden_states.append(tuple(layer.detach().clone() for layer in outputs.hidden_states))
+        if self.keep_last_hidden_states:
+            self.last_hidden_states.append(outputs.hidden_states[-1].detach())
         # Copy (and upcast) only the positions we need: the prefill's full logits can be large.
         return cast(torch.Tensor, outputs.logits[:, -keep:].to(dtype=torch.float32, copy=True))
 
@@ -277,6 +289,7 @@ class RowBatch:
             `torch.FloatTensor` of shape `(rows, vocab_size)`: next-token logits.
         """
         input_ids = input_ids.to(self.device)
+        self.last_hidden_states = []
         if self.cache is None:
             self.tokens = input_ids
             return self._forward(input_ids, 1, compiled=False)[:, -1]
@@ -318,6 +331,7 @@ class RowBatch:
             `torch.FloatTensor` of shape `(rows, k, vocab_size)`: the logits after each appended token.
         """
         candidates = candidates.to(self.device)
+        self.last_hidden_states = []
         k = candidates.shape[1]
         self._grow(k)
         if self.cache is None:
@@ -394,6 +408,7 @@ class RaggedRows(RowBatch):
     def verify(self, candidates: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Run a block per row (`valid` marks real slots) and return the logits `[rows, k, vocab]`."""
         candidates = candidates.to(self.device)
+        self.last_hidden_states = []
         k = candidates.shape[1]
         self._grow(k, None if valid is None else valid.to(self.device))
         return self._forward(candidates, k)

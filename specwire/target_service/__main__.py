@@ -41,7 +41,7 @@ from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOp
 from specwire.target_service.service import TargetServicer
 from specwire.target_service.tensor_parallel import load_target, rank_from_env, run_follower, tensor_parallel_size
 from specwire.telemetry import setup_telemetry
-from specwire.vocabulary import PROPOSER_EARLY_EXIT, PROPOSER_NONE, PROPOSERS
+from specwire.vocabulary import PROPOSER_EARLY_EXIT, PROPOSER_MTP, PROPOSER_NONE, PROPOSERS
 
 SERVICE_NAME = "specwire.target.v1.TargetService"
 # The scheduler when none is given; SPECWIRE_TARGET_SCHEDULER overrides it (deployments, and running
@@ -143,10 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--default-proposer",
         default=PROPOSER_NONE,
-        # early_exit needs each request's layer count (assistant_early_exit), which also selects it.
-        choices=[p for p in PROPOSERS if p != PROPOSER_EARLY_EXIT],
+        # early_exit needs each request's layer count (assistant_early_exit), which also selects it; mtp is
+        # selected by use_mtp and runs only on models with MTP layers.
+        choices=[p for p in PROPOSERS if p not in (PROPOSER_EARLY_EXIT, PROPOSER_MTP)],
         help="drafter for requests that choose none (prompt_lookup_num_tokens always picks prompt lookup, "
-        "assistant_early_exit the early-exit draft)",
+        "assistant_early_exit the early-exit draft, use_mtp the model's MTP layers)",
     )
     parser.add_argument(
         "--no-draft-overlap",

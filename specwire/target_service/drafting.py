@@ -30,6 +30,12 @@ wait like a remote round, so the packed forwards of other requests go on meanwhi
 batched or in the lane by the same rules as with a remote draft); with the sequential scheduler the
 model thread; never the event loop. It excludes `--draft-address` (refused at start: one draft model
 per target, no precedence to guess).
+
+Self-speculation, always in this process: `early_exit` (`assistant_early_exit=N`) drafts with a view of
+the target's first N layers; `mtp` (`use_mtp=True`) with the served model's multi-token prediction layers
+(`models.mtp_layers.mtp_model_for`, loaded on the first such request), fed the target's last hidden states
+by the speculative loop. MTP requests run in the batched scheduler's sequential lane (`routing`), with a
+constant draft length of `num_mtp_layers` and no adaptive controller, as transformers drafts them.
 """
 
 from __future__ import annotations
@@ -58,10 +64,12 @@ from specwire.generation.speculation.drafters import (
     open_model_drafter,
 )
 from specwire.generation.speculation.early_exit import early_exit_model
+from specwire.generation.speculation.mtp import bind_hidden_states, mtp_layer_count, open_mtp_drafter
 from specwire.generation.speculation.stats import SpeculationStats
+from specwire.models.mtp_layers import mtp_model_for
 from specwire.models.tokenizer_digest import tokenizer_digest
 from specwire.security.channels import RenewingChannel
-from specwire.vocabulary import PROPOSER_EARLY_EXIT, PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
+from specwire.vocabulary import PROPOSER_EARLY_EXIT, PROPOSER_MTP, PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
 from specwire.wire.generation_config import config_to_proto
 from specwire.wire.proposers import PROPOSER_FROM_PROTO
 from specwire.wire.tensors import tensor_from_proto
@@ -383,10 +391,22 @@ class DraftPolicy:
 
     def proposer(self, requested: int, config: Any) -> str:
         """The proposer a request runs with: its own choice, else the config's (`assistant_early_exit` first,
-        then `prompt_lookup_num_tokens`, transformers' order), else the server default."""
+        then `prompt_lookup_num_tokens`, then `use_mtp`, transformers' order), else the server default."""
         early_exit = config.assistant_early_exit
         if requested in PROPOSER_FROM_PROTO:
             chosen = PROPOSER_FROM_PROTO[requested]
+            if chosen == PROPOSER_MTP and not config.use_mtp:
+                raise InvalidArgument.for_field(
+                    "config.use_mtp",
+                    config.use_mtp,
+                    "proposer mtp drafts with the served model's multi-token prediction layers: set use_mtp=True",
+                )
+            if config.use_mtp and chosen not in (PROPOSER_MTP, PROPOSER_NONE):
+                raise InvalidArgument.for_field(
+                    "config.use_mtp",
+                    True,
+                    f"it selects the model's MTP draft and the request asks for proposer {chosen}: unset one of them",
+                )
             if chosen == PROPOSER_EARLY_EXIT and early_exit is None:
                 raise InvalidArgument.for_field(
                     "config.assistant_early_exit",
@@ -404,6 +424,8 @@ class DraftPolicy:
             return PROPOSER_EARLY_EXIT
         if config.prompt_lookup_num_tokens is not None:
             return PROPOSER_PROMPT_LOOKUP
+        if config.use_mtp:
+            return PROPOSER_MTP
         return self.default_proposer
 
     def _digest(self, tokenizer: Any) -> tuple[int, bytes] | None:
@@ -426,6 +448,7 @@ class DraftPolicy:
         early_exit: int | None = None,
         stats: SpeculationStats | None = None,
         tokenizer: Any = None,
+        speculates: bool = True,
     ):
         """`open_drafter(rows, resolved_config) -> Drafter` for the decoding loop.
 
@@ -438,15 +461,24 @@ class DraftPolicy:
             stats (`SpeculationStats`, *optional*): the request's stats (hits and misses of the blocks a
                 remote draft drafted ahead).
             tokenizer (*optional*): the target's tokenizer, whose digest remote draft-model streams send.
+            speculates (`bool`, defaults to `True`): whether the request speculates at all (beam search, for one,
+                decodes plainly): only then are the served model's MTP layers needed (transformers ignores
+                `use_mtp` with beam search, with a warning, whatever the model).
         """
-        draft_view = None
+        draft_view = mtp = None
         if proposer == PROPOSER_EARLY_EXIT:
             draft_view = early_exit_model(target, cast(int, early_exit), field="config.assistant_early_exit")
+        elif proposer == PROPOSER_MTP and speculates:
+            mtp = mtp_model_for(target)  # INVALID_ARGUMENT for a model without MTP layers
 
         def open_drafter(rows: list[list[int]], config: Any) -> Drafter:
             sampling = bool(config.do_sample)
             if draft_view is not None:
                 return self._local(draft_view, rows, config, vocab_size)
+            if proposer == PROPOSER_MTP:
+                if mtp is None:  # not loaded: the request was not to speculate
+                    raise DraftFailure("the MTP layers were not loaded for a request that does not speculate")
+                return self._counted(open_mtp_drafter(mtp, rows, config, vocab_size, self._wants_probs(config)))
             if proposer == PROPOSER_PROMPT_LOOKUP:
                 if self.draft_address is None:
                     return PromptLookupDrafter(rows, config, vocab_size, self.prompt_lookup_rule)
@@ -484,9 +516,16 @@ class DraftPolicy:
         """A drafter over a model in this process: the co-located draft model, or the target's early-exit view
         (which shares the target's weights). Its forwards run where `propose` is called: the request's own
         thread (the batched scheduler) or the model thread (sequential), never the event loop."""
-        # Probabilities when the target samples from them or a greedy ensemble mixes them in, as remotely.
-        return_probs = bool(config.do_sample) or config.assistant_ensemble_weight is not None
-        drafter = open_model_drafter(model, rows, config, vocab_size, return_probs)
+        drafter = open_model_drafter(model, rows, config, vocab_size, self._wants_probs(config))
+        return self._counted(drafter)
+
+    @staticmethod
+    def _wants_probs(config: Any) -> bool:
+        """Probabilities when the target samples from them or a greedy ensemble mixes them in, as remotely."""
+        return bool(config.do_sample) or config.assistant_ensemble_weight is not None
+
+    def _counted(self, drafter: Any) -> Drafter:
+        """A drafter of this process, counted in `open_streams` until closed."""
         self._count_local(1)
         return _CountedDrafter(drafter, self._count_local)
 
@@ -515,10 +554,13 @@ class DraftPolicy:
             )
         return None
 
-    def draft_length(self, proposer: str, config: Any) -> int | None:
-        """Constant draft length for prompt lookup (transformers applies no schedule to it)."""
+    def draft_length(self, proposer: str, config: Any, target: Any = None) -> int | None:
+        """Constant draft length for prompt lookup (transformers applies no schedule to it), and for MTP: the
+        model's `num_mtp_layers` (its layers draft that many tokens every round, whatever the schedule)."""
         if proposer == PROPOSER_PROMPT_LOOKUP:
             return config.prompt_lookup_num_tokens or self.prompt_lookup_tokens
+        if proposer == PROPOSER_MTP and target is not None:
+            return mtp_layer_count(target)
         return None
 
     def controller(
@@ -532,7 +574,8 @@ class DraftPolicy:
                 config or its registry config) sets; any of them keeps transformers' schedule exact.
             load (`Callable[[], float]`, *optional*): other requests waiting on this one's forwards now.
         """
-        if not self.adaptive or proposer == PROPOSER_NONE or named_fields:
+        # MTP drafts all its layers' tokens every round (transformers' MTPCandidateGenerator): no length to adapt.
+        if not self.adaptive or proposer in (PROPOSER_NONE, PROPOSER_MTP) or named_fields:
             return None
         return SpeculationController(self.costs, proposer, load=load)
 
@@ -557,6 +600,10 @@ class _CountedDrafter:
         if self._closed:
             raise DraftFailure("the drafter is closed")
         return self.drafter.propose(num_tokens)
+
+    def bind_hidden_states(self, source: Any) -> None:
+        """Hand the rows' hidden states on to a drafter that drafts from them (MTP)."""
+        bind_hidden_states(self.drafter, source)
 
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
         if not self._closed:  # closed by the request's end (cancel, deadline) while its thread verified

@@ -45,7 +45,7 @@ from specwire.generation.compilation import compile_warning, compiled_call
 from specwire.generation.config import uses_static_cache
 from specwire.generation.generate_methods import GenerateMethodSteps, run_generate_method
 from specwire.generation.loops.generate import generate_from_plan
-from specwire.generation.loops.speculative import speculate_from_plan
+from specwire.generation.loops.speculative import speculate_from_plan, speculation_blocker
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import GenerationPlan, prepare_generation
 from specwire.generation.speculation.drafters import Drafter, Proposal
@@ -256,6 +256,15 @@ class Engine:
                         "warning",
                     )
                 )
+            if job.config.use_mtp:
+                job.warnings.append(
+                    FieldProblem(
+                        "config.use_mtp",
+                        True,
+                        "not honoured: the request asks for proposer none (plain decoding, no MTP draft)",
+                        "warning",
+                    )
+                )
             return generate_from_plan(model, plan, **common)
         with self._lock:
             opened = self._drafters.get(id(job))
@@ -266,6 +275,7 @@ class Engine:
             early_exit=job.config.assistant_early_exit,
             stats=job.speculation,
             tokenizer=self.loaded.tokenizer,
+            speculates=not speculation_blocker(plan),
         )
         open_drafter = _opener(opener, drafting, opened)
         controller = self.drafting.controller(proposer, job.draft_fields, self._others_waiting)
@@ -274,7 +284,9 @@ class Engine:
             plan,
             open_drafter=open_drafter,
             stats=job.speculation,
-            draft_length=None if controller is not None else self.drafting.draft_length(proposer, job.config),
+            draft_length=None
+            if controller is not None
+            else self.drafting.draft_length(proposer, job.config, self.loaded.model),
             controller=controller,
             **common,
         )

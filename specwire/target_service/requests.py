@@ -174,10 +174,14 @@ def effective_config(
     )
     # Modes specwire does not run (low_memory beams) are refused by the
     # decoding loop itself with UNIMPLEMENTED, naming the field; the drafting methods of UNSERVED_FIELDS
-    # need the target's hidden states every round, which a separate draft service cannot have.
+    # need a draft model of a special class fed with the target's hidden states every round (DFlash).
     for name in UNSERVED_FIELDS:
         if getattr(merged, name) not in (None, False):
-            raise Unimplemented(f"config.{name}={getattr(merged, name)!r} is not served by specwire; unset it")
+            raise Unimplemented(
+                f"config.{name}={getattr(merged, name)!r} is not served by specwire: it drafts with a DFlash draft "
+                "model fed with the target's hidden states every round, which specwire does not load (use_mtp and "
+                "assistant_early_exit self-speculate in the target's process); unset it"
+            )
     if resolved is None:  # an inline config's unknown keys; the registry warned about its own when stored
         violations += unknown_keys(given)
     violations += not_honoured(merged)  # accepted and not acted on: never silently

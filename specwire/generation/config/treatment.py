@@ -123,6 +123,8 @@ _HONOURED: dict[str, str] = {
     "prompt_lookup_num_tokens": _DRAFTING,
     "assistant_early_exit": _DRAFTING + " with the target's own first N layers and LM head "
     "(speculation/early_exit.py, proposer early_exit)",
+    "use_mtp": _DRAFTING + " with the served model's own multi-token prediction layers, in the target's process "
+    "(speculation/mtp.py, proposer mtp); a model without MTP layers is refused",
     "max_matching_ngram_size": _DRAFTING,
     "assistant_ensemble_weight": _DRAFTING + " with a draft model, greedy and sampling; refused with prompt "
     "lookup (as transformers refuses it); the target warns when the request runs without a draft model",

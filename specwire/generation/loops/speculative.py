@@ -31,7 +31,7 @@ plain decoding, and records why.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -47,6 +47,7 @@ from specwire.generation.processors import build_logits_processors
 from specwire.generation.rows import RaggedRows, SpeculativeRows
 from specwire.generation.speculation.controller import SpeculationController
 from specwire.generation.speculation.drafters import Drafter
+from specwire.generation.speculation.mtp import HiddenStates, bind_hidden_states
 from specwire.generation.speculation.stats import SpeculationStats
 
 __all__ = ["iter_speculative", "speculate_from_plan", "speculation_blocker", "speculative_loop"]
@@ -241,6 +242,7 @@ def speculate_from_plan(
     config = plan.config
     plan.require_tokenizer(tokenizer)
     expanded, mask = plan.expanded()
+    extra = {"keep_last_hidden_states": True} if config.use_mtp else {}  # the MTP drafter reads them
     rows = (rows_factory or RaggedRows)(
         model,
         attention_mask=mask,
@@ -248,6 +250,7 @@ def speculate_from_plan(
         rows=expanded.shape[0],
         use_cache=True,
         prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
+        **extra,
     )
     row_processors, row_stops = _per_row_steps(model, plan, rows, tokenizer, max_position_embeddings)
     if plan.do_sample and generator is None:
@@ -259,12 +262,18 @@ def speculate_from_plan(
         row_processors,
         row_stops,
         generator,
-        lambda tokens: open_drafter(tokens, config),
+        lambda tokens: _bound(open_drafter(tokens, config), rows),
         stats,
         reason_names(),
         draft_length,
         controller,
     )
+
+
+def _bound(drafter: Drafter, rows: SpeculativeRows) -> Drafter:
+    """`drafter`, given the rows' hidden states when it drafts from them (MTP)."""
+    bind_hidden_states(drafter, cast(HiddenStates, rows))
+    return drafter
 
 
 def _per_row_steps(

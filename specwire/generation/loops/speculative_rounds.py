@@ -173,7 +173,10 @@ class SpeculativeRun:
         first token from the prefill (the drafter then starts with it); with `assistant_ensemble_weight`
         the block boundaries change the tokens, so the first round is drafted from the prompt too.
         """
-        return self.plan.config.assistant_ensemble_weight is not None
+        config = self.plan.config
+        # MTP drafts from the target's hidden states, so transformers' first round drafts nothing: its first
+        # token is the prefill's with or without an ensemble weight.
+        return config.assistant_ensemble_weight is not None and not config.use_mtp
 
     def first_step(self) -> StepEvent:
         """The prefill and the first token of every row, as plain decoding picks it."""

@@ -18,6 +18,7 @@ class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROPOSER_PROMPT_LOOKUP: _ClassVar[Proposer]
     PROPOSER_DRAFT_MODEL: _ClassVar[Proposer]
     PROPOSER_EARLY_EXIT: _ClassVar[Proposer]
+    PROPOSER_MTP: _ClassVar[Proposer]
 
 class DraftLengthSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ PROPOSER_NONE: Proposer
 PROPOSER_PROMPT_LOOKUP: Proposer
 PROPOSER_DRAFT_MODEL: Proposer
 PROPOSER_EARLY_EXIT: Proposer
+PROPOSER_MTP: Proposer
 DRAFT_LENGTH_SOURCE_UNSPECIFIED: DraftLengthSource
 DRAFT_LENGTH_SOURCE_CONTROLLER: DraftLengthSource
 DRAFT_LENGTH_SOURCE_SCHEDULE: DraftLengthSource
