@@ -16,7 +16,8 @@ specwire serves from rank 0 only; the other ranks are followers that mirror rank
   followers with the next message (the garbage collector's finalizer only queues the handle: a
   broadcast from whatever thread collects it would interleave with the model thread's).
 - The batched scheduler's slot cache (`specwire.runtime.slot_cache.SlotKVCache`) is a cache like the
-  others: a follower builds a twin of the same size on its own shard (its KV heads), and the one
+  others: a follower builds a twin of the same size on its own shard (its KV heads; at start-up,
+  `adopt_cache`, so that a rank short of memory fails the start, not a request), and the one
   method that writes its tensors outside forwards, `copy` (beam parents' slots), is broadcast. A
   packed step (`PackedStep`, in the forward's kwargs) travels as its cache's handle and its pieces
   `(slot, cursor, token count)`, from which the follower builds the same step; the keys and values are
@@ -267,6 +268,13 @@ class MirroredModel:
                 self._register(cache, fresh)
             return outputs
 
+    def adopt_cache(self, cache: Any) -> None:
+        """Builds `cache`'s twin on every follower now rather than with the first forward that uses it:
+        the batched scheduler's slot cache, allocated at start-up, so that a rank without the memory for
+        its share fails the start, not the first request."""
+        with self._lock:
+            self._send(("adopt", self._encode(cache)))
+
     def stop(self, wait_s: float = 5.0) -> None:
         """Tells the followers to exit (rank 0 is shutting down); never raises. Gives up after `wait_s`
         seconds when a call still holds the lock (a forward stuck in a collective: the caller then ends
@@ -401,6 +409,9 @@ class _Replayer:
             cache = getattr(outputs, "past_key_values", None)
             if cache is not None and not any(cache is known for known in self.caches.values()):
                 self.caches[fresh] = cache
+        elif op == "adopt":
+            cache = self.decode(message[1])
+            log.info("tensor-parallel follower: allocated its share of a %s", type(cache).__name__)
         elif op == "cache":
             _, handle, name, args, kwargs = message
             getattr(self.caches[handle], name)(*self.decode(args), **self.decode(kwargs))

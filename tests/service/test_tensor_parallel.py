@@ -154,6 +154,7 @@ def test_the_sharded_default_serves_with_the_batched_scheduler(services):
     output = services["batched"].output()
     assert "batched scheduler: " in output and "transformers forward" in output
     assert "batched scheduler disabled" not in output
+    assert "follower: allocated its share of a SlotKVCache" in output  # at start-up, not with a request
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
