@@ -2,17 +2,17 @@
 
 Three real services on one tiny Llama (4 attention heads, 2 KV heads), each with a co-located draft
 model: two sharded over 2 ranks, one with the batched scheduler (the default: packed forwards over a
-slot cache that every rank holds its shard of) and one with the sequential scheduler, and one on a
-single process (batched). Every decoding mode asked of a sharded service and of the single one must
-give the same ids, and scores within `SCORE_TOLERANCE` of each other relative to max(1, |score|): a
-sharded forward sums its partial products in another order (all-reduce over the ranks), so its logits
-differ from the unsharded ones by float rounding (measured on this model: at most 1.9e-6 absolute,
-with guidance; 7.6e-6 absolute on constrained beam scores of magnitude > 1; the batched sharded
-service within 1e-6 of the single one). Under the batched scheduler, greedy, sampling, beams, the
-speculative modes and left-padded prompts run packed forwards; guidance, the static cache,
-contrastive, DoLa and constrained beams run in its sequential lane: both paths are mirrored. Then
-start-up refusals (heads not divisible by the ranks, the lean packed forward) and the shutdown of
-every rank on SIGTERM, or of rank 0 when a follower dies.
+slot cache that every rank holds its shard of; prefills chunked small) and one with the sequential
+scheduler, and one on a single process (batched). Every decoding mode asked of a sharded service and
+of the single one must give the same ids, and scores within `SCORE_TOLERANCE` of each other relative
+to max(1, |score|): a sharded forward sums its partial products in another order (all-reduce over
+the ranks), so its logits differ from the unsharded ones by float rounding (measured on this model:
+at most 1.9e-6 absolute, with guidance; 7.6e-6 absolute on constrained beam scores of magnitude > 1;
+the batched sharded service within 1e-6 of the single one). Under the batched scheduler, greedy,
+sampling, beams, the speculative modes and left-padded prompts run packed forwards; guidance, the
+static cache, contrastive, DoLa and constrained beams run in its sequential lane: both paths are
+mirrored. Then start-up refusals (heads not divisible by the ranks, the lean packed forward) and the
+shutdown of every rank on SIGTERM, or of rank 0 when a follower dies.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ from tests.servers import free_port
 SCORE_TOLERANCE = 1e-5
 PROMPT = [[5, 6, 7, 8, 9, 10]]
 REPEATING = [[5, 6, 7, 5, 6, 7, 5, 6]]  # prompt lookup finds its drafts in it
+# Longer than the batched sharded service's prefill chunks (`--max-tokens-per-step 8`: chunks of
+# `min_prefill_tokens`, 32): its prefill runs over three packed forwards.
+LONG = [[(7 * i + 3) % 300 + 4 for i in range(80)]]
 
 
 def _start(model: Path, draft: Path, *extra: str, log: Path | None = None) -> tuple[subprocess.Popen[str], str]:
@@ -105,7 +108,7 @@ def services(tiny_model_dir, tiny_draft_dir, tmp_path_factory):
     started together."""
     logs = tmp_path_factory.mktemp("tp-logs")
     extras = {
-        "batched": ("--tensor-parallel", "2"),
+        "batched": ("--tensor-parallel", "2", "--max-tokens-per-step", "8"),
         "sequential": ("--tensor-parallel", "2", "--scheduler", "sequential"),
         "single": (),
     }
@@ -139,6 +142,7 @@ CASES = {
     "contrastive": dict(input_ids=PROMPT, max_new_tokens=8, penalty_alpha=0.6, top_k=4),
     "dola": dict(input_ids=PROMPT, max_new_tokens=8, dola_layers="low", repetition_penalty=1.2),
     "constrained_beam": dict(input_ids=PROMPT, max_new_tokens=8, num_beams=3, force_words_ids=[[20, 21]]),
+    "long_prompt": dict(input_ids=LONG, max_new_tokens=8, do_sample=False),
     "two_prompts_padded": dict(
         input_ids=[[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]],
         attention_mask=[[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]],
@@ -179,6 +183,7 @@ def test_sharded_outputs_equal_single_process(services, case, scheduler):
 
 CONCURRENT = [dict(input_ids=[[5 + i, 6, 7 + i, 8, 9 + 2 * i]], max_new_tokens=12, do_sample=False) for i in range(4)]
 CONCURRENT += [
+    dict(input_ids=LONG, max_new_tokens=10, do_sample=False),  # its prefill chunks share forwards with decodes
     dict(input_ids=[[9, 8, 7, 6]], max_new_tokens=10, num_beams=3, num_return_sequences=3),
     dict(input_ids=[[11, 12, 13]], max_new_tokens=10, do_sample=True, seed=3, top_k=10),
     dict(input_ids=REPEATING, max_new_tokens=10, prompt_lookup_num_tokens=3),
