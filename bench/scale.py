@@ -161,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure tensor parallelism instead: TP=2 against TP=1 on the CPU, same requests, outputs compared "
         "(see bench/scale_tp.py; its default model is SmolLM2-shaped with 8/4 heads, --model overrides)",
     )
+    parser.add_argument(
+        "--tp-scheduler",
+        default="batched",
+        choices=["batched", "sequential"],
+        help="with --tp: the scheduler of both targets (default batched, the service's default)",
+    )
     return parser
 
 
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
         from bench import scale_tp
 
         model = scale_tp.SHAPED if args.model == "default" else args.model
-        results = scale_tp.run(model, args.quick, args.requests, args.max_new_tokens, args.rounds)
+        results = scale_tp.run(model, args.quick, args.requests, args.max_new_tokens, args.rounds, args.tp_scheduler)
         write(results, scale_tp.report_markdown(results), Path(args.json or "bench/results/scale_tp.json"))
         return results
     preset = QUICK if args.quick else FULL

@@ -2,8 +2,11 @@
 
   python -m bench.scale --tp                              # a SmolLM2-shaped random model, a few minutes
   python -m bench.scale --tp --quick --model PATH         # smoke run on a small model (CI: a tiny one)
+  python -m bench.scale --tp --tp-scheduler sequential    # both targets with the sequential scheduler
 
-Two target services on the same model, both with the sequential scheduler: `TP=1` (one process, all
+Two target services on the same model and scheduler (default batched, the service's default, with
+packed forwards through transformers' forward on both: under TP the lean decoder is refused, so TP=1
+does not get it either and the difference is the sharding alone): `TP=1` (one process, all
 of this process's cores as torch threads) and `TP=2` (`--tensor-parallel 2`: two ranks over gloo,
 each with half the cores). One client sends the same greedy requests to each, in alternating rounds,
 and this reports tokens/s of each, the wall time per decoding step (one token per step) and the
@@ -49,8 +52,8 @@ def build_shaped_model(folder: Path) -> Path:
     return folder
 
 
-def start_targets(model: str, logs: Path) -> dict[str, Service]:
-    """The TP=1 and TP=2 targets, started together (each idles while the other is measured)."""
+def start_targets(model: str, logs: Path, scheduler: str = "batched") -> dict[str, Service]:
+    """The TP=1 and TP=2 targets with `scheduler`, started together (each idles while the other is measured)."""
     cores = len(os.sched_getaffinity(0))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     targets = {}
@@ -58,7 +61,7 @@ def start_targets(model: str, logs: Path) -> dict[str, Service]:
         ("TP=1", [], cores),
         ("TP=2", ["--tensor-parallel", "2"], max(1, cores // 2)),
     ):
-        args = ["--model", model, "--scheduler", "sequential", *extra]
+        args = ["--model", model, "--scheduler", scheduler, "--packed-forward", "transformers", *extra]
         service = Service(name, "specwire.target_service", args, free_port(), logs / f"{name}.log")
         service.start({**env, "OMP_NUM_THREADS": str(threads)})
         targets[name] = service
@@ -102,13 +105,13 @@ def compare(one: list, two: list) -> tuple[bool, float]:
     return equal, worst
 
 
-def measure(model: str, requests: int, max_new_tokens: int, rounds: int, logs: Path) -> dict:
+def measure(model: str, requests: int, max_new_tokens: int, rounds: int, logs: Path, scheduler: str) -> dict:
     """Alternating rounds on both targets: tokens/s, ms per step, equality."""
     from specwire.models import load_model
 
     tokenizer = load_model(model, progress=False).tokenizer  # prompt ids only; the targets run the model
     prompts = [_chat_ids(tokenizer, text) for text in PROMPTS]
-    targets = start_targets(model, logs)
+    targets = start_targets(model, logs, scheduler)
     try:
         for service in targets.values():
             wait_healthy(service, 900)
@@ -143,7 +146,7 @@ def report_markdown(results: dict) -> str:
     lines = [
         f"# Tensor parallelism on the CPU ({results['model']}, {results['requests_per_round']} greedy requests x "
         f"{results['max_new_tokens']} tokens per round, {results['rounds']} rounds, {results['cpu_count']} cores, "
-        "gloo)",
+        f"gloo, {results['scheduler']} scheduler)",
         "",
         "| target | tokens/s | ms per step |",
         "|---|---:|---:|",
@@ -155,7 +158,14 @@ def report_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(model: str, quick: bool, requests: int | None, max_new_tokens: int | None, rounds: int | None) -> dict:
+def run(
+    model: str,
+    quick: bool,
+    requests: int | None,
+    max_new_tokens: int | None,
+    rounds: int | None,
+    scheduler: str = "batched",
+) -> dict:
     """The whole TP benchmark; builds the SmolLM2-shaped model when `model` is `smollm2-shaped`."""
     preset = QUICK if quick else FULL
     folder = Path(tempfile.mkdtemp(prefix="specwire-bench-tp-"))
@@ -163,9 +173,10 @@ def run(model: str, quick: bool, requests: int | None, max_new_tokens: int | Non
     requests = requests or preset["requests"]
     max_new_tokens = max_new_tokens or preset["max_new_tokens"]
     rounds = rounds or preset["rounds"]
-    measured = measure(path, requests, max_new_tokens, rounds, folder)
+    measured = measure(path, requests, max_new_tokens, rounds, folder, scheduler)
     return {
         "model": model,
+        "scheduler": scheduler,
         "quick": quick,
         "requests_per_round": requests,
         "max_new_tokens": max_new_tokens,

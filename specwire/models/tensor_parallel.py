@@ -15,6 +15,16 @@ specwire serves from rank 0 only; the other ranks are followers that mirror rank
   rank 0's cache object gets instance wrappers for them. A cache rank 0 drops is dropped on the
   followers with the next message (the garbage collector's finalizer only queues the handle: a
   broadcast from whatever thread collects it would interleave with the model thread's).
+- The batched scheduler's slot cache (`specwire.runtime.slot_cache.SlotKVCache`) is a cache like the
+  others: a follower builds a twin of the same size on its own shard (its KV heads; at start-up,
+  `adopt_cache`, so that a rank short of memory fails the start, not a request), and the one
+  method that writes its tensors outside forwards, `copy` (beam parents' slots), is broadcast. A
+  packed step (`PackedStep`, in the forward's kwargs) travels as its cache's handle and its pieces
+  `(slot, cursor, token count)`, from which the follower builds the same step; the keys and values are
+  written inside the forward's attention on every rank. Allocating and releasing slots and moving
+  cursors stay rank 0's bookkeeping (the pieces carry their outcome). The lean decoder
+  (`specwire.runtime.lean_decoder`) applies the layers' weights itself, without the sharded layers'
+  collectives: the target service refuses it under tensor parallelism.
 - The LM head (`get_output_embeddings()`, which DoLa applies to early layers) is mirrored the same
   way; any other sub-module called on rank 0 alone would wait forever in its collective, so the
   loops call only these two.
@@ -27,9 +37,7 @@ Broadcasts go over a gloo group of their own (CPU tensors, an unbounded timeout:
 for work as long as the service is idle) whatever the model's backend (gloo on the CPU, nccl with
 one GPU per rank). Sampling, logits processing and the token history stay on rank 0: only the
 model's forwards and the cache's shape changes are mirrored, so every decoding mode and speculation
-run unchanged. Our own KV runtime (`specwire.runtime`: slot cache, lean decoder) writes cache
-tensors directly, which these wrappers do not see: the target service serves TP with the
-sequential scheduler.
+run unchanged.
 """
 
 from __future__ import annotations
@@ -59,6 +67,10 @@ __all__ = [
 
 # Cache methods that change a cache outside forwards, as the decoding loops call them.
 MIRRORED_CACHE_METHODS = ("crop", "reorder_cache", "batch_select_indices", "batch_repeat_interleave", "reset")
+# The one `SlotKVCache` method that writes its tensors outside forwards (beam parents' slot copies);
+# allocating and releasing slots and moving cursors is rank 0's bookkeeping: the slots and cursors
+# travel in each packed step's pieces.
+MIRRORED_SLOT_METHODS = ("copy",)
 # A follower waits for rank 0's next call as long as the service is idle: no timeout in practice.
 _CONTROL_TIMEOUT = datetime.timedelta(days=3650)
 
@@ -141,30 +153,58 @@ class _CacheRef:
     """A cache in a message: its handle, and how a follower builds its twin when it has none."""
 
     handle: int
-    kind: str  # "dynamic" or "static"
+    kind: str  # "dynamic", "static" or "slots"
     max_cache_len: int | None = None
+    slots: tuple[int, int] | None = None  # a slot cache's (num_slots, slot_tokens)
 
 
-def _cache_kind(cache: Any) -> tuple[str, int | None]:
+@dataclasses.dataclass(frozen=True)
+class _StepRef:
+    """A packed step (`specwire.runtime.slot_cache.PackedStep`) in a message: its slot cache and pieces,
+    from which a follower builds the same step over its own shard of the slots."""
+
+    cache: _CacheRef
+    pieces: list[tuple[int, int, int]]
+
+
+def _cache_shape(cache: Any) -> tuple[str, int | None, tuple[int, int] | None]:
+    """(kind, max_cache_len, slots) of a cache a follower can build a twin of; refuses other kinds."""
     from transformers import DynamicCache, StaticCache
 
+    from specwire.runtime.slot_cache import SlotKVCache
+
     if isinstance(cache, StaticCache):
-        return "static", int(cache.get_max_length())
+        return "static", int(cache.get_max_length()), None
     if isinstance(cache, DynamicCache):
-        return "dynamic", None
+        return "dynamic", None, None
+    if isinstance(cache, SlotKVCache):
+        return "slots", None, (cache.num_slots, cache.slot_tokens)
     raise TensorParallelError(
         f"a {type(cache).__name__} cannot be mirrored to the tensor-parallel followers "
-        "(DynamicCache and StaticCache can)"
+        "(DynamicCache, StaticCache and the batched scheduler's SlotKVCache can)"
     )
+
+
+def _is_cache(value: Any) -> bool:
+    from transformers import Cache
+
+    from specwire.runtime.slot_cache import SlotKVCache
+
+    return isinstance(value, Cache | SlotKVCache)
 
 
 def _new_cache(model: Any, ref: _CacheRef) -> Any:
     from transformers import DynamicCache, StaticCache
 
+    from specwire.runtime.slot_cache import SlotKVCache
+
     config = model.config
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if ref.kind == "static":
         return StaticCache(config=text_config, max_cache_len=ref.max_cache_len)
+    if ref.kind == "slots":
+        assert ref.slots is not None
+        return SlotKVCache(model, *ref.slots)  # this rank's KV heads (`tp_size`), as on rank 0
     return DynamicCache(config=text_config)
 
 
@@ -228,6 +268,13 @@ class MirroredModel:
                 self._register(cache, fresh)
             return outputs
 
+    def adopt_cache(self, cache: Any) -> None:
+        """Builds `cache`'s twin on every follower now rather than with the first forward that uses it:
+        the batched scheduler's slot cache, allocated at start-up, so that a rank without the memory for
+        its share fails the start, not the first request."""
+        with self._lock:
+            self._send(("adopt", self._encode(cache)))
+
     def stop(self, wait_s: float = 5.0) -> None:
         """Tells the followers to exit (rank 0 is shutting down); never raises. Gives up after `wait_s`
         seconds when a call still holds the lock (a forward stuck in a collective: the caller then ends
@@ -256,17 +303,19 @@ class MirroredModel:
             raise TensorParallelError(self.broken) from error
 
     def _encode(self, value: Any) -> Any:
-        from transformers import Cache
+        from specwire.runtime.slot_cache import PackedStep
 
         if isinstance(value, torch.Tensor):
             return value.detach().cpu()
-        if isinstance(value, Cache):
-            kind, max_len = _cache_kind(value)
+        if _is_cache(value):
+            kind, max_len, slots = _cache_shape(value)
             handle = self._known.get(id(value))
             if handle is None:
                 handle = next(self._handles)
                 self._register(value, handle)
-            return _CacheRef(handle, kind, max_len)
+            return _CacheRef(handle, kind, max_len, slots)
+        if isinstance(value, PackedStep):  # the batched scheduler's forwards carry it in their kwargs
+            return _StepRef(self._encode(value.cache), value.pieces)
         if isinstance(value, tuple | list):
             return type(value)(self._encode(item) for item in value)
         if isinstance(value, dict):
@@ -275,12 +324,12 @@ class MirroredModel:
 
     def _register(self, cache: Any, handle: int) -> None:
         """Remembers `cache` under `handle` and mirrors its shape-changing methods from now on."""
-        _cache_kind(cache)  # refuses kinds a follower could not build
+        kind, _, _ = _cache_shape(cache)  # refuses kinds a follower could not build
         self._known[id(cache)] = handle
         # The wrappers hold the cache weakly: a strong reference would be a cycle (cache -> wrapper ->
         # cache), and its KV tensors would wait for the cyclic collector instead of going with the request.
         cache_ref = weakref.ref(cache)
-        for name in MIRRORED_CACHE_METHODS:
+        for name in MIRRORED_SLOT_METHODS if kind == "slots" else MIRRORED_CACHE_METHODS:
             function = getattr(type(cache), name, None)
             if function is not None:
                 setattr(cache, name, self._mirrored_method(handle, name, function, cache_ref))
@@ -325,6 +374,7 @@ class _Replayer:
         self.model = model
         self.device = device
         self.caches: dict[int, Any] = {}
+        self.slot_attention = False  # installed with the first packed step, as rank 0 did before its own
 
     def decode(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -334,6 +384,13 @@ class _Replayer:
             if cache is None:
                 cache = self.caches[value.handle] = _new_cache(self.model, value)
             return cache
+        if isinstance(value, _StepRef):
+            from specwire.runtime.slot_cache import PackedStep, install_slot_attention
+
+            if not self.slot_attention:
+                install_slot_attention(self.model)  # sdpa for every other forward: nothing else changes
+                self.slot_attention = True
+            return PackedStep(self.decode(value.cache), value.pieces)
         if isinstance(value, tuple | list):
             return type(value)(self.decode(item) for item in value)
         if isinstance(value, dict):
@@ -352,6 +409,9 @@ class _Replayer:
             cache = getattr(outputs, "past_key_values", None)
             if cache is not None and not any(cache is known for known in self.caches.values()):
                 self.caches[fresh] = cache
+        elif op == "adopt":
+            cache = self.decode(message[1])
+            log.info("tensor-parallel follower: allocated its share of a %s", type(cache).__name__)
         elif op == "cache":
             _, handle, name, args, kwargs = message
             getattr(self.caches[handle], name)(*self.decode(args), **self.decode(kwargs))

@@ -70,6 +70,14 @@ def _text_config(model: Any) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def _kv_heads(model: Any) -> int:
+    """KV heads per layer as this process holds them: a tensor-parallel shard (transformers'
+    `tp_size`) holds `num_key_value_heads / tp_size` of them, while its config still names them all."""
+    config = _text_config(model)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return int(heads // (getattr(model, "tp_size", None) or 1))
+
+
 def slot_support(model: Any) -> str:
     """Why `model` cannot run packed forwards over a `SlotKVCache` ("" when it can)."""
     config = _text_config(model)
@@ -131,7 +139,8 @@ class SlotKVCache:
 
     Args:
         model (`PreTrainedModel`):
-            The decoder-only model (layer count, KV heads, head size, dtype and device are read from it).
+            The decoder-only model (layer count, KV heads, head size, dtype and device are read from it;
+            a tensor-parallel shard's KV heads are its share, `num_key_value_heads / tp_size`).
         num_slots (`int`):
             Rows the cache can hold at once.
         slot_tokens (`int`):
@@ -143,7 +152,7 @@ class SlotKVCache:
             raise ValueError(f"a slot cache needs num_slots >= 1 and slot_tokens >= 2, got {num_slots}, {slot_tokens}")
         config = _text_config(model)
         heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.kv_heads = _kv_heads(model)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.num_layers = config.num_hidden_layers
         self.num_slots = num_slots
@@ -162,10 +171,9 @@ class SlotKVCache:
         """Memory one slot takes (keys and values of every layer)."""
         config = _text_config(model)
         heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         size = next(model.parameters()).element_size()
-        return cast(int, 2 * config.num_hidden_layers * kv_heads * head_dim * slot_tokens * size)
+        return cast(int, 2 * config.num_hidden_layers * _kv_heads(model) * head_dim * slot_tokens * size)
 
     def allocate(self, count: int) -> list[int] | None:
         """`count` free slots (adjacent ones when possible, so a request's rows share kernel calls)."""
@@ -254,6 +262,8 @@ class PackedStep:
 
     def __init__(self, cache: SlotKVCache, pieces: Sequence[tuple[int, int, int]]):
         self.cache = cache
+        # Kept as given: a tensor-parallel follower rebuilds the step on its own shard from them.
+        self.pieces = [(int(slot), int(cursor), int(n)) for slot, cursor, n in pieces]
         device = cache.device
         slots = torch.tensor([p[0] for p in pieces], dtype=torch.long)
         cursors = torch.tensor([p[1] for p in pieces], dtype=torch.long)

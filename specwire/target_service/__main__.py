@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=[kind.value for kind in SchedulerKind],
         help=f"batched: one forward per step for all running requests; sequential: one request "
-        f"per forward (default {DEFAULT_SCHEDULER}; sequential with --tensor-parallel)",
+        f"per forward (default {DEFAULT_SCHEDULER})",
     )
     parser.add_argument(
         "--tensor-parallel",
@@ -244,11 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--packed-forward",
-        default="lean",
+        default=None,
         choices=["lean", "transformers"],
         help="batched: run packed forwards through specwire's lean decoder (Llama-layout models whose "
         "logits it reproduces bitwise, checked at start-up) or always through the model's own forward "
-        "(default lean)",
+        "(default lean; transformers with --tensor-parallel, whose sharded layers only the model's own "
+        "forward runs)",
     )
     add_limit_arguments(parser)
     add_access_arguments(parser)
@@ -410,18 +411,26 @@ def load_draft_model(args: argparse.Namespace, target):
     return draft
 
 
-def resolve_scheduler(args: argparse.Namespace, tensor_parallel: int) -> str:
-    """The scheduler to serve with: `--scheduler`, else the default (sequential under tensor parallelism,
-    whose followers cannot mirror the batched scheduler's slot cache; asking for batched is refused)."""
+def resolve_scheduler(args: argparse.Namespace) -> str:
+    """The scheduler to serve with: `--scheduler`, else the default (under tensor parallelism too: the
+    followers mirror the batched scheduler's slot cache, see `specwire.models.tensor_parallel`)."""
+    return str(args.scheduler or DEFAULT_SCHEDULER)
+
+
+def resolve_packed_forward(args: argparse.Namespace, tensor_parallel: int) -> str:
+    """How the batched scheduler runs packed forwards: `--packed-forward`, else lean on one process and
+    transformers under tensor parallelism. The lean decoder applies the layers' weights itself, which
+    skips the collectives of transformers' sharded layers (each rank would compute a partial sum and
+    keep it): asking for it with tensor parallelism is refused."""
     if tensor_parallel == 1:
-        return str(args.scheduler or DEFAULT_SCHEDULER)
-    if args.scheduler == SchedulerKind.BATCHED.value:
+        return str(args.packed_forward or "lean")
+    if args.packed_forward == "lean":
         raise SystemExit(
-            "target-service: --scheduler batched cannot run with tensor parallelism (its KV slot cache is "
-            "written outside the model's forwards, which the other ranks cannot mirror): use --scheduler "
-            "sequential, or leave --scheduler out"
+            "target-service: --packed-forward lean cannot run with tensor parallelism (the lean decoder applies "
+            "the layers' weights itself, without the all-reduces of transformers' sharded layers): use "
+            "--packed-forward transformers, or leave --packed-forward out"
         )
-    return SchedulerKind.SEQUENTIAL.value
+    return "transformers"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -449,7 +458,8 @@ def main(argv: list[str] | None = None) -> None:
         plugins = load_plugins(args.plugins.split(","))
     except PluginLoadError as error:
         raise SystemExit(f"target-service: --plugins: {error}") from None
-    scheduler = resolve_scheduler(args, tensor_parallel)
+    scheduler = resolve_scheduler(args)
+    packed_forward = resolve_packed_forward(args, tensor_parallel)
     target = load_target(args, tensor_parallel, sys.argv[1:] if argv is None else list(argv))
     loaded = target.loaded
     draft_model = load_draft_model(args, loaded)
@@ -469,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
         slot_tokens=args.slot_tokens,
         kv_cache_mb=args.kv_cache_mb,
         max_lane_requests=args.max_lane_requests,
-        lean_forward=args.packed_forward == "lean",
+        lean_forward=packed_forward == "lean",
     )
     try:
         limits = limits_from_args(args, loaded.max_position_embeddings)

@@ -11,8 +11,9 @@ Two ways to start the ranks of a tensor-parallel target (`specwire.models.tensor
 - under `torchrun` (the environment already says `WORLD_SIZE` > 1): every process loads its shard,
   rank 0 serves and the rest follow; torchrun stops the whole group when one of them fails.
 
-Serving under TP uses the sequential scheduler: the batched scheduler's slot cache and lean decoder
-write KV tensors directly, which the followers cannot mirror (see the core module's docstring).
+Both schedulers serve under TP (the followers mirror the batched scheduler's slot cache, see the core
+module's docstring); packed forwards run through transformers' forward (`--packed-forward lean` is
+refused: the lean decoder would skip the sharded layers' collectives).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_quick_mode_measures_one_and_two_replicas(tiny_model_dir, tmp_path):
 
 
 def test_tp_quick_mode_compares_tp2_with_tp1(tiny_model_dir, tmp_path):
-    """`python -m bench.scale --tp --quick`: both targets answer every request, with equal ids."""
+    """`python -m bench.scale --tp --quick`: both targets (batched scheduler) answer every request, with equal ids."""
     out = tmp_path / "scale_tp.json"
     command = [sys.executable, "-m", "bench.scale", "--tp", "--quick", "--model", str(tiny_model_dir)]
     command += ["--json", str(out)]
@@ -53,4 +53,6 @@ def test_tp_quick_mode_compares_tp2_with_tp1(tiny_model_dir, tmp_path):
         assert figures["tokens_per_s"] > 0 and figures["ms_per_step"] > 0
     assert results["ids_equal"] is True
     assert results["max_score_difference"] <= 1e-5  # float-close (the service test checks it is not 0)
-    assert "ms per step" in out.with_suffix(".md").read_text()
+    assert results["scheduler"] == "batched"  # the service's default, under TP too
+    markdown = out.with_suffix(".md").read_text()
+    assert "ms per step" in markdown and "batched scheduler" in markdown

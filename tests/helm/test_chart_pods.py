@@ -3,6 +3,7 @@ storage, scaling and disruption, secrets, telemetry and metrics."""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -103,25 +104,22 @@ def test_gpu_values_are_per_service(tools):
 
 def test_tensor_parallel_target_takes_one_gpu_per_rank(tools):
     """`target.tensorParallel: 2`: 2 GPUs per pod, `--tensor-parallel 2` on the command line (parsed by the
-    target's real CLI), the sequential scheduler, and a memory-backed /dev/shm for NCCL."""
+    target's real CLI), the chart's scheduler (batched by default, sequential when asked), and a
+    memory-backed /dev/shm for NCCL."""
     from specwire.target_service.__main__ import build_parser
 
-    r = Rendered(
-        template(
-            tools,
-            "--set",
-            "target.gpu.enabled=true",
-            "--set",
-            "target.tensorParallel=2",
-            "--set",
-            "target.scheduler.mode=sequential",
-        ).stdout
-    )
+    def parsed_args(*values: str) -> argparse.Namespace:
+        rendered = Rendered(template(tools, "--set", "target.gpu.enabled=true", *values).stdout)
+        data = rendered.settings("target")
+        args = [re.sub(r"\$\((\w+)\)", lambda m: data[m.group(1)], a) for a in rendered.container("target")["args"]]
+        return build_parser().parse_args(args)
+
+    r = Rendered(template(tools, "--set", "target.gpu.enabled=true", "--set", "target.tensorParallel=2").stdout)
     assert gpu_count(r.container("target")) == (2, 2)
-    data = r.settings("target")
-    args = [re.sub(r"\$\((\w+)\)", lambda m: data[m.group(1)], a) for a in r.container("target")["args"]]
-    parsed = build_parser().parse_args(args)
-    assert (parsed.tensor_parallel, parsed.scheduler, parsed.device) == (2, "sequential", "cuda")
+    parsed = parsed_args("--set", "target.tensorParallel=2")
+    assert (parsed.tensor_parallel, parsed.scheduler, parsed.device) == (2, "batched", "cuda")
+    sequential = parsed_args("--set", "target.tensorParallel=2", "--set", "target.scheduler.mode=sequential")
+    assert (sequential.tensor_parallel, sequential.scheduler) == (2, "sequential")
     volumes = {v["name"]: v for v in r.pod_spec("target")["volumes"]}
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in r.container("target")["volumeMounts"]

@@ -233,13 +233,10 @@ def test_every_value_is_documented():
             "target.draftModel and target.draftAddress both name a draft model",
         ),
         (["--set", "auth.existingSecret=reader"], "set tls.enabled with tls.secretName, or auth.allowInsecureToken"),
-        (["--set", "target.tensorParallel=2"], "set target.scheduler.mode=sequential"),
         (
             [
                 "--set",
                 "target.tensorParallel=2",
-                "--set",
-                "target.scheduler.mode=sequential",
                 "--set",
                 "target.gpu.enabled=true",
                 "--set",

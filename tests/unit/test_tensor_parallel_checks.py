@@ -1,16 +1,25 @@
 """Start-up checks of tensor-parallel targets (no processes started): which models and devices
 transformers' tensor parallelism can shard, the world size from the flag or torchrun's environment,
-and the scheduler it serves with. The sharded service itself: tests/service/test_tensor_parallel.py."""
+the scheduler and packed forward it serves with, and how a batched scheduler's packed step reaches a
+follower (its slot cache rebuilt on the follower's shard). The sharded service itself:
+tests/service/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
 import argparse
 
 import pytest
+import torch
 from transformers import GPT2Config, LlamaConfig
 
-from specwire.models.tensor_parallel import tp_support
-from specwire.target_service.__main__ import build_parser, resolve_scheduler
+from specwire.models.tensor_parallel import MirroredModel, TensorParallelWorld, _Replayer, tp_support
+from specwire.runtime.slot_cache import PackedStep, SlotKVCache
+from specwire.target_service.__main__ import (
+    DEFAULT_SCHEDULER,
+    build_parser,
+    resolve_packed_forward,
+    resolve_scheduler,
+)
 from specwire.target_service.tensor_parallel import tensor_parallel_size
 
 
@@ -52,9 +61,52 @@ def test_world_size_from_the_flag_or_torchrun(monkeypatch):
         tensor_parallel_size(_args("--tensor-parallel", "0"))
 
 
-def test_tensor_parallel_serves_with_the_sequential_scheduler():
-    assert resolve_scheduler(_args(), 2) == "sequential"
-    assert resolve_scheduler(_args("--scheduler", "sequential"), 2) == "sequential"
-    with pytest.raises(SystemExit, match="--scheduler batched cannot run with tensor parallelism"):
-        resolve_scheduler(_args("--scheduler", "batched"), 2)
-    assert resolve_scheduler(_args("--scheduler", "batched"), 1) == "batched"
+def test_tensor_parallel_serves_with_the_default_scheduler_and_the_transformers_forward():
+    assert resolve_scheduler(_args()) == DEFAULT_SCHEDULER
+    assert resolve_scheduler(_args("--scheduler", "batched")) == "batched"
+    assert resolve_scheduler(_args("--scheduler", "sequential")) == "sequential"
+    assert resolve_packed_forward(_args(), 1) == "lean"
+    assert resolve_packed_forward(_args(), 2) == "transformers"
+    assert resolve_packed_forward(_args("--packed-forward", "transformers"), 2) == "transformers"
+    assert resolve_packed_forward(_args("--packed-forward", "lean"), 1) == "lean"
+    with pytest.raises(SystemExit, match="--packed-forward lean cannot run with tensor parallelism"):
+        resolve_packed_forward(_args("--packed-forward", "lean"), 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaForCausalLM
+
+    config = llama(4, 2)
+    config.update(dict(num_hidden_layers=2, intermediate_size=64, vocab_size=64))
+    return LlamaForCausalLM(config).eval()
+
+
+def test_slot_cache_holds_the_kv_heads_of_this_shard(tiny_llama, monkeypatch):
+    """A rank of a 2-way shard holds half the KV heads its config names (transformers' `tp_size`)."""
+    assert SlotKVCache(tiny_llama, 2, 4).kv_heads == 2
+    whole = SlotKVCache.bytes_per_slot(tiny_llama, 4)
+    monkeypatch.setattr(tiny_llama, "_tp_size", 2)
+    assert SlotKVCache(tiny_llama, 2, 4).kv_heads == 1
+    assert SlotKVCache.bytes_per_slot(tiny_llama, 4) * 2 == whole
+
+
+def test_a_packed_step_reaches_a_follower_as_its_own_step_over_its_own_slots(tiny_llama):
+    """Rank 0 sends a packed step as (slot cache handle and size, pieces); the follower builds the same
+    step over a twin cache of its own, the same twin for every step of that cache, and a new twin
+    for another cache (the start-up probe's)."""
+    world = TensorParallelWorld(0, 2, torch.device("cpu"), control=None)
+    mirrored = MirroredModel(tiny_llama, world)
+    served, probe = SlotKVCache(tiny_llama, 4, 8), SlotKVCache(tiny_llama, 3, 16)
+    follower = _Replayer(tiny_llama, torch.device("cpu"))
+    pieces = [(1, 0, 3), (2, 5, 1)]
+    first = follower.decode(mirrored._encode({"specwire_step": PackedStep(served, pieces)}))["specwire_step"]
+    again = follower.decode(mirrored._encode(PackedStep(served, [(0, 2, 1)])))
+    other = follower.decode(mirrored._encode(PackedStep(probe, [(0, 0, 2)])))
+    assert isinstance(first, PackedStep) and first.pieces == pieces
+    assert first.cache is not served and (first.cache.num_slots, first.cache.slot_tokens) == (4, 8)
+    assert torch.equal(first.write_index, PackedStep(served, pieces).write_index)
+    assert again.cache is first.cache and other.cache is not first.cache
+    assert (other.cache.num_slots, other.cache.slot_tokens) == (3, 16)
+    assert tiny_llama.config._attn_implementation == "specwire_slots"  # installed with the first step
+    assert callable(served.copy) and "copy" in vars(served)  # mirrored: rank 0 broadcasts slot copies

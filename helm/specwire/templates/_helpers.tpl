@@ -402,9 +402,6 @@ preStop sleep minus 5 s, so the server has drained and exited before the kubelet
 {{- fail "auth.adminExistingSecret needs auth.existingSecret: the targets read the registry and the draft service with the reader token (without TLS there is no client certificate to stand for it)" -}}
 {{- end -}}
 {{- $tp := int .Values.target.tensorParallel -}}
-{{- if and (gt $tp 1) (ne .Values.target.scheduler.mode "sequential") -}}
-{{- fail (printf "target.tensorParallel is %d but target.scheduler.mode is %s: a tensor-parallel target serves with the sequential scheduler (the other ranks cannot mirror the batched scheduler's KV slots); set target.scheduler.mode=sequential" $tp .Values.target.scheduler.mode) -}}
-{{- end -}}
 {{- if and (gt $tp 1) .Values.target.gpu.enabled (ne (int .Values.target.gpu.count) 1) (ne (int .Values.target.gpu.count) $tp) -}}
 {{- fail (printf "target.gpu.count is %d but target.tensorParallel is %d: a tensor-parallel target takes one GPU per rank; leave target.gpu.count at 1 or set it to %d" (int .Values.target.gpu.count) $tp $tp) -}}
 {{- end -}}

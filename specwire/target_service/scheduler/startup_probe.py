@@ -76,6 +76,9 @@ def build_slot_cache(model: Any, options: SchedulerOptions, max_position_embeddi
             return SlotSetup(unsupported=problem)
         decoder = _lean_decoder(model) if options.lean_forward else None
         cache = SlotKVCache(model, slots, slot_tokens)
+        adopt = getattr(model, "adopt_cache", None)  # a tensor-parallel model: its other ranks allocate theirs
+        if adopt is not None:
+            adopt(cache)
     log.info(
         "batched scheduler: %d slots x %d tokens (%.0f MiB), %s forward",
         slots,
