@@ -452,8 +452,13 @@ class Engine:
             # A generate method's one step runs it whole: it stops at its next check(), not at a step's end.
             if isinstance(steps, GenerateMethodSteps):
                 steps.cancel()
-            # Closing runs the generator's cleanup on its thread, after any step in flight.
-            executor.submit(_close_quietly, steps, job.request_id)
+            # Closing runs the generator's cleanup on its thread, after any step in flight. A request
+            # abandoned while the server shuts down is finalised after its executor stopped: nothing
+            # runs there any more, so it is closed here.
+            try:
+                executor.submit(_close_quietly, steps, job.request_id)
+            except RuntimeError:  # "cannot schedule new futures after shutdown"
+                _close_quietly(steps, job.request_id)
 
     def queue_full(self) -> float | None:
         """A retry hint in seconds when the batched scheduler's queue is full, else None (a cheap probe:
