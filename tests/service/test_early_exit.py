@@ -20,6 +20,7 @@ from specwire.generation.speculation.early_exit import early_exit_model
 from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models import load_model
 from specwire.target_service.__main__ import build_server as build_target_server
+from tests.distributions import two_token_distribution
 from tests.servers import threaded_server
 from tests.tiny_models import build_tiny_llama
 
@@ -127,21 +128,6 @@ def test_the_draft_shares_the_targets_weights_and_leaves_it_whole(loaded):
     assert not torch.allclose(early, full)
 
 
-def _two_token_distribution(model, top_k: int) -> dict[tuple[int, int], float]:
-    """The exact probability of every two-token continuation of PROMPT under top-k sampling."""
-    warp = transformers.TopKLogitsWarper(top_k)
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        first = warp(ids, model(input_ids=ids).logits[:, -1].float()).softmax(-1)[0]
-        table = {}
-        for t1 in first.nonzero().flatten().tolist():
-            longer = torch.tensor([PROMPT + [t1]])
-            second = warp(longer, model(input_ids=longer).logits[:, -1].float()).softmax(-1)[0]
-            for t2 in second.nonzero().flatten().tolist():
-                table[(t1, t2)] = float(first[t1] * second[t2])
-    return table
-
-
 def test_speculative_sampling_keeps_the_targets_distribution(loaded):
     model, rows, top_k = loaded.model, 2000, 4
     config = GenerationConfig(do_sample=True, top_k=top_k, max_new_tokens=3, num_assistant_tokens=2, seed=11)
@@ -157,12 +143,12 @@ def test_speculative_sampling_keeps_the_targets_distribution(loaded):
     # The first token comes from the prompt's forward, the second from the first speculative round.
     pairs = [tuple(row) for row in drain(steps).sequences[:, len(PROMPT) : len(PROMPT) + 2].tolist()]
     assert stats.drafted_tokens > 0 and 0 < stats.accepted_tokens < stats.drafted_tokens
-    want = _two_token_distribution(model, top_k)
+    want = two_token_distribution(model, PROMPT, top_k)
     got = {pair: pairs.count(pair) / rows for pair in set(pairs)}
     tv = 0.5 * sum(abs(got.get(k, 0.0) - want.get(k, 0.0)) for k in set(got) | set(want))
     assert tv < 0.08, tv
     # The draft's own distribution is far from the target's: accepting its tokens blindly would fail above.
-    drafted = _two_token_distribution(draft, top_k)
+    drafted = two_token_distribution(draft, PROMPT, top_k)
     gap = 0.5 * sum(abs(drafted.get(k, 0.0) - want.get(k, 0.0)) for k in set(drafted) | set(want))
     assert gap > 0.2, gap
     assert not set(got) - set(want)

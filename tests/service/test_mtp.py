@@ -25,6 +25,7 @@ from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models import load_model
 from specwire.models.mtp_layers import mtp_model_for
 from specwire.target_service.__main__ import build_server as build_target_server
+from tests.distributions import two_token_distribution
 from tests.servers import threaded_server
 from tests.tiny_models import build_mtp_layers, build_tiny_llama, build_tiny_mtp_model
 
@@ -213,21 +214,6 @@ def test_two_mtp_layers_draft_and_correct_their_cache_as_transformers_does(refer
     assert corrected > 0
 
 
-def _two_token_distribution(model, prompt, top_k: int) -> dict[tuple[int, int], float]:
-    """The exact probability of every two-token continuation of `prompt` under top-k sampling."""
-    warp = transformers.TopKLogitsWarper(top_k)
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        first = warp(ids, model(input_ids=ids).logits[:, -1].float()).softmax(-1)[0]
-        table = {}
-        for t1 in first.nonzero().flatten().tolist():
-            longer = torch.tensor([prompt + [t1]])
-            second = warp(longer, model(input_ids=longer).logits[:, -1].float()).softmax(-1)[0]
-            for t2 in second.nonzero().flatten().tolist():
-                table[(t1, t2)] = float(first[t1] * second[t2])
-    return table
-
-
 def test_speculative_sampling_keeps_the_targets_distribution(loaded):
     model, rows, top_k, prompt = loaded.model, 1500, 4, PROMPTS[2]
     config = GenerationConfig(do_sample=True, top_k=top_k, max_new_tokens=3, use_mtp=True, seed=11)
@@ -244,7 +230,7 @@ def test_speculative_sampling_keeps_the_targets_distribution(loaded):
     # The first token comes from the prompt's forward, the second from the first MTP round.
     pairs = [tuple(row) for row in drain(steps).sequences[:, len(prompt) : len(prompt) + 2].tolist()]
     assert stats.drafted_tokens > 0 and 0 < stats.accepted_tokens < stats.drafted_tokens, stats
-    want = _two_token_distribution(model, prompt, top_k)
+    want = two_token_distribution(model, prompt, top_k)
     got = {pair: pairs.count(pair) / rows for pair in set(pairs)}
     tv = 0.5 * sum(abs(got.get(k, 0.0) - want.get(k, 0.0)) for k in set(got) | set(want))
     assert tv < 0.08, tv
