@@ -306,6 +306,12 @@ def test_run_lengths_keep_copies_that_go_on():
     assert survival[9] > 0.4  # once the first is kept, the rest is too (geometric: (10/11)^10 = 0.39 ...)
     assert survival[9] > (10 / 11) ** 10 and survival[0] < 10 / 11  # (... and it overrates the first token)
     assert RunLengths(positions=4).survival(0.5, 3) == pytest.approx([0.5, 0.25, 0.125])  # no data: geometric
+    # Blocks of 3, always kept: chained, the positions never reached are assumed to keep going too.
+    short, chained = RunLengths(positions=10), RunLengths(positions=10, chained=True)
+    for _ in range(20):
+        short.observe(3, 3)
+        chained.observe(3, 3)
+    assert chained.survival(0.6, 10)[9] > 0.5 > short.survival(0.6, 10)[9]
 
 
 def test_the_draft_catch_up_is_learned_from_the_first_block_and_priced():

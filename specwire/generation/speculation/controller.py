@@ -338,7 +338,7 @@ class AcceptanceEstimate:
 class RunLengths:
     """How far into a block the target keeps agreeing: per position `j`, the chance that draft `j` is accepted
     when drafts `1..j-1` were, from one request's blocks (forgotten geometrically), each position shrunk
-    towards the request's overall acceptance.
+    towards the request's overall acceptance (`chained`: towards the position before it).
 
     One acceptance for every position (a geometric run) fits a draft model, whose tokens are about equally
     likely to be kept wherever they are. A copy from the prompt (prompt lookup) is not like that: its first
@@ -350,9 +350,13 @@ class RunLengths:
         positions (`int`): the longest block.
         shrink (`float`, *optional*, defaults to 3.0): observations the overall acceptance weighs at each position.
         decay (`float`, *optional*, defaults to 0.95): evidence kept at each observed block.
+        chained (`bool`, *optional*, defaults to `False`): shrink each position towards the one before it
+            instead of the overall acceptance (copies: what kept going keeps going). Not for a draft model:
+            on the code edit it drafted blocks of 20 at 0.89x of plain decoding.
     """
 
-    def __init__(self, positions: int, shrink: float = 3.0, decay: float = 0.95):
+    def __init__(self, positions: int, shrink: float = 3.0, decay: float = 0.95, chained: bool = False):
+        self.chained = chained
         self.shrink = shrink
         self.decay = decay
         self.tried = [0.0] * positions  # per position: blocks that reached it (draft j verified, 1..j-1 kept)
@@ -370,10 +374,13 @@ class RunLengths:
 
     def survival(self, overall: float, k: int) -> list[float]:
         """`[S(1), .., S(k)]`, `S(j)` the chance that drafts `1..j` are all kept, given `overall` acceptance."""
-        out, alive = [], 1.0
+        out, alive, hazard = [], 1.0, overall
         for j in range(k):
             tried, kept = (self.tried[j], self.kept[j]) if j < len(self.tried) else (0.0, 0.0)
-            alive *= (kept + self.shrink * overall) / (tried + self.shrink)
+            # Chained: shrunk towards the position before (the first towards `overall`): where the request's
+            # blocks never reached, a copy that kept going is assumed to keep going, so longer blocks get tried.
+            hazard = (kept + self.shrink * (hazard if self.chained else overall)) / (tried + self.shrink)
+            alive *= hazard
             out.append(alive)
         return out
 
@@ -461,7 +468,7 @@ class SpeculationController:
     drafted_last_round: bool = False
 
     def __post_init__(self) -> None:
-        self.runs = RunLengths(self.options.max_length)
+        self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
         accept_prior, continue_prior = PRIORS.get(self.proposer, DEFAULT_PRIORS)
         if self.acceptance is None:
             self.acceptance = AcceptanceEstimate(prior_mean=accept_prior)
