@@ -3,9 +3,9 @@
 A request that names no draft length gets the controller: greedy output equals plain greedy token for
 token (co-located draft model, a draft model behind a real draft service, prompt lookup; batch of
 three; batched and sequential schedulers), and the response says what it chose. A draft that cannot
-pay (slow, and mostly rejected) makes it decode without drafting (time off, probes) with the same
-output. A request naming a schedule keeps transformers' schedule, and so does every request with
-`--no-adaptive-speculation`. A cancelled stream leaves no thread, drafter or KV slot behind.
+pay (slow, and mostly rejected) makes it decode without drafting (time off; no probe that the rest of the
+request cannot repay) with the same output. A request naming a schedule keeps transformers' schedule, and
+so does every request with `--no-adaptive-speculation`. A cancelled stream leaves no thread, drafter or KV slot behind.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from specwire.client import TargetClient
 from specwire.client.cli.generate import draft_lengths_line
 from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.generation.config import GenerationConfig
+from specwire.generation.speculation.controller import SharedCosts
 from specwire.models import load_model
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target_service.__main__ import build_parser
@@ -99,14 +100,25 @@ def _controlled(output, rounds_at_least: int = 1):
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 @pytest.mark.parametrize("kwargs", [DRAFT_MODEL, PROMPT_LOOKUP], ids=["draft_model", "prompt_lookup"])
 def test_controller_greedy_equals_plain_greedy(targets, scheduler, kwargs):
-    with TargetClient(targets(scheduler).address) as client:
+    target = targets(scheduler)
+    # The tiny draft costs what the target does per token, so on this CPU it never pays and the controller
+    # would rightly not draft: the target starts from fresh costs (the other tests measured them) and is told
+    # the draft costs next to nothing (as a draft on its own GPU would), so that always-accepted drafts pay
+    # and the output is checked over blocks of the controller's lengths.
+    target.policy.costs = SharedCosts()
+    for k in range(1, 21):
+        for _ in range(5):
+            target.policy.costs.observe_draft("draft_model", k, 1e-6 * k)
+    with TargetClient(target.address) as client:
         plain = client.generate(BATCH, max_new_tokens=40, proposer="none")
-        for _ in range(2):  # the second request starts from the costs the first one measured
+        for i in range(2):  # the second request starts from the costs the first one measured
             spec = client.generate(BATCH, max_new_tokens=40, **kwargs)
             assert torch.equal(spec.sequences, plain.sequences)
             s = _controlled(spec)
-            # It drafted (cheap, always-accepted drafts pay), and never longer than the controller's bound.
-            assert s.drafted_tokens > 0 and max(length for length, _ in s.draft_lengths) <= 20
+            # Never longer than the controller's bound; the first request drafted (cheap, always-accepted
+            # drafts pay). The second one may not: by then the draft's real cost was measured.
+            assert max(length for length, _ in s.draft_lengths) <= 20
+            assert s.drafted_tokens > 0 or i == 1
     assert s.proposer == kwargs["proposer"]
 
 
@@ -124,8 +136,9 @@ def test_controller_with_a_remote_draft_equals_plain_greedy(loaded, tiny_model_d
                 assert torch.equal(spec.sequences, plain.sequences)
                 s = _controlled(spec)
                 # The draft model's drafts are all accepted and pay. Prompt lookup finds little in the tiny
-                # model's text and a round trip costs more than its forward: the controller may stop asking.
-                assert s.drafted_tokens > 0 if kwargs is DRAFT_MODEL else s.drafted_tokens > 0 or s.probes > 0
+                # model's text and a round trip costs more than its forward: the controller may stop asking
+                # (and not probe again: 30 tokens do not repay a probe's round trip).
+                assert s.drafted_tokens > 0 if kwargs is DRAFT_MODEL else s.drafted_tokens or s.tokens_without_draft, s
             deadline = time.monotonic() + 10
             while policy.open_streams and time.monotonic() < deadline:  # streams end asynchronously
                 time.sleep(0.05)
@@ -133,8 +146,9 @@ def test_controller_with_a_remote_draft_equals_plain_greedy(loaded, tiny_model_d
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_a_draft_that_cannot_pay_is_switched_off_and_probed(loaded, tiny_draft_dir, scheduler):
-    """A slow draft (20 ms a forward) of other weights (most drafts rejected): plain decoding wins."""
+def test_a_draft_that_cannot_pay_is_switched_off(loaded, tiny_draft_dir, scheduler):
+    """A slow draft (20 ms a forward) of other weights (most drafts rejected): plain decoding wins, and a probe
+    of this draft costs more than 5% of the rest of the request: none is made (the unit tests probe)."""
     slow = load_model(str(tiny_draft_dir), progress=False)
     Faults(slow.model, delay_s=0.02)
     with ExitStack() as stack:
@@ -147,13 +161,9 @@ def test_a_draft_that_cannot_pay_is_switched_off_and_probed(loaded, tiny_draft_d
             spec = client.generate(PROMPT, max_new_tokens=80, **DRAFT_MODEL)
     assert torch.equal(spec.sequences, plain.sequences)
     s = _controlled(spec)
-    assert s.tokens_without_draft > 40, s  # most of the request decoded without drafting
-    assert s.probes >= 1  # it checked again, then took longer off (a probe of this draft is dear)
-    assert max(rounds for length, rounds in s.draft_lengths if length == 0) >= 8
-    lengths = s.round_lengths()
-    probes = [i for i, length in enumerate(lengths) if length and i > 3]
-    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
-    assert gaps == sorted(gaps), lengths  # the time off between probes never shrinks while they fail
+    assert s.tokens_without_draft > 60, s  # most of the request decoded without drafting
+    assert s.probes == 0, s  # 80 tokens of a ~ms target never repay a probe of this draft
+    assert max(rounds for length, rounds in s.draft_lengths if length == 0) >= 60
     assert "without drafting" in draft_lengths_line(s)
 
 

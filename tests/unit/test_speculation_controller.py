@@ -9,7 +9,9 @@ from specwire.generation.speculation.controller import (
     AcceptanceEstimate,
     ControllerOptions,
     LinearCost,
+    RunLengths,
     SharedCosts,
+    SizedCost,
     SpeculationController,
     expected_tokens,
 )
@@ -254,3 +256,98 @@ def test_a_drafter_that_rarely_proposes_costs_little_and_still_pays_when_it_does
             controller.observe(8, [8], [proposed], [proposed], 0.0001, 0.05, 1 + proposed)
     assert controller.continuation.mean < 0.8 and controller.acceptance.mean > 0.9
     assert controller.best_length() >= 4
+
+
+# A verify forward's cost by tokens on a 2-core CPU (SmolLM2-135M, batched scheduler, after the chat prompt):
+# 2 and 3 tokens cost more than 4 (the matrix products switch kernels with the row count).
+_CPU_CURVE = {1: 0.036, 2: 0.072, 3: 0.097, 4: 0.076, 5: 0.079, 6: 0.097, 11: 0.105, 21: 0.177}
+
+
+def _curve_costs(draft_per_token=0.001, proposer="draft_model") -> SharedCosts:
+    costs = SharedCosts()
+    for _ in range(10):
+        for tokens, seconds in _CPU_CURVE.items():
+            costs.observe_verify(tokens, seconds, drafted=tokens > 1)
+        for k in (1, 3, 5):
+            costs.observe_draft(proposer, k, draft_per_token * k)
+    return costs
+
+
+def test_sized_cost_prices_a_measured_size_by_its_own_mean_and_others_by_the_line():
+    cost = SizedCost()
+    for _ in range(10):
+        for tokens, seconds in _CPU_CURVE.items():
+            if tokens > 1:
+                cost.observe(tokens, seconds)
+    line = cost.line.fit(0.05)
+    assert line is not None
+    assert cost.at(3, line) > cost.at(4, line)  # the step the line alone would miss
+    assert cost.at(3, line) == pytest.approx(0.097, rel=0.1) and cost.at(4, line) == pytest.approx(0.076, rel=0.1)
+    assert cost.at(3.5, line) == pytest.approx((cost.at(3, line) + cost.at(4, line)) / 2)
+    assert cost.at(8, line) == pytest.approx(line[0] + line[1] * 8)  # never measured: the line
+
+
+def test_a_longer_block_that_costs_less_than_a_shorter_one_is_preferred():
+    controller = _controller(_curve_costs(), 0.8)
+    prices = controller.costs.prices("draft_model")
+    assert prices.verify(4) < prices.verify(3)
+    assert controller.rate(3, prices) > controller.rate(2, prices)
+    assert controller.best_length() >= 3
+
+
+def test_run_lengths_keep_copies_that_go_on():
+    """Prompt lookup on an edit: half the matches are wrong at once, the others copy to the end of the block."""
+    runs = RunLengths(positions=10)
+    for _ in range(20):
+        runs.observe(10, 0)
+        runs.observe(10, 10)
+    survival = runs.survival(overall=10 / 11, k=10)
+    assert survival[0] == pytest.approx(0.5, abs=0.1)  # (shrunk a little towards the overall 10/11)
+    assert survival[9] > 0.4  # once the first is kept, the rest is too (geometric: (10/11)^10 = 0.39 ...)
+    assert survival[9] > (10 / 11) ** 10 and survival[0] < 10 / 11  # (... and it overrates the first token)
+    assert RunLengths(positions=4).survival(0.5, 3) == pytest.approx([0.5, 0.25, 0.125])  # no data: geometric
+    # Blocks of 3, always kept: chained, the positions never reached are assumed to keep going too.
+    short, chained = RunLengths(positions=10), RunLengths(positions=10, chained=True)
+    for _ in range(20):
+        short.observe(3, 3)
+        chained.observe(3, 3)
+    assert chained.survival(0.6, 10)[9] > 0.5 > short.survival(0.6, 10)[9]
+
+
+def test_the_draft_catch_up_is_learned_from_the_first_block_and_priced():
+    costs = _curve_costs(draft_per_token=0.005)
+    controller = _controller(costs, 0.95)
+    controller.next_length()
+    controller.observe(5, [5], [5], [5], 0.025 + 0.4, 0.079, 6, behind=400)  # the draft's prefill: 1 ms a token
+    assert costs.catch_up("draft_model") == pytest.approx(0.001, rel=0.05)
+    fresh = _controller(costs, 0.95)
+    assert fresh.best_length(remaining=1000, behind=400) > 0  # 0.4 s of prefill is repaid over 1000 tokens
+    assert fresh.best_length(remaining=10, behind=400) == 0  # not over 10
+    assert fresh.best_length(remaining=10, behind=0) > 0  # the draft already caught up: drafting pays
+
+
+def test_a_probe_that_the_rest_of_the_request_cannot_repay_is_skipped():
+    costs = _costs(draft=(0.005, 0.030))
+    costs.observe_catch_up("draft_model", 400, 0.4)
+    options = ControllerOptions(off_rounds=2, max_off_rounds=8)
+    controller = SpeculationController(costs, "draft_model", options=options)
+    assert [controller.next_length(remaining=1000) for _ in range(2)] == [0, 0]
+    assert controller.next_length(remaining=20, behind=400) == 0  # 0.4 s of catch-up: over 5% of 20 rounds
+    assert controller.probes == 0
+    controller.off_left = 0
+    assert controller.next_length(remaining=1000, behind=400) == options.probe_length  # 1000 rounds afford it
+    assert controller.probes == 1
+
+
+def test_prompt_lookup_without_a_match_costs_a_plain_round_and_drafts_from_the_start():
+    """Prompt lookup's proposals are all or nothing: no match is a plain round, not a failed block."""
+    costs = _curve_costs(draft_per_token=0.00001, proposer="prompt_lookup")
+    controller = SpeculationController(costs, "prompt_lookup")
+    assert controller.best_length() >= 3  # the priors (a match half the time, 0.8 acceptance) already pay
+    for _ in range(30):  # asked 10: a match in one round of 5, then all 10 kept
+        for proposed in (0, 0, 0, 0, 10):
+            controller.observe(10, [10], [proposed], [proposed], 0.00001, _CPU_CURVE[1 + proposed], 1 + proposed)
+    prices = costs.prices("prompt_lookup")
+    assert controller.continuation.mean < 0.35  # a match in about one round of 5 (the last one matched)
+    assert controller.best_length() >= 10
+    assert controller.rate(10, prices) > 1.1 * controller.rate(0, prices)

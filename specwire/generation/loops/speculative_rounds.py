@@ -141,6 +141,11 @@ class SpeculativeRun:
         if controller is not None:
             controller.rows = input_ids.shape[0]
         self._time_off = False  # this round's length is the controller's time off (no draft)
+        # Per row, the tokens of its context (prompt without padding + generated) the drafter has seen: it
+        # catches up on the rest at its next `propose` (the draft model's prefill; the controller prices it).
+        self._prompt_lengths = [0] * input_ids.shape[0]
+        self._seen = [0] * input_ids.shape[0]
+        self._behind = 0  # this round's tokens the drafter had not seen
 
         # Every row has its own draft schedule (schedule state never leaks between requests or rows).
         def schedule() -> DraftSchedule:
@@ -231,7 +236,9 @@ class SpeculativeRun:
         _, mask = self.plan.expanded()
         try:
             started = time.perf_counter()
-            self.drafter = open_drafter([_unpadded(row, mask[r]) for r, row in enumerate(self.state)])
+            contexts = [_unpadded(row, mask[r]) for r, row in enumerate(self.state)]
+            self._prompt_lengths = [len(c) - len(row.generated) for c, row in zip(contexts, self.state, strict=True)]
+            self.drafter = open_drafter(contexts)
             self.stats.draft_seconds += time.perf_counter() - started
         except DraftFailure as exc:
             self.stats.fallback_reason = f"draft unavailable: {exc}"
@@ -302,14 +309,18 @@ class SpeculativeRun:
             block.draft_s,
             verify_s,
             sum(len(b) + 1 for b in block.blocks),
+            self._behind if block.proposed else 0,
         )
         self.stats.probes = self.controller.probes
 
     def _lengths(self, room: list[int]) -> list[int]:
         """Each row's draft length this round: the controller's choice, or the row's schedule."""
         chosen = None
+        running = [r for r, row in enumerate(self.state) if not row.finished]
+        self._behind = sum(self._prompt_lengths[r] + len(self.state[r].generated) - self._seen[r] for r in running)
         if self.controller is not None:
-            chosen = self.controller.next_length()
+            remaining = max((room[r] for r in running), default=0)
+            chosen = self.controller.next_length(remaining, self._behind)
             self._time_off = chosen == 0 and self.controller.off
         return [
             0
@@ -335,6 +346,7 @@ class SpeculativeRun:
                 self._drafter_failed(exc)
             draft_s = time.perf_counter() - started
             self.stats.draft_seconds += draft_s
+            self._seen = [self._prompt_lengths[r] + len(row.generated) for r, row in enumerate(state)]
         drafts = [list(proposal.tokens[r][: want[r]]) for r in range(len(state))]
         # A draft sampled with probabilities keeps its forbidden tokens when sampling: rejection sampling
         # rejects them (the masked target gives them p = 0) and draws from the residual, which is exact;

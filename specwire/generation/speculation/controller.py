@@ -4,39 +4,54 @@ A request that names no draft schedule (no `num_assistant_tokens`, no `num_assis
 no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each round it picks `k` in
 `0..max_length` maximizing the expected tokens per second of the round. Per row, asked for `k`:
 
-- the drafter proposes its next token with probability `c` (prompt lookup may find no match, a draft
-  model may stop at its EOS or its confidence threshold) and the target accepts a proposed token
-  with probability `a` (`AcceptanceEstimate` each: a Beta posterior over the request's own rounds,
-  forgetting old rounds so that it follows a request whose text changes character);
-- so the round emits `E(k) = (1 - (ca)^(k+1)) / (1 - ca)` tokens (accepted drafts plus the target's
-  recovered or bonus token), verifies `N(k) = c + c^2 + .. + c^k` drafted tokens, and has a block at
-  all with probability `c`;
-- it costs `D + c * v0 + (1 - c) * P(rows) + v1 * rows * (c + N(k)) + L`, where
-  `D = d0 + d1 * rows * N(k)` is the wall time of `drafter.propose(k)` as the target sees it (a
-  remote, overlapped or co-located draft is measured the same way; `LinearCost` per proposer, shared
-  by the requests of one target), `V(n) = v0 + v1 * n` a round with drafts for `n` tokens (the verify
-  forward and its bookkeeping: each position's processors, the acceptance, the cache crop) and
-  `P(n) = p0 + p1 * n` a round without. Two lines, because a round with drafts costs a fixed amount
-  more than one without (on a 2-core CPU with SmolLM2-135M about 30 ms over a 37 ms plain round), which
-  one line through both would mistake for a steep cost per token. Both are shared by every request on
-  the target: they are properties of the model and the hardware;
+- the drafter proposes: a draft model token after token, going on with probability `c` (it may stop at
+  its EOS or its confidence threshold); prompt lookup all or nothing (`ALL_OR_NOTHING`): a block of `k`
+  with probability `c` (a match), else nothing, and a round without a block is a plain round. `c` is an
+  `AcceptanceEstimate` (a Beta posterior over the request's own rounds, forgetting old ones);
+- the target keeps draft `j` with probability `h_j` when it kept drafts `1..j-1` (`RunLengths`: per
+  position, from the request's own blocks, shrunk towards its overall acceptance `a`, an
+  `AcceptanceEstimate`), so drafts `1..j` are all kept with probability `S(j) = h_1 .. h_j`. One `a`
+  for every position would be a geometric run, which fits a draft model; a copy from the prompt is
+  either wrong at once or goes on to the end of the block;
+- so a round emits `E(k) = 1 + sum_j c^j S(j)` tokens (draft model; prompt lookup:
+  `c (1 + sum_j S(j)) + (1 - c)`): the accepted drafts plus the target's recovered or bonus token;
+- it costs `D + c * V(rows * (1 + block)) + (1 - c) * P(rows) + L`: `D = d0 + d1 * rows * N(k)` is the
+  wall time of `drafter.propose(k)` for `N(k)` expected drafts per row, as the target sees it (a
+  remote, overlapped or co-located draft is measured the same way; a `LinearCost` per proposer);
+  `V(n)` a round with drafts verifying `n` tokens (the verify forward and its bookkeeping: each
+  position's processors, the acceptance, the cache crop) and `P(n)` a round without, `block` the
+  drafts per row given a block. `V` and `P` are `SizedCost`s: each size's measured mean, shrunk
+  towards a line through all sizes, because a verify forward's cost is not a line in its tokens: on a
+  2-core CPU with SmolLM2-135M (batched scheduler) a plain round takes ~36 ms and rounds verifying 2,
+  3, 4 and 11 tokens ~72, 97, 76 and 105 ms (the matrix products change kernels with the row count),
+  so 3 drafts cost less than 2. Costs are shared by every request on the target: they are
+  properties of the model and the hardware;
 - `L = others * v1 * rows * N(k)` is the load term: with other requests in the same forwards (the
   batched scheduler) or in turn on the model thread, a block's extra tokens make each of them wait
-  `v1` per token; `others` comes from a callable the target passes in.
+  `v1` (the slope of `V`'s line) per token; `others` comes from a callable the target passes in.
 
 `k = 0` is plain decoding (one target forward per round, no draft). A drafting choice must beat
 plain decoding by `ControllerOptions.margin`. When plain decoding wins, the controller stops
-drafting for `off_rounds` rounds ("time off"), then drafts a short probe block to learn whether the
+drafting for `off_rounds` rounds ("time off"), then drafts a probe block to learn whether the
 acceptance changed; each probe after which drafting still does not pay at least doubles the time off
 (up to `max_off_rounds`), and makes it long enough that the probe's extra cost stays within
 `probe_budget` of it; a probe that pays resumes drafting and resets it.
 
-Cost priors. Until a cost has been measured it is taken relative to the plain round's cost
-(`v1 = verify_slope_prior * v0`, `d1 = draft_slope_prior * p0`, `d0 = 0`; a drafting round is first
-assumed to cost what a plain one does), so the first rounds draft a few tokens, not transformers' 20.
-Draft times are learned only from rounds whose previous round also drafted: the first block of a
-request (the draft's prefill) and a probe after time off (the draft catches up on every token since
-it last drafted) would teach it a per-round cost that steady drafting does not pay.
+The rest of the request. The loop tells the controller how many tokens the request may still generate
+and how many tokens the drafter has not seen yet (`behind`: the whole context before its first block,
+the tokens of the time off before a probe). Catching up (a draft model's prefill) is a one-off cost,
+measured per proposer from the first blocks (`SharedCosts.catch_up`, seconds per token): drafting
+starts only when the expected saving over the remaining tokens repays it, and a probe is made only
+when its expected extra cost (catch-up, draft, verify over a plain round) is within `probe_budget`
+of the plain decoding of the rest (a probe it cannot repay even when it succeeds is not worth it).
+
+Priors (`PRIORS`). A draft model: acceptance 0.7, continuation 0.8. Prompt lookup: acceptance 0.8 (its
+copies are kept at 0.8-0.85 per token on the benchmark's prompts, counted as runs), a match half the
+time; its drafts cost nothing measurable, so it drafts from the first round. Until a cost has been
+measured it is taken relative to the plain round's cost (`v1 = verify_slope_prior * v0`,
+`d1 = draft_slope_prior * p0`, `d0 = 0`; a drafting round is first assumed to cost what a plain one
+does). Draft times are learned only from rounds whose previous round also drafted: the first block of
+a request and a probe after time off include the catch-up, learned apart.
 
 Pure Python, thread-safe where shared (`SharedCosts`); no services. Output never depends on it: the
 draft length changes how many tokens a round verifies, not which tokens are emitted.
@@ -57,7 +72,10 @@ __all__ = [
     "AcceptanceEstimate",
     "ControllerOptions",
     "LinearCost",
+    "Prices",
+    "RunLengths",
     "SharedCosts",
+    "SizedCost",
     "SpeculationController",
     "expected_tokens",
 ]
@@ -133,23 +151,84 @@ class LinearCost:
         return intercept, slope
 
 
+class SizedCost:
+    """Seconds by size: each size's own mean (forgotten geometrically), shrunk towards a line through all sizes.
+
+    A verify forward's cost is not a line in its tokens: on a CPU the matrix products switch kernels with
+    the row count (SmolLM2-135M, one thread, after a 406-token prompt: 40 ms for 1 token, 60 for 2, 75
+    for 3, 61 for 4, 72 for 6), so a block of 3 drafts costs less than one of 2. A size measured a few
+    times is priced by its own mean; a size never measured by the line (`LinearCost`).
+
+    Args:
+        shrink (`float`, *optional*, defaults to 2.0): how many observations the line weighs against a
+            size's own mean.
+        decay (`float`, *optional*, defaults to 0.9): weight a size's past observations keep at each new
+            one of that size.
+    """
+
+    def __init__(self, shrink: float = 2.0, decay: float = 0.9):
+        self.shrink = shrink
+        self.decay = decay
+        self.line = LinearCost()
+        self._sizes: dict[int, tuple[float, float]] = {}  # size -> (weight, weighted sum of seconds)
+
+    def observe(self, size: int, seconds: float) -> None:
+        self.line.observe(size, seconds)
+        weight, total = self._sizes.get(size, (0.0, 0.0))
+        self._sizes[size] = (weight * self.decay + 1.0, total * self.decay + seconds)
+
+    def at(self, size: float, line: tuple[float, float]) -> float:
+        """Seconds at `size` (a fractional size interpolates its two neighbours), given the fitted `line`."""
+        low = int(math.floor(size))
+        if size == low:
+            return self._at(low, line)
+        share = size - low
+        return (1.0 - share) * self._at(low, line) + share * self._at(low + 1, line)
+
+    def _at(self, size: int, line: tuple[float, float]) -> float:
+        weight, total = self._sizes.get(size, (0.0, 0.0))
+        return (total + self.shrink * (line[0] + line[1] * size)) / (weight + self.shrink)
+
+
+@dataclass(frozen=True)
+class Prices:
+    """A snapshot of the costs one decision reads (seconds).
+
+    Args:
+        plain (`Callable[[float], float]`): a round without drafts, by tokens verified.
+        verify (`Callable[[float], float]`): a round with drafts, by tokens verified.
+        draft (`tuple[float, float]`): `(d0, d1)`, the drafter's seconds for `d0 + d1 * tokens drafted`.
+        slope (`float`): seconds per verified token of a round with drafts (what a token costs the
+            requests sharing the forward).
+        catch_up (`float`): the drafter's seconds per token it has not seen yet (its prefill).
+    """
+
+    plain: Callable[[float], float]
+    verify: Callable[[float], float]
+    draft: tuple[float, float]
+    slope: float
+    catch_up: float = 0.0
+
+
 class SharedCosts:
-    """The measured costs every request on one target shares: the verify forward, and one draft cost per proposer.
+    """The measured costs every request on one target shares: the verify forward, one draft cost per proposer,
+    and one catch-up cost (the draft's prefill of the tokens it has not seen) per proposer.
 
     Args:
         verify_slope_prior (`float`, *optional*, defaults to 0.05): verify seconds per extra token as a
             fraction of the forward's fixed cost, until block sizes vary.
         draft_slope_prior (`float`, *optional*, defaults to 0.2): draft seconds per proposed token as a
-            fraction of the verify forward's fixed cost, until the draft was measured.
+            fraction of the verify forward's fixed cost, until the draft was measured (prompt lookup: 0).
     """
 
     def __init__(self, verify_slope_prior: float = 0.05, draft_slope_prior: float = 0.2):
         self.verify_slope_prior = verify_slope_prior
         self.draft_slope_prior = draft_slope_prior
         self._lock = threading.Lock()
-        self._verify = LinearCost()  # rounds with drafts
-        self._plain = LinearCost()  # rounds without
+        self._verify = SizedCost()  # rounds with drafts
+        self._plain = SizedCost()  # rounds without
         self._drafts: dict[str, LinearCost] = {}
+        self._catch_up: dict[str, LinearCost] = {}
 
     def observe_verify(self, tokens: int, seconds: float, drafted: bool = True) -> None:
         """A round's verify forward and bookkeeping took `seconds` for `tokens` (`drafted`: some row drafted)."""
@@ -157,25 +236,67 @@ class SharedCosts:
             (self._verify if drafted else self._plain).observe(tokens, seconds)
 
     def plain(self) -> tuple[float, float] | None:
-        """`(p0, p1)`: a round without drafts costs `p0 + p1 * tokens`; None before one was measured."""
+        """`(p0, p1)`: a round without drafts costs about `p0 + p1 * tokens`; None before one was measured."""
         with self._lock:
-            return self._plain.fit(self.verify_slope_prior)
+            return self._plain.line.fit(self.verify_slope_prior)
+
+    def verify(self) -> tuple[float, float] | None:
+        """`(v0, v1)`: a round with drafts costs about `v0 + v1 * tokens`; None before one was measured."""
+        with self._lock:
+            return self._verify.line.fit(self.verify_slope_prior)
 
     def observe_draft(self, proposer: str, k: int, seconds: float) -> None:
         with self._lock:
             self._drafts.setdefault(proposer, LinearCost()).observe(k, seconds)
 
-    def verify(self) -> tuple[float, float] | None:
-        """`(v0, v1)`: a round with drafts costs `v0 + v1 * tokens`; None before one was measured."""
+    def observe_catch_up(self, proposer: str, tokens: int, seconds: float) -> None:
+        """The drafter spent `seconds` (beyond drafting) on `tokens` it had not seen (the first block's prefill)."""
         with self._lock:
-            return self._verify.fit(self.verify_slope_prior)
+            self._catch_up.setdefault(proposer, LinearCost()).observe(tokens, max(seconds, 0.0))
 
     def draft(self, proposer: str, verify_intercept: float) -> tuple[float, float]:
         """`(d0, d1)`: draft seconds = `d0 + d1 * k`, from the prior until `proposer` was measured."""
         with self._lock:
             cost = self._drafts.get(proposer)
             fitted = cost.fit(None) if cost is not None else None
-        return fitted if fitted is not None else (0.0, self.draft_slope_prior * verify_intercept)
+        if fitted is not None:
+            return fitted
+        # Prompt lookup searches the text it has: free until measured (a remote one's round trip then is).
+        return (0.0, 0.0 if proposer in ALL_OR_NOTHING else self.draft_slope_prior * verify_intercept)
+
+    def catch_up(self, proposer: str) -> float:
+        """Seconds per token the drafter has not seen (0 until measured)."""
+        with self._lock:
+            cost = self._catch_up.get(proposer)
+            fitted = cost.fit(None) if cost is not None else None
+        return fitted[1] if fitted is not None else 0.0
+
+    def prices(self, proposer: str) -> Prices:
+        """The costs of one decision; before any measurement the prior's shape on a unit scale, and a drafting
+        round not measured yet is assumed to cost what a plain one does (it is then measured)."""
+        verify_line, plain_line = self.verify(), self.plain()
+        if verify_line is None and plain_line is None:
+            plain_line = (1.0, self.verify_slope_prior)
+        verify_line = verify_line if verify_line is not None else plain_line
+        plain_line = plain_line if plain_line is not None else verify_line
+        assert verify_line is not None and plain_line is not None  # one was measured, or the prior set it
+        measured_verify = self._verify.line.observations > 0
+        measured_plain = self._plain.line.observations > 0
+        verify_sized, plain_sized = self._verify, self._plain
+
+        def verify(tokens: float) -> float:
+            if not measured_verify:
+                return plain(tokens)
+            with self._lock:
+                return verify_sized.at(tokens, verify_line)
+
+        def plain(tokens: float) -> float:
+            if not measured_plain:
+                return plain_line[0] + plain_line[1] * tokens
+            with self._lock:
+                return plain_sized.at(tokens, plain_line)
+
+        return Prices(plain, verify, self.draft(proposer, plain_line[0]), verify_line[1], self.catch_up(proposer))
 
 
 class AcceptanceEstimate:
@@ -214,6 +335,56 @@ class AcceptanceEstimate:
         return (self.alpha0 + self.accepted) / (self.alpha0 + self.beta0 + self.accepted + self.rejected)
 
 
+class RunLengths:
+    """How far into a block the target keeps agreeing: per position `j`, the chance that draft `j` is accepted
+    when drafts `1..j-1` were, from one request's blocks (forgotten geometrically), each position shrunk
+    towards the request's overall acceptance (`chained`: towards the position before it).
+
+    One acceptance for every position (a geometric run) fits a draft model, whose tokens are about equally
+    likely to be kept wherever they are. A copy from the prompt (prompt lookup) is not like that: its first
+    token is often wrong (the match was a coincidence) and, when it is right, the copy tends to go on to
+    the end (the text is being repeated): a long block is worth much more than a geometric run with the
+    same overall acceptance says, which made the controller pick short lookup blocks where 10 paid more.
+
+    Args:
+        positions (`int`): the longest block.
+        shrink (`float`, *optional*, defaults to 3.0): observations the overall acceptance weighs at each position.
+        decay (`float`, *optional*, defaults to 0.95): evidence kept at each observed block.
+        chained (`bool`, *optional*, defaults to `False`): shrink each position towards the one before it
+            instead of the overall acceptance (copies: what kept going keeps going). Not for a draft model:
+            on the code edit it drafted blocks of 20 at 0.89x of plain decoding.
+    """
+
+    def __init__(self, positions: int, shrink: float = 3.0, decay: float = 0.95, chained: bool = False):
+        self.chained = chained
+        self.shrink = shrink
+        self.decay = decay
+        self.tried = [0.0] * positions  # per position: blocks that reached it (draft j verified, 1..j-1 kept)
+        self.kept = [0.0] * positions  # of those, the blocks whose draft j was kept
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A block of `drafted` tokens of which the first `accepted` were kept (no drafts: no evidence)."""
+        if drafted <= 0:
+            return
+        self.tried = [t * self.decay for t in self.tried]
+        self.kept = [k * self.decay for k in self.kept]
+        for j in range(min(accepted + 1, drafted, len(self.tried))):
+            self.tried[j] += 1.0
+            self.kept[j] += 1.0 if j < accepted else 0.0
+
+    def survival(self, overall: float, k: int) -> list[float]:
+        """`[S(1), .., S(k)]`, `S(j)` the chance that drafts `1..j` are all kept, given `overall` acceptance."""
+        out, alive, hazard = [], 1.0, overall
+        for j in range(k):
+            tried, kept = (self.tried[j], self.kept[j]) if j < len(self.tried) else (0.0, 0.0)
+            # Chained: shrunk towards the position before (the first towards `overall`): where the request's
+            # blocks never reached, a copy that kept going is assumed to keep going, so longer blocks get tried.
+            hazard = (kept + self.shrink * (hazard if self.chained else overall)) / (tried + self.shrink)
+            alive *= hazard
+            out.append(alive)
+        return out
+
+
 @dataclass(frozen=True)
 class ControllerOptions:
     """Bounds of the controller.
@@ -221,7 +392,8 @@ class ControllerOptions:
     Args:
         max_length (`int`, *optional*, defaults to 20): the longest block (transformers' default
             `num_assistant_tokens`).
-        probe_length (`int`, *optional*, defaults to 2): the block drafted after time off.
+        probe_length (`int`, *optional*, defaults to 3): the block drafted after time off (3, not 2: on a
+            CPU a verify forward of 4 tokens can cost less than one of 3, see `SizedCost`).
         off_rounds (`int`, *optional*, defaults to 4): rounds of plain decoding before the first probe.
         max_off_rounds (`int`, *optional*, defaults to 256): the longest time off, after failed probes.
         margin (`float`, *optional*, defaults to 0.02): how much faster than plain decoding drafting must
@@ -234,7 +406,7 @@ class ControllerOptions:
     """
 
     max_length: int = 20
-    probe_length: int = 2
+    probe_length: int = 5
     off_rounds: int = 4
     max_off_rounds: int = 256
     margin: float = 0.02
@@ -250,6 +422,19 @@ class ControllerOptions:
             raise ValueError(f"max_off_rounds ({self.max_off_rounds}) must be >= off_rounds ({self.off_rounds}).")
 
 
+# Proposers whose proposals are all or nothing: prompt lookup finds a match and copies what followed it (as
+# many tokens as asked, or up to the end of the text), or finds none and costs nothing (the round is a plain
+# one). Their continuation estimate is the chance of a match per round, not per token.
+ALL_OR_NOTHING = frozenset({"prompt_lookup"})
+# Priors per proposer: (acceptance of a proposed token, continuation). A match of prompt lookup is a coin toss
+# until the request's own rounds say otherwise (a few rounds do: the prior weighs 4 tokens). A draft model's
+# prior is cautious on purpose: on a CPU its drafting barely pays even where most drafts are kept (SmolLM2 +
+# its int8 draft: +42% at k=20 on chat, -18% on the code edit), and (0.85, 0.85) drafted on the code edit at
+# 0.81x of plain decoding, the prefill and the first blocks spent before the request's own rounds said no.
+PRIORS = {"prompt_lookup": (0.8, 0.5)}
+DEFAULT_PRIORS = (0.7, 0.8)
+
+
 @dataclass
 class SpeculationController:
     """One request's draft-length decisions (see the module docstring).
@@ -263,9 +448,10 @@ class SpeculationController:
         load (`Callable[[], float]`, *optional*): how many other requests wait on this one's forwards now.
         options (`ControllerOptions`, *optional*): bounds.
         acceptance (`AcceptanceEstimate`, *optional*): the request's acceptance of proposed tokens (a fresh
-            prior by default).
-        continuation (`AcceptanceEstimate`, *optional*): how often the drafter proposes the next token
-            asked of it (a fresh prior, 0.8, by default).
+            prior by default, `PRIORS`).
+        continuation (`AcceptanceEstimate`, *optional*): how often the drafter proposes the next token asked
+            of it, or for an all-or-nothing proposer (`ALL_OR_NOTHING`) proposes a block at all (a fresh
+            prior by default, `PRIORS`).
     """
 
     costs: SharedCosts
@@ -273,74 +459,116 @@ class SpeculationController:
     rows: int = 1
     load: Callable[[], float] | None = None
     options: ControllerOptions = field(default_factory=ControllerOptions)
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    continuation: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(prior_mean=0.8))
+    acceptance: AcceptanceEstimate | None = None
+    continuation: AcceptanceEstimate | None = None
     probes: int = 0
     off_left: int = 0  # rounds of time off still to go
     off_period: int = 0  # the current time off (doubles after each failed probe)
     probing: bool = False  # the last length handed out was a probe
     drafted_last_round: bool = False
 
-    def rate(
-        self,
-        k: int,
-        verify: tuple[float, float],
-        draft: tuple[float, float],
-        others: float,
-        plain: tuple[float, float] | None = None,
-    ) -> float:
-        """Expected tokens per second of a round drafting `k` tokens per row (`plain` prices `k = 0`)."""
+    def __post_init__(self) -> None:
+        self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
+        accept_prior, continue_prior = PRIORS.get(self.proposer, DEFAULT_PRIORS)
+        if self.acceptance is None:
+            self.acceptance = AcceptanceEstimate(prior_mean=accept_prior)
+        if self.continuation is None:
+            self.continuation = AcceptanceEstimate(prior_mean=continue_prior)
+
+    @property
+    def all_or_nothing(self) -> bool:
+        return self.proposer in ALL_OR_NOTHING
+
+    def _means(self) -> tuple[float, float]:
+        assert self.acceptance is not None and self.continuation is not None  # set by __post_init__
+        return self.acceptance.mean, self.continuation.mean
+
+    def rate(self, k: int, prices: Prices, others: float = 0.0) -> float:
+        """Expected tokens per second of a round drafting `k` tokens per row (0: plain decoding)."""
+        rows = self.rows
+        plain_s = prices.plain(rows)
         if k == 0:
-            p0, p1 = plain if plain is not None else verify
-            return self.rows / max(p0 + p1 * self.rows, 1e-9)
-        v0, v1 = verify
-        d0, d1 = draft
-        p0, p1 = plain if plain is not None else verify
-        c = self.continuation.mean
-        drafted = sum(c**i for i in range(1, k + 1))  # N(k): expected drafts per row
+            return rows / max(plain_s, 1e-9)
+        a, c = self._means()
+        if self.all_or_nothing:  # a block of k with probability c, else a plain round
+            drafted, block = c * k, float(k)
+            tokens = c * (1.0 + sum(self.runs.survival(a, k))) + (1.0 - c)  # S(j): drafts 1..j all kept
+        else:  # the drafter goes on token after token with probability c
+            drafted = sum(c**i for i in range(1, k + 1))  # N(k): expected drafts per row
+            block = drafted / c
+            # S(j): drafts 1..j all proposed and kept. Counted together: a draft that stops itself when
+            # unsure (the confidence threshold) is kept more often where it goes on than c * a says.
+            tokens = 1.0 + sum(self.runs.survival(c * a, k))
+        d0, d1 = prices.draft
         seconds = (
             d0
-            + d1 * self.rows * drafted
-            + c * v0
-            + (1.0 - c) * (p0 + p1 * self.rows)
-            + v1 * self.rows * (c + drafted)
-            + others * v1 * self.rows * drafted
+            + d1 * rows * drafted
+            + c * prices.verify(rows * (1.0 + block))
+            + (1.0 - c) * plain_s
+            + others * prices.slope * rows * drafted
         )
-        return self.rows * expected_tokens(c * self.acceptance.mean, k) / max(seconds, 1e-9)
+        return rows * tokens / max(seconds, 1e-9)
 
-    def best_length(self) -> int:
-        """The `k` in `0..max_length` with the highest expected rate; 0 unless drafting beats plain by the margin."""
-        verify, plain = self.costs.verify(), self.costs.plain()
-        if verify is None and plain is None:  # nothing measured yet: the prior's shape, on a unit scale
-            plain = (1.0, self.costs.verify_slope_prior)
-        # A drafting round not measured yet is assumed to cost a plain one's line (it is then measured).
-        verify = verify if verify is not None else plain
-        plain = plain if plain is not None else verify
-        assert verify is not None and plain is not None  # one of them was measured, or the prior set it
-        draft = self.costs.draft(self.proposer, plain[0])
+    def best_length(self, remaining: int | None = None, behind: int = 0) -> int:
+        """The `k` in `0..max_length` with the highest expected rate; 0 unless drafting beats plain by the margin.
+
+        Args:
+            remaining (`int`, *optional*): tokens the request may still generate per row.
+            behind (`int`, *optional*, defaults to 0): tokens the drafter has not seen yet (its prefill, a
+                one-off cost): drafting starts only when the remaining tokens repay it.
+        """
+        prices = self.costs.prices(self.proposer)
         others = max(float(self.load()), 0.0) if self.load is not None else 0.0
-        best, best_rate = 0, self.rate(0, verify, draft, others, plain) * (1.0 + self.options.margin)
-        for k in range(1, self.options.max_length + 1):
-            rate = self.rate(k, verify, draft, others, plain)
+        plain_rate = self.rate(0, prices, others)
+        best, best_rate = 0, plain_rate * (1.0 + self.options.margin)
+        longest = self.options.max_length if remaining is None else min(self.options.max_length, remaining - 1)
+        for k in range(1, longest + 1):
+            rate = self.rate(k, prices, others)
             if rate > best_rate:
                 best, best_rate = k, rate
+        if best and behind and remaining is not None:
+            saved = self.rows * remaining * (1.0 / plain_rate - 1.0 / best_rate)
+            if saved <= prices.catch_up * behind:
+                return 0
         return best
 
-    def next_length(self) -> int:
-        """The draft length of the coming round (0: plain decoding), with the time off and probes."""
+    def next_length(self, remaining: int | None = None, behind: int = 0) -> int:
+        """The draft length of the coming round (0: plain decoding), with the time off and probes.
+
+        Args:
+            remaining (`int`, *optional*): tokens the request may still generate per row (a probe the rest
+                of the request cannot repay is skipped, and no block is longer than the rest).
+            behind (`int`, *optional*, defaults to 0): tokens the drafter has not seen yet.
+        """
         self.probing = False
         if self.off_left > 0:
             self.off_left -= 1
             return 0
-        if self.off_period:  # the time off is over: a probe
+        if self.off_period:  # the time off is over: a probe, if the rest of the request can afford it
+            if remaining is not None and not self._probe_affordable(remaining, behind):
+                self.off_left = self.off_period - 1
+                return 0
             self.probing = True
             self.probes += 1
-            return min(self.options.probe_length, self.options.max_length)
-        k = self.best_length()
+            length = min(self.options.probe_length, self.options.max_length)
+            return length if remaining is None else max(min(length, remaining - 1), 0)
+        k = self.best_length(remaining, behind)
         if k == 0:  # this round is the first of the time off
             self.off_period = self.options.off_rounds
             self.off_left = self.off_period - 1
         return k
+
+    def _probe_affordable(self, remaining: int, behind: int) -> bool:
+        """Whether a probe's expected extra cost (over a plain round) is within `probe_budget` of the plain
+        decoding of the rest of the request: a probe it cannot repay even when it succeeds is not worth it."""
+        if not self.options.probe_budget:
+            return True
+        prices = self.costs.prices(self.proposer)
+        k = self.options.probe_length
+        plain_s = prices.plain(self.rows)
+        d0, d1 = prices.draft
+        extra = d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s + prices.catch_up * behind
+        return extra <= self.options.probe_budget * remaining * plain_s
 
     @property
     def off(self) -> bool:
@@ -356,6 +584,7 @@ class SpeculationController:
         draft_s: float,
         verify_s: float,
         verify_tokens: int,
+        behind: int = 0,
     ) -> None:
         """What a round did.
 
@@ -366,13 +595,24 @@ class SpeculationController:
             draft_s (`float`): wall time of `propose`.
             verify_s (`float`): wall time of the verify forward and its acceptance.
             verify_tokens (`int`): tokens the verify forward ran for this request.
+            behind (`int`, *optional*, defaults to 0): tokens the drafter had not seen before this round.
         """
+        assert self.acceptance is not None and self.continuation is not None  # set by __post_init__
         for k, n, m in zip(wanted, drafted, accepted, strict=True):
-            self.continuation.observe(k if asked else 0, n)
+            if self.all_or_nothing:
+                self.continuation.observe(1 if asked and k else 0, 1 if n else 0)
+            else:
+                self.continuation.observe(k if asked else 0, n)
             self.acceptance.observe(n, min(m, n))
+            # Prompt lookup's runs count its proposed drafts (a block or none is `c`); a draft model's
+            # count every draft asked, proposed and kept (a draft it did not propose ends the run).
+            self.runs.observe(n if self.all_or_nothing else (k if asked else 0), min(m, n))
         self.costs.observe_verify(verify_tokens, verify_s, drafted=any(drafted))
         if asked and self.drafted_last_round and not self.probing:
             self.costs.observe_draft(self.proposer, sum(drafted), draft_s)
+        elif asked and behind > 1:  # the drafter caught up first: what drafting alone does not explain
+            d0, d1 = self.costs.prices(self.proposer).draft
+            self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
         self.drafted_last_round = asked > 0
         if self.probing:
             if self.best_length() > 0:
