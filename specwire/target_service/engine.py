@@ -265,6 +265,15 @@ class Engine:
                         "warning",
                     )
                 )
+            if job.config.speculation_type is not None:
+                job.warnings.append(
+                    FieldProblem(
+                        "config.speculation_type",
+                        job.config.speculation_type,
+                        "not honoured: the request asks for proposer none (plain decoding, no DFlash draft)",
+                        "warning",
+                    )
+                )
             return generate_from_plan(model, plan, **common)
         with self._lock:
             opened = self._drafters.get(id(job))
@@ -288,6 +297,7 @@ class Engine:
             if controller is not None
             else self.drafting.draft_length(proposer, job.config, self.loaded.model),
             controller=controller,
+            hidden_layers=self.drafting.hidden_layers(proposer),
             **common,
         )
 
