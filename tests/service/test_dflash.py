@@ -9,7 +9,7 @@ assistant that does not fit the target is refused at start."""
 
 from __future__ import annotations
 
-import argparse
+import threading
 
 import grpc
 import pytest
@@ -26,7 +26,7 @@ from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models import ModelLoadError, load_model
 from specwire.models.dflash_assistant import load_dflash_assistant
 from specwire.target_service.__main__ import build_server as build_target_server
-from specwire.target_service.__main__ import load_dflash_model
+from specwire.target_service.__main__ import main as target_main
 from specwire.target_service.drafting import DraftPolicy
 from tests.servers import threaded_server
 from tests.tiny_models import build_tiny_dflash_assistant, build_tiny_llama
@@ -267,5 +267,28 @@ def test_an_assistant_that_does_not_fit_the_target_is_refused_at_start(tmp_path,
         load_dflash_assistant(str(assistant_dir), wide, progress=False)
     with pytest.raises(ModelLoadError, match="no DFlash assistant"):  # a causal LM is no DFlash assistant
         load_dflash_assistant(str(target_dir), wide, progress=False)
-    with pytest.raises(SystemExit, match="--dflash-model"):
-        load_dflash_model(argparse.Namespace(dflash_model=str(assistant_dir)), two_layers)
+    two_dir = str(tmp_path / "llama2")
+    with pytest.raises(SystemExit, match=r"--dflash-model .*target_layer_ids \[0, 2\] are not all layers"):
+        target_main(["--model", two_dir, "--port", "0", "--dflash-model", str(assistant_dir)])
+
+
+@pytest.mark.parametrize("scheduler, thread", [("batched", "specwire-lane"), ("sequential", "specwire-model")])
+def test_the_batched_scheduler_runs_it_in_its_sequential_lane(loaded, assistant, scheduler, thread):
+    """The packed forward returns no hidden states: the batched scheduler routes DFlash requests to its lane,
+    whose thread runs the assistant's forwards (the sequential scheduler: the model thread)."""
+    names: list[str] = []
+    original = assistant.forward
+
+    def forward(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    drafting = DraftPolicy(dflash_model=assistant)
+    assistant.forward = forward
+    try:
+        with threaded_server(lambda: build_target_server(loaded, scheduler=scheduler, drafting=drafting)) as server:
+            with TargetClient(server.address) as client:
+                client.generate([PROMPTS[1]], max_new_tokens=8, **DFLASH)
+    finally:
+        del assistant.forward
+    assert names and all(n.startswith(thread) for n in names), set(names)
