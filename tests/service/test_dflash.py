@@ -151,6 +151,29 @@ def test_every_round_drafts_what_transformers_drafts(reference, prompt, monkeypa
     assert stats.drafted_tokens == sum(len(o) for o in ours) > 0
 
 
+def test_a_context_past_the_assistants_sliding_window_drafts_what_transformers_drafts(reference, monkeypatch):
+    """The tiny assistant's layer attends within a sliding window of 64: its `DFlashCache` is cropped past it."""
+    prompt = torch.randint(4, 370, (90,), generator=torch.Generator().manual_seed(0)).tolist()
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=2, pad_token_id=0)
+    theirs, want = _transformers_drafts(reference, prompt, monkeypatch, **kwargs)
+    model, assistant = reference
+    ours, ids, stats = _our_drafts(model, assistant, prompt, GenerationConfig(**kwargs, **DFLASH))
+    assert ids == want and len(ids) == len(prompt) + 40
+    assert len(ours) >= len(theirs) - 1 and ours == [t[: len(o)] for o, t in zip(ours, theirs, strict=False)]
+
+
+def test_a_chunked_prefill_drafts_the_same(target, reference):
+    chunked = target.generate([PROMPTS[2]], prefill_chunk_size=3, **DFLASH, **GREEDY)
+    whole = target.generate([PROMPTS[2]], **DFLASH, **GREEDY)
+    assert chunked.sequences.tolist() == whole.sequences.tolist()
+    assert chunked.speculation.drafted_tokens == whole.speculation.drafted_tokens > 0
+    model, assistant = reference  # the chunks' hidden states are joined: every round drafts the same
+    chunks = GenerationConfig(max_new_tokens=12, do_sample=False, prefill_chunk_size=3, **DFLASH)
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, **DFLASH)
+    drafts = _our_drafts(model, assistant, PROMPTS[2], config)[0]
+    assert _our_drafts(model, assistant, PROMPTS[2], chunks)[0] == drafts and len(set(map(tuple, drafts))) > 1
+
+
 @pytest.mark.parametrize("mask", [[1] * 7 + [0, 0], [0, 0] + [1] * 7, [1, 1, 1, 0, 0, 1, 1, 1, 1]])
 def test_padding_leaves_the_drafts_as_without_it(reference, mask):
     """The drafter takes the prompt's hidden states where the mask says, at the prompt's own positions: with left
