@@ -466,6 +466,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     setup_logging(args.log_level)
     tensor_parallel = tensor_parallel_size(args)
+    if args.dflash_model and tensor_parallel > 1:  # every rank, before any model loads
+        # The assistant drafts on rank 0 through the target's embeddings and LM head, which are sharded there.
+        raise SystemExit(
+            "target-service: --dflash-model cannot run with tensor parallelism (the DFlash assistant drafts through "
+            "the target's sharded embeddings and LM head on one rank): serve it without --tensor-parallel"
+        )
     check_transport_security("target-service")  # TLS settings that fail closed, before any model loads
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     if tensor_parallel > 1 and rank_from_env() != 0:  # a follower: no server, no telemetry, no draft

@@ -293,6 +293,8 @@ def test_an_assistant_that_does_not_fit_the_target_is_refused_at_start(tmp_path,
     two_dir = str(tmp_path / "llama2")
     with pytest.raises(SystemExit, match=r"--dflash-model .*target_layer_ids \[0, 2\] are not all layers"):
         target_main(["--model", two_dir, "--port", "0", "--dflash-model", str(assistant_dir)])
+    with pytest.raises(SystemExit, match="--dflash-model cannot run with tensor parallelism"):  # before loading
+        target_main(["--model", two_dir, "--tensor-parallel", "2", "--dflash-model", str(assistant_dir)])
 
 
 @pytest.mark.parametrize("scheduler, thread", [("batched", "specwire-lane"), ("sequential", "specwire-model")])
