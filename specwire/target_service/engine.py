@@ -275,6 +275,13 @@ class Engine:
                     )
                 )
             return generate_from_plan(model, plan, **common)
+        blocker = speculation_blocker(plan)
+        if blocker and job.config.speculation_type is not None:  # transformers ignores it there (a log line)
+            job.warnings.append(
+                FieldProblem(
+                    "config.speculation_type", job.config.speculation_type, f"not honoured: {blocker}", "warning"
+                )
+            )
         with self._lock:
             opened = self._drafters.get(id(job))
         opener = self.drafting.opener(
@@ -284,7 +291,7 @@ class Engine:
             early_exit=job.config.assistant_early_exit,
             stats=job.speculation,
             tokenizer=self.loaded.tokenizer,
-            speculates=not speculation_blocker(plan),
+            speculates=not blocker,
         )
         open_drafter = _opener(opener, drafting, opened)
         controller = self.drafting.controller(proposer, job.draft_fields, self._others_waiting)

@@ -272,6 +272,9 @@ def test_values_and_proposers_that_contradict_it_are_invalid_argument(target):
     assert "set speculation_type='dflash'" in str(_refused(target, proposer="dflash"))
     plain = target.generate([PROMPTS[0]], proposer="none", max_new_tokens=3, **DFLASH)
     assert [w for w in plain.warnings if w.field == "config.speculation_type"] and plain.speculation.proposer == "none"
+    # transformers ignores an assistant with beam search (a log line): specwire decodes plainly and says so.
+    beams = target.generate([PROMPTS[0]], num_beams=2, max_new_tokens=3, **DFLASH)
+    assert [w for w in beams.warnings if w.field == "config.speculation_type"] and beams.speculation.fallback_reason
 
 
 def test_a_server_without_an_assistant_refuses_it(loaded):
