@@ -99,7 +99,8 @@ def _our_drafts(model, assistant, prompt, config, attention_mask=None):
     drafts: list[list[int]] = []
 
     def open_drafter(tokens, cfg):
-        drafter = open_dflash_drafter(assistant, model, tokens, cfg, model.config.vocab_size, bool(cfg.do_sample))
+        probs = bool(cfg.do_sample) or cfg.assistant_ensemble_weight is not None  # as the target service asks
+        drafter = open_dflash_drafter(assistant, model, tokens, cfg, model.config.vocab_size, probs)
         propose = drafter.propose
 
         def recorded(num_tokens):
@@ -138,13 +139,16 @@ def test_greedy_equals_plain_greedy_and_transformers(target, reference, prompt):
     assert not ours.warnings
 
 
+@pytest.mark.parametrize("weight", [None, 0.3])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_every_round_drafts_what_transformers_drafts(reference, prompt, monkeypatch):
-    theirs, want = _transformers_drafts(reference, prompt, monkeypatch, max_new_tokens=12, do_sample=False)
+def test_every_round_drafts_what_transformers_drafts(reference, prompt, weight, monkeypatch):
+    """Greedy drafts are all rejected by the tiny target; with an ensemble weight some are kept, so later rounds
+    read contexts of several positions."""
+    kwargs = dict(max_new_tokens=12, do_sample=False, assistant_ensemble_weight=weight)
+    theirs, want = _transformers_drafts(reference, prompt, monkeypatch, **kwargs)
     model, assistant = reference
-    ours, ids, stats = _our_drafts(
-        model, assistant, prompt, GenerationConfig(max_new_tokens=12, do_sample=False, **DFLASH)
-    )
+    ours, ids, stats = _our_drafts(model, assistant, prompt, GenerationConfig(**kwargs, **DFLASH))
+    assert weight is None or stats.accepted_tokens > 0
     assert ids == want
     # specwire asks for no more drafts than fit under max_length: its last rounds may ask for fewer.
     assert len(ours) >= len(theirs) - 1 and ours == [t[: len(o)] for o, t in zip(ours, theirs, strict=False)]
@@ -204,11 +208,15 @@ def test_a_batch_with_padding_equals_plain_greedy(target):
 def test_the_ensemble_weight_mixes_the_dflash_draft_as_transformers_does(target, reference, weight):
     model, assistant = reference
     kwargs = dict(assistant_ensemble_weight=weight, max_new_tokens=12, do_sample=False, **DFLASH)
+    accepted = 0
     for prompt in PROMPTS:
         ours = target.generate([prompt], **kwargs)
         want = model.generate(torch.tensor([prompt]), assistant_model=assistant, **kwargs)
         assert ours.sequences.tolist() == want.tolist()
         assert ours.speculation.proposer == "dflash" and not ours.warnings
+        accepted += ours.speculation.accepted_tokens
+    # The mixed acceptance keeps drafts the target alone would not: rounds with contexts of several positions.
+    assert accepted > 0
 
 
 def test_seeded_sampling_repeats_itself(target):
