@@ -30,7 +30,17 @@ PROPOSER_EARLY_EXIT: Final = "early_exit"
 # Multi-token prediction: the target's own MTP layers draft from its last hidden states (`use_mtp`; a request's
 # choice only, like early exit: only a model whose checkpoint has MTP layers can run it).
 PROPOSER_MTP: Final = "mtp"
-PROPOSERS: Final = (PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP, PROPOSER_DRAFT_MODEL, PROPOSER_EARLY_EXIT, PROPOSER_MTP)
+# DFlash: a block-diffusion assistant loaded next to the target (`--dflash-model`) drafts from the target's hidden
+# states (`speculation_type="dflash"`, which selects it; a request's choice only).
+PROPOSER_DFLASH: Final = "dflash"
+PROPOSERS: Final = (
+    PROPOSER_NONE,
+    PROPOSER_PROMPT_LOOKUP,
+    PROPOSER_DRAFT_MODEL,
+    PROPOSER_EARLY_EXIT,
+    PROPOSER_MTP,
+    PROPOSER_DFLASH,
+)
 # What a client shows for the wire's zero value (a response that names no proposer).
 PROPOSER_UNSPECIFIED: Final = "unspecified"
 

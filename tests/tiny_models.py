@@ -148,3 +148,43 @@ def build_mtp_layers(model, num_layers: int, *, seed: int = 0, attention: float 
                 if "down_proj" in name:
                     param.mul_(mlp)
     return mtp
+
+
+def build_tiny_dflash_assistant(
+    folder: str | Path,
+    *,
+    target_layer_ids: tuple[int, ...] = (0, 2),
+    block_size: int = 4,
+    seed: int = 0,
+    attention: float = 4.0,
+) -> Path:
+    """Save a tiny random DFlash assistant (`MuseGlimmerAssistantModel`, transformers' DFlash class: no LM head,
+    it drafts through the target's embeddings and head) for a `build_tiny_llama(num_hidden_layers=4)` target, and
+    return the folder (a config and safetensors, no tokenizer: it uses the target's)."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    folder = Path(folder)
+    config = MuseGlimmerAssistantConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        block_size=block_size,
+        mask_token_id=3,
+        target_layer_ids=list(target_layer_ids),
+        max_position_embeddings=256,
+        sliding_window=64,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    torch.manual_seed(seed)
+    assistant = MuseGlimmerAssistantModel(config)
+    with torch.no_grad():  # attention that weighs: drafts that depend on the context the target's states give
+        for layer in assistant.layers:
+            layer.self_attn.q_norm.weight.mul_(attention)
+            layer.self_attn.o_proj.weight.mul_(attention)
+    assistant.save_pretrained(folder)
+    return folder

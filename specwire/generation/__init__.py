@@ -12,6 +12,7 @@ Its parts, in the order a request meets them:
   `sampling` and `beam_search`), and `speculative` (`iter_speculative`: draft, verify, accept).
 - `speculation/`: `acceptance` (greedy, rejection sampling, the cut at stops), `drafters`,
   `early_exit` (the target's first layers as its own draft), `mtp` (the target's multi-token prediction
-  layers, fed its hidden states), `prompt_lookup`, `schedules` and `stats`.
+  layers, fed its hidden states), `dflash` (a DFlash assistant fed the target's hidden states at chosen
+  layers), `prompt_lookup`, `schedules` and `stats`.
 - `outputs`: `StepEvent`, `GenerationResult`, transition scores.
 """

@@ -141,11 +141,14 @@ class RowBatch:
         compiled_forward (`Callable`, *optional*):
             Runs the model's decoding forwards, and a chunked prefill's chunks, instead of `model(...)`: the
             compiled call (`specwire.generation.compilation`), used where transformers uses it.
-        keep_last_hidden_states (`bool`, *optional*, defaults to `False`):
-            Ask every forward for the last layer's hidden states only (`output_hidden_states=-1`, as
+        keep_last_hidden_states (`bool` or `Sequence[int]`, *optional*, defaults to `False`):
+            `True`: ask every forward for the last layer's hidden states only (`output_hidden_states=-1`, as
             transformers' MTP assistant does) and keep those of the latest prefill (one `[rows, chunk,
             hidden]` tensor per chunk) or verify (`[rows, k, hidden]`) in `last_hidden_states`: the MTP
-            drafter (`speculation.mtp`) drafts from them.
+            drafter (`speculation.mtp`) drafts from them. A sequence of hidden-state indices (0: the
+            embeddings) asks for those only (`output_hidden_states=[...]`, as transformers' DFlash generator
+            does) and keeps them concatenated on the feature axis (`[rows, positions, hidden * len]`): the
+            DFlash drafter (`speculation.dflash`) drafts from them.
     """
 
     def __init__(
@@ -161,10 +164,15 @@ class RowBatch:
         output_hidden_states: bool = False,
         static_cache_len: int | None = None,
         compiled_forward: Callable[..., Any] | None = None,
-        keep_last_hidden_states: bool = False,
+        keep_last_hidden_states: bool | Sequence[int] = False,
     ):
         self.model = model
-        self.keep_last_hidden_states = keep_last_hidden_states
+        # The hidden-state indices every forward returns and the rows keep (None: none).
+        self.kept_hidden_layers: list[int] | None = None
+        if keep_last_hidden_states is True:
+            self.kept_hidden_layers = [-1]
+        elif keep_last_hidden_states is not False:
+            self.kept_hidden_layers = list(keep_last_hidden_states)
         self.last_hidden_states: list[torch.Tensor] = []
         self.compiled_forward = compiled_forward
         self.output_attentions = output_attentions
@@ -258,8 +266,9 @@ class RowBatch:
             inputs["output_attentions"] = True
         if self.output_hidden_states:
             inputs["output_hidden_states"] = True
-        elif self.keep_last_hidden_states:
-            inputs["output_hidden_states"] = -1
+        elif self.kept_hidden_layers is not None:
+            layers = self.kept_hidden_layers
+            inputs["output_hidden_states"] = layers[0] if len(layers) == 1 else list(layers)
         call = self.model
         if compiled and self.compiled_forward is not None:
             call = self.compiled_forward
@@ -272,8 +281,9 @@ class RowBatch:
             self.attentions.append(tuple(layer.detach().clone() for layer in outputs.attentions))
         if self.output_hidden_states:
             self.hidden_states.append(tuple(layer.detach().clone() for layer in outputs.hidden_states))
-        if self.keep_last_hidden_states:
-            self.last_hidden_states.append(outputs.hidden_states[-1].detach())
+        if self.kept_hidden_layers is not None:
+            kept = [outputs.hidden_states[i].detach() for i in self.kept_hidden_layers]
+            self.last_hidden_states.append(kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1))
         # Copy (and upcast) only the positions we need: the prefill's full logits can be large.
         return cast(torch.Tensor, outputs.logits[:, -keep:].to(dtype=torch.float32, copy=True))
 

@@ -1,7 +1,7 @@
 """`target-service`: serves generation on one model.
 
 Usage: target-service --host 127.0.0.1 --port 50052 --model default [--config-address A]
-       [--draft-address A | --draft-model M] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+       [--draft-address A | --draft-model M] [--dflash-model M] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from specwire.generation.plugins import PluginLoadError, PluginRegistry, load_pl
 from specwire.generation.speculation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
+from specwire.models.dflash_assistant import load_dflash_assistant
 from specwire.security.access import (
     ALLOW_INSECURE_TOKEN_ENV,
     AccessPolicy,
@@ -41,7 +42,7 @@ from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOp
 from specwire.target_service.service import TargetServicer
 from specwire.target_service.tensor_parallel import load_target, rank_from_env, run_follower, tensor_parallel_size
 from specwire.telemetry import setup_telemetry
-from specwire.vocabulary import PROPOSER_EARLY_EXIT, PROPOSER_MTP, PROPOSER_NONE, PROPOSERS
+from specwire.vocabulary import PROPOSER_DFLASH, PROPOSER_EARLY_EXIT, PROPOSER_MTP, PROPOSER_NONE, PROPOSERS
 
 SERVICE_NAME = "specwire.target.v1.TargetService"
 # The scheduler when none is given; SPECWIRE_TARGET_SCHEDULER overrides it (deployments, and running
@@ -145,9 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=PROPOSER_NONE,
         # early_exit needs each request's layer count (assistant_early_exit), which also selects it; mtp is
         # selected by use_mtp and runs only on models with MTP layers.
-        choices=[p for p in PROPOSERS if p not in (PROPOSER_EARLY_EXIT, PROPOSER_MTP)],
+        # dflash is selected by speculation_type="dflash" (transformers' switch for it).
+        choices=[p for p in PROPOSERS if p not in (PROPOSER_EARLY_EXIT, PROPOSER_MTP, PROPOSER_DFLASH)],
         help="drafter for requests that choose none (prompt_lookup_num_tokens always picks prompt lookup, "
-        "assistant_early_exit the early-exit draft, use_mtp the model's MTP layers)",
+        "assistant_early_exit the early-exit draft, use_mtp the model's MTP layers, speculation_type='dflash' "
+        "the --dflash-model assistant)",
+    )
+    parser.add_argument(
+        "--dflash-model",
+        default=None,
+        # Not --draft-model: a DFlash assistant is no causal LM (no LM head, no tokenizer; it drafts through the
+        # target's embeddings and head from its hidden states), so it cannot serve proposer draft_model, and it
+        # can sit beside a draft model or a draft service.
+        help="a DFlash assistant (e.g. a muse_glimmer_assistant checkpoint: folder or Hub id) run in this process "
+        "for speculation_type='dflash' requests, on the target's device and dtype; checked against the target at "
+        "start",
     )
     parser.add_argument(
         "--no-draft-overlap",
@@ -411,6 +424,17 @@ def load_draft_model(args: argparse.Namespace, target):
     return draft
 
 
+def load_dflash_model(args: argparse.Namespace, target):
+    """The DFlash assistant (`--dflash-model`) on the target's device and dtype, checked against the target;
+    None without the flag. Exits with the reason when it cannot be used."""
+    if not args.dflash_model:
+        return None
+    try:
+        return load_dflash_assistant(args.dflash_model, target)
+    except ModelLoadError as error:
+        raise SystemExit(f"target-service: --dflash-model {args.dflash_model}: {error}") from None
+
+
 def resolve_scheduler(args: argparse.Namespace) -> str:
     """The scheduler to serve with: `--scheduler`, else the default (under tensor parallelism too: the
     followers mirror the batched scheduler's slot cache, see `specwire.models.tensor_parallel`)."""
@@ -442,6 +466,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     setup_logging(args.log_level)
     tensor_parallel = tensor_parallel_size(args)
+    if args.dflash_model and tensor_parallel > 1:  # every rank, before any model loads
+        # The assistant drafts on rank 0 through the target's embeddings and LM head, which are sharded there.
+        raise SystemExit(
+            "target-service: --dflash-model cannot run with tensor parallelism (the DFlash assistant drafts through "
+            "the target's sharded embeddings and LM head on one rank): serve it without --tensor-parallel"
+        )
     check_transport_security("target-service")  # TLS settings that fail closed, before any model loads
     fix_mmap_threshold()  # freed tensors go back to the system (see specwire.heap)
     if tensor_parallel > 1 and rank_from_env() != 0:  # a follower: no server, no telemetry, no draft
@@ -463,6 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     target = load_target(args, tensor_parallel, sys.argv[1:] if argv is None else list(argv))
     loaded = target.loaded
     draft_model = load_draft_model(args, loaded)
+    dflash_model = load_dflash_model(args, loaded)
     drafting = DraftPolicy(
         args.draft_address,
         args.default_proposer,
@@ -471,6 +502,7 @@ def main(argv: list[str] | None = None) -> None:
         draft_model=draft_model,
         draft_overlap=args.draft_overlap,
         adaptive=args.adaptive_speculation,
+        dflash_model=dflash_model,
     )
     options = SchedulerOptions(
         max_batch_rows=args.max_batch_rows,

@@ -36,6 +36,9 @@ the target's first N layers; `mtp` (`use_mtp=True`) with the served model's mult
 (`models.mtp_layers.mtp_model_for`, loaded on the first such request), fed the target's last hidden states
 by the speculative loop. MTP requests run in the batched scheduler's sequential lane (`routing`), with a
 constant draft length of `num_mtp_layers` and no adaptive controller, as transformers drafts them.
+`dflash` (`speculation_type="dflash"`) drafts with the DFlash assistant loaded at start (`--dflash-model`,
+`models.dflash_assistant`), fed the target's hidden states at its `target_layer_ids` the same way; `block_size -
+1` tokens a round, no adaptive controller, the sequential lane (`speculation_type` decides the refusals).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.errors import FieldProblem, InvalidArgument
 from specwire.generation.speculation.controller import SharedCosts, SpeculationController
+from specwire.generation.speculation.dflash import dflash_hidden_layers, open_dflash_drafter
 from specwire.generation.speculation.drafters import (
     Drafter,
     DraftFailure,
@@ -69,7 +73,14 @@ from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models.mtp_layers import mtp_model_for
 from specwire.models.tokenizer_digest import tokenizer_digest
 from specwire.security.channels import RenewingChannel
-from specwire.vocabulary import PROPOSER_EARLY_EXIT, PROPOSER_MTP, PROPOSER_NONE, PROPOSER_PROMPT_LOOKUP
+from specwire.target_service.speculation_type import dflash_proposer
+from specwire.vocabulary import (
+    PROPOSER_DFLASH,
+    PROPOSER_EARLY_EXIT,
+    PROPOSER_MTP,
+    PROPOSER_NONE,
+    PROPOSER_PROMPT_LOOKUP,
+)
 from specwire.wire.generation_config import config_to_proto
 from specwire.wire.proposers import PROPOSER_FROM_PROTO
 from specwire.wire.tensors import tensor_from_proto
@@ -347,6 +358,8 @@ class DraftPolicy:
         adaptive (`bool`, defaults to True): the adaptive speculation controller chooses the draft length
             of requests that name none (`--no-adaptive-speculation` turns it off: transformers' constant
             20, and `prompt_lookup_tokens` for prompt lookup).
+        dflash_model (*optional*): a DFlash assistant (`--dflash-model`, `models.dflash_assistant`), on the
+            target's device: `speculation_type="dflash"` requests draft with it (proposer `dflash`).
     """
 
     draft_address: str | None = None
@@ -357,6 +370,7 @@ class DraftPolicy:
     draft_model: Any = None
     draft_overlap: bool = True
     adaptive: bool = True
+    dflash_model: Any = None
 
     def __post_init__(self) -> None:
         if self.draft_model is not None and self.draft_address is not None:
@@ -393,6 +407,9 @@ class DraftPolicy:
         """The proposer a request runs with: its own choice, else the config's (`assistant_early_exit` first,
         then `prompt_lookup_num_tokens`, then `use_mtp`, transformers' order), else the server default."""
         early_exit = config.assistant_early_exit
+        dflash = dflash_proposer(PROPOSER_FROM_PROTO.get(requested), config, self.dflash_model is not None)
+        if dflash is not None:
+            return dflash
         if requested in PROPOSER_FROM_PROTO:
             chosen = PROPOSER_FROM_PROTO[requested]
             if chosen == PROPOSER_MTP and not config.use_mtp:
@@ -475,6 +492,11 @@ class DraftPolicy:
             sampling = bool(config.do_sample)
             if draft_view is not None:
                 return self._local(draft_view, rows, config, vocab_size)
+            if proposer == PROPOSER_DFLASH:
+                drafter = open_dflash_drafter(
+                    self.dflash_model, target, rows, config, vocab_size, self._wants_probs(config)
+                )
+                return self._counted(drafter)
             if proposer == PROPOSER_MTP:
                 if mtp is None:  # not loaded: the request was not to speculate
                     raise DraftFailure("the MTP layers were not loaded for a request that does not speculate")
@@ -561,6 +583,14 @@ class DraftPolicy:
             return config.prompt_lookup_num_tokens or self.prompt_lookup_tokens
         if proposer == PROPOSER_MTP and target is not None:
             return mtp_layer_count(target)
+        if proposer == PROPOSER_DFLASH:
+            return int(self.dflash_model.config.block_size) - 1  # one denoised block a round
+        return None
+
+    def hidden_layers(self, proposer: str) -> list[int] | None:
+        """The target's hidden-state indices the proposer's drafter reads every round (DFlash), or None."""
+        if proposer == PROPOSER_DFLASH:
+            return dflash_hidden_layers(self.dflash_model)
         return None
 
     def controller(
@@ -574,8 +604,9 @@ class DraftPolicy:
                 config or its registry config) sets; any of them keeps transformers' schedule exact.
             load (`Callable[[], float]`, *optional*): other requests waiting on this one's forwards now.
         """
-        # MTP drafts all its layers' tokens every round (transformers' MTPCandidateGenerator): no length to adapt.
-        if not self.adaptive or proposer in (PROPOSER_NONE, PROPOSER_MTP) or named_fields:
+        # MTP drafts all its layers' tokens every round (transformers' MTPCandidateGenerator), DFlash a whole
+        # denoised block: no length to adapt.
+        if not self.adaptive or proposer in (PROPOSER_NONE, PROPOSER_MTP, PROPOSER_DFLASH) or named_fields:
             return None
         return SpeculationController(self.costs, proposer, load=load)
 

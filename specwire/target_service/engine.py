@@ -265,7 +265,23 @@ class Engine:
                         "warning",
                     )
                 )
+            if job.config.speculation_type is not None:
+                job.warnings.append(
+                    FieldProblem(
+                        "config.speculation_type",
+                        job.config.speculation_type,
+                        "not honoured: the request asks for proposer none (plain decoding, no DFlash draft)",
+                        "warning",
+                    )
+                )
             return generate_from_plan(model, plan, **common)
+        blocker = speculation_blocker(plan)
+        if blocker and job.config.speculation_type is not None:  # transformers ignores it there (a log line)
+            job.warnings.append(
+                FieldProblem(
+                    "config.speculation_type", job.config.speculation_type, f"not honoured: {blocker}", "warning"
+                )
+            )
         with self._lock:
             opened = self._drafters.get(id(job))
         opener = self.drafting.opener(
@@ -275,7 +291,7 @@ class Engine:
             early_exit=job.config.assistant_early_exit,
             stats=job.speculation,
             tokenizer=self.loaded.tokenizer,
-            speculates=not speculation_blocker(plan),
+            speculates=not blocker,
         )
         open_drafter = _opener(opener, drafting, opened)
         controller = self.drafting.controller(proposer, job.draft_fields, self._others_waiting)
@@ -288,6 +304,7 @@ class Engine:
             if controller is not None
             else self.drafting.draft_length(proposer, job.config, self.loaded.model),
             controller=controller,
+            hidden_layers=self.drafting.hidden_layers(proposer),
             **common,
         )
 

@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from specwire.deadline import remaining
-from specwire.errors import DeadlineExceeded, FieldProblem, InvalidArgument, Unimplemented
+from specwire.errors import DeadlineExceeded, FieldProblem, InvalidArgument
 from specwire.generation.config import (
-    UNSERVED_FIELDS,
     GenerationConfig,
     field_suggestion,
     merge,
@@ -172,16 +171,7 @@ def effective_config(
     raise_for_errors(
         v4_mode_violations(merged.with_defaults()), field_prefix="config.", summary="invalid generation config"
     )
-    # Modes specwire does not run (low_memory beams) are refused by the
-    # decoding loop itself with UNIMPLEMENTED, naming the field; the drafting methods of UNSERVED_FIELDS
-    # need a draft model of a special class fed with the target's hidden states every round (DFlash).
-    for name in UNSERVED_FIELDS:
-        if getattr(merged, name) not in (None, False):
-            raise Unimplemented(
-                f"config.{name}={getattr(merged, name)!r} is not served by specwire: it drafts with a DFlash draft "
-                "model fed with the target's hidden states every round, which specwire does not load (use_mtp and "
-                "assistant_early_exit self-speculate in the target's process); unset it"
-            )
+    # Modes specwire does not run are refused by the decoding loop itself with UNIMPLEMENTED, naming the field.
     if resolved is None:  # an inline config's unknown keys; the registry warned about its own when stored
         violations += unknown_keys(given)
     violations += not_honoured(merged)  # accepted and not acted on: never silently

@@ -31,6 +31,7 @@ EFFECT_TESTS = [
     "tests/service/test_ensemble_speculation.py",
     "tests/service/test_early_exit.py",
     "tests/service/test_mtp.py",
+    "tests/service/test_dflash.py",
     "tests/service/test_target_service.py",
 ]
 

@@ -21,7 +21,6 @@ from specwire.generation.config import (
     FIELD_TYPES,
     MODE_FIELDS,
     REMOVED_MODE_FIELDS,
-    UNSERVED_FIELDS,
     V4_MODE_FIELDS,
     GenerationConfig,
     GenerationMode,
@@ -484,9 +483,10 @@ def test_errors_helper_filters_by_severity():
     assert errors(found) == [found[1]]
 
 
-def test_mode_table_is_the_one_list_of_removed_deprecated_and_unserved_fields():
-    assert set(DEPRECATED_FIELDS) | set(UNSERVED_FIELDS) == {row.field for row in MODE_FIELDS}
-    assert not set(DEPRECATED_FIELDS) & set(UNSERVED_FIELDS)
+def test_mode_table_is_the_one_list_of_removed_and_deprecated_fields():
+    assert set(DEPRECATED_FIELDS) == {row.field for row in MODE_FIELDS}
+    # Every drafting method transformers 5.23 runs is served (speculation_type="dflash" with --dflash-model).
+    assert "speculation_type" not in DEPRECATED_FIELDS and "use_mtp" not in DEPRECATED_FIELDS
     # Each field the table ties to a removed mode selects that mode under transformers' rules.
     selecting = {
         "penalty_alpha": {"penalty_alpha": 0.6, "top_k": 4},

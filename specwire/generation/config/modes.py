@@ -20,7 +20,6 @@ __all__ = [
     "REMOVED_MODES",
     "REMOVED_MODE_FIELDS",
     "REMOVED_MODE_NAMES",
-    "UNSERVED_FIELDS",
     "V4_MODE_FIELDS",
     "FieldStatus",
     "GenerationMode",
@@ -67,10 +66,6 @@ class FieldStatus(enum.Enum):
     # specwire runs with transformers 4.55.4's semantics (the last release with it in core): `validate()`
     # still warns, as transformers 5 does, and checks the rest of the config as if it were unset.
     SERVED_V4 = "served_v4"
-    # transformers runs it with a draft model of a special class that reads the target's hidden states every
-    # round (DFlash), which specwire neither loads nor serves: the target service answers UNIMPLEMENTED.
-    # (`use_mtp`, which also drafts from hidden states, runs in the target's process: proposer mtp.)
-    UNSERVED = "unserved"
 
 
 @dataclass(frozen=True)
@@ -101,15 +96,10 @@ MODE_FIELDS: tuple[ModeField, ...] = (
     ModeField("constraints", FieldStatus.SERVED_V4, GenerationMode.CONSTRAINED_BEAM_SEARCH),
     ModeField("force_words_ids", FieldStatus.SERVED_V4, GenerationMode.CONSTRAINED_BEAM_SEARCH),
     ModeField("continuous_batching_config", FieldStatus.MOVED_OUT),
-    ModeField("speculation_type", FieldStatus.UNSERVED),
 )
 
 # Fields that select a mode v5 moved to the Hub, or that v5 ignores: `validate()` warns whenever one is set.
-DEPRECATED_FIELDS: tuple[str, ...] = tuple(f.field for f in MODE_FIELDS if f.status is not FieldStatus.UNSERVED)
-
-# Drafting methods that need a draft model of a special class fed with the target's hidden states every round
-# (`speculation_type="dflash"`): not servable by a separate draft service, and not implemented in-process.
-UNSERVED_FIELDS: tuple[str, ...] = tuple(f.field for f in MODE_FIELDS if f.status is FieldStatus.UNSERVED)
+DEPRECATED_FIELDS: tuple[str, ...] = tuple(f.field for f in MODE_FIELDS)
 
 # Each removed mode and the fields that select it, first field first (it is named when none is set, as
 # for contrastive search selected by the default `top_k` and a `penalty_alpha`).

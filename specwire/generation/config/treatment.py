@@ -125,6 +125,8 @@ _HONOURED: dict[str, str] = {
     "(speculation/early_exit.py, proposer early_exit)",
     "use_mtp": _DRAFTING + " with the served model's own multi-token prediction layers, in the target's process "
     "(speculation/mtp.py, proposer mtp); a model without MTP layers is refused",
+    "speculation_type": _DRAFTING + " with the DFlash assistant the target loaded (--dflash-model): 'dflash' only, "
+    "refused without one (speculation/dflash.py, proposer dflash)",
     "max_matching_ngram_size": _DRAFTING,
     "assistant_ensemble_weight": _DRAFTING + " with a draft model, greedy and sampling; refused with prompt "
     "lookup (as transformers refuses it); the target warns when the request runs without a draft model",
@@ -192,7 +194,7 @@ _V4_MODES = {
 def _mode_field_treatment(field: str, status: FieldStatus) -> FieldTreatment:
     if status is FieldStatus.SERVED_V4:
         return _honoured(_V4_MODES[field])
-    if status in (FieldStatus.REMOVED_MODE, FieldStatus.UNSERVED):
+    if status is FieldStatus.REMOVED_MODE:
         return FieldTreatment(Treatment.REFUSED, "a decoding mode or drafting method specwire does not run")
     return FieldTreatment(Treatment.WARNED_BY_VALIDATION, "transformers 5 ignores it; validate() warns")
 

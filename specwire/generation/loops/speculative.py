@@ -158,6 +158,7 @@ def iter_speculative(
     structured_output: Any = None,
     allowed_token_sequences: Any = None,
     controller: SpeculationController | None = None,
+    hidden_layers: Sequence[int] | None = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """`iter_generate` with speculative rounds when the request allows it, else plain decoding.
 
@@ -173,6 +174,8 @@ def iter_speculative(
             (a `SpeculativeRows`); passed on to plain decoding.
         controller (`SpeculationController`, *optional*): the adaptive controller chooses each round's
             draft length (instead of `draft_length` and the config's schedule).
+        hidden_layers (`Sequence[int]`, *optional*): the target's hidden-state indices the drafter reads every
+            round (a DFlash assistant's: `speculation.dflash.dflash_hidden_layers`).
     """
     if config.token_healing:  # as transformers: the prompts are healed, then decoded as usual
         input_ids = heal_same_shape(model, tokenizer, input_ids)
@@ -199,6 +202,7 @@ def iter_speculative(
         draft_length=draft_length,
         rows_factory=rows_factory,
         controller=controller,
+        hidden_layers=hidden_layers,
     )
 
 
@@ -216,6 +220,7 @@ def speculate_from_plan(
     draft_length: int | None = None,
     rows_factory: Callable[..., SpeculativeRows] | None = None,
     controller: SpeculationController | None = None,
+    hidden_layers: Sequence[int] | None = None,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """`iter_speculative` from a `GenerationPlan` that `prepare_generation` already made for this model
     (the target service plans once per request, to route it, and runs from that plan).
@@ -224,7 +229,8 @@ def speculate_from_plan(
         model (`PreTrainedModel`): the model the plan was prepared for.
         plan (`GenerationPlan`): what `prepare_generation` resolved.
         open_drafter, stats, tokenizer, generator, negative_prompt_ids, negative_prompt_attention_mask,
-        max_position_embeddings, draft_length, rows_factory, controller: as for `iter_speculative`.
+        max_position_embeddings, draft_length, rows_factory, controller, hidden_layers: as for
+        `iter_speculative`.
     """
     blocker = speculation_blocker(plan)
     if blocker:
@@ -242,7 +248,12 @@ def speculate_from_plan(
     config = plan.config
     plan.require_tokenizer(tokenizer)
     expanded, mask = plan.expanded()
-    extra = {"keep_last_hidden_states": True} if config.use_mtp else {}  # the MTP drafter reads them
+    # The MTP drafter reads the last hidden states, a DFlash drafter those of its `target_layer_ids`.
+    extra: dict[str, Any] = {}
+    if config.use_mtp:
+        extra["keep_last_hidden_states"] = True
+    elif hidden_layers:
+        extra["keep_last_hidden_states"] = list(hidden_layers)
     rows = (rows_factory or RaggedRows)(
         model,
         attention_mask=mask,

@@ -178,10 +178,26 @@ class SpeculativeRun:
         first token from the prefill (the drafter then starts with it); with `assistant_ensemble_weight`
         the block boundaries change the tokens, so the first round is drafted from the prompt too.
         """
+        # MTP and DFlash draft from the target's hidden states, so transformers' first round drafts nothing: its
+        # first token is the prefill's with or without an ensemble weight.
         config = self.plan.config
-        # MTP drafts from the target's hidden states, so transformers' first round drafts nothing: its first
-        # token is the prefill's with or without an ensemble weight.
-        return config.assistant_ensemble_weight is not None and not config.use_mtp
+        from_hidden_states = config.use_mtp or config.speculation_type == "dflash"
+        return config.assistant_ensemble_weight is not None and not from_hidden_states
+
+    def _draft_cap(self, room: int) -> int:
+        """The most drafts a row with `room` tokens left before `max_length` verifies this round.
+
+        Drafts and the bonus token fit under `max_length` (`room - 1`), as transformers caps a draft model's. Its MTP
+        and DFlash generators draft whole blocks uncapped instead and the loop crops the accepted tokens at
+        `max_length`, so their last token before it is a draft position (which only the ensemble weight tells
+        apart): they may draft `room` (DFlash none when `room` is 1, its generator's early exit).
+        """
+        config = self.plan.config
+        if config.use_mtp:
+            return room
+        if config.speculation_type == "dflash":
+            return room if room > 1 else 0
+        return room - 1
 
     def first_step(self) -> StepEvent:
         """The prefill and the first token of every row, as plain decoding picks it."""
@@ -325,7 +341,7 @@ class SpeculativeRun:
         return [
             0
             if row.finished
-            else max(min(row.schedule.num_assistant_tokens if chosen is None else chosen, room[r] - 1), 0)
+            else max(min(row.schedule.num_assistant_tokens if chosen is None else chosen, self._draft_cap(room[r])), 0)
             for r, row in enumerate(self.state)
         ]
 

@@ -19,6 +19,7 @@ class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROPOSER_DRAFT_MODEL: _ClassVar[Proposer]
     PROPOSER_EARLY_EXIT: _ClassVar[Proposer]
     PROPOSER_MTP: _ClassVar[Proposer]
+    PROPOSER_DFLASH: _ClassVar[Proposer]
 
 class DraftLengthSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ PROPOSER_PROMPT_LOOKUP: Proposer
 PROPOSER_DRAFT_MODEL: Proposer
 PROPOSER_EARLY_EXIT: Proposer
 PROPOSER_MTP: Proposer
+PROPOSER_DFLASH: Proposer
 DRAFT_LENGTH_SOURCE_UNSPECIFIED: DraftLengthSource
 DRAFT_LENGTH_SOURCE_CONTROLLER: DraftLengthSource
 DRAFT_LENGTH_SOURCE_SCHEDULE: DraftLengthSource

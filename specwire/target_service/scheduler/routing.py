@@ -7,7 +7,7 @@ weights or hidden states in the output (the model's own forward returns them), g
 groups pick one after the other within a step), contrastive search and DoLa (hidden states), a static
 cache, more rows than slots, longer than a slot, padding that is not left padding, and prompt rows with
 no unmasked token. A model `slot_support` refuses, or one the start-up probe refused, sends every
-request there. So does `use_mtp`: its draft reads the target's last hidden states.
+request there. So do `use_mtp` and `speculation_type`: their drafts read the target's hidden states.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def lane_reason(plan: Any, cache: SlotKVCache) -> str:
         return "classifier-free guidance"
     if config.use_mtp:
         return "use_mtp (the MTP draft reads the target's last hidden states; the packed forward returns none)"
+    if config.speculation_type is not None:
+        return "speculation_type (the DFlash draft reads the target's hidden states; the packed forward returns none)"
     if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
         return "output_attentions / output_hidden_states (the packed forward returns neither)"
     if config.num_beam_groups is not None and config.num_beam_groups > 1:
