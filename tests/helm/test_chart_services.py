@@ -88,7 +88,7 @@ def test_scheduler_values_reach_the_target_command_line(tools, renders):
 
     defaults = parsed(renders["default"])
     cli_defaults = build_parser().parse_args([])
-    cli_defaults.scheduler = resolve_scheduler(cli_defaults, 1)  # unset on the command line: the default
+    cli_defaults.scheduler = resolve_scheduler(cli_defaults)  # unset on the command line: the default
     names = ("scheduler", "max_batch_rows", "max_tokens_per_step", "max_queued", "max_lane_requests")
     for name in (*names, "slot_tokens", "kv_cache_mb"):
         assert getattr(defaults, name) == getattr(cli_defaults, name), name
@@ -135,7 +135,7 @@ def test_limit_values_reach_the_target_command_line(tools, renders):
 
     defaults = parsed(renders["default"])
     cli_defaults = build_parser().parse_args([])
-    cli_defaults.scheduler = resolve_scheduler(cli_defaults, 1)  # unset on the command line: the default
+    cli_defaults.scheduler = resolve_scheduler(cli_defaults)  # unset on the command line: the default
     for name in LIMIT_FLAGS:
         if name != "grace":  # derived from the pod's termination period
             assert getattr(defaults, name) == getattr(cli_defaults, name), name
@@ -305,6 +305,16 @@ def test_helm_test_pod_skips_a_disabled_draft(tools):
     assert not [d for d in r.docs if d["metadata"]["name"].endswith("-draft")]
     assert "SPECWIRE_DRAFT_ADDRESS" not in r.settings("target")
     assert "--draft-address" not in r.container("target")["args"]
+
+
+def test_a_dflash_assistant_is_the_targets_flag_and_refused_with_tensor_parallelism(tools):
+    r = Rendered(template(tools, "--set", "target.dflashModel=org/dflash").stdout)
+    assert r.settings("target")["SPECWIRE_DFLASH_MODEL"] == "org/dflash"
+    args = r.container("target")["args"]
+    assert args[args.index("--dflash-model") + 1] == "$(SPECWIRE_DFLASH_MODEL)"
+    assert "--dflash-model" not in Rendered(template(tools).stdout).container("target")["args"]
+    failed = template(tools, "--set", "target.dflashModel=org/dflash", "--set", "target.tensorParallel=2", check=False)
+    assert failed.returncode != 0 and "target.dflashModel with target.tensorParallel" in failed.stderr
 
 
 def test_a_colocated_draft_model_is_the_targets_flag_and_no_draft_address(tools):

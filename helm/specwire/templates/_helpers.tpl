@@ -193,6 +193,9 @@ refer to them as $(NAME), so the ConfigMap is the one place that holds the serve
 {{- if $v.draftModel -}}
 {{- $_ := set $s "SPECWIRE_DRAFT_MODEL" $v.draftModel -}}
 {{- end -}}
+{{- if $v.dflashModel -}}
+{{- $_ := set $s "SPECWIRE_DFLASH_MODEL" $v.dflashModel -}}
+{{- end -}}
 {{- if gt (int $v.tensorParallel) 1 -}}
 {{- $_ := set $s "SPECWIRE_TENSOR_PARALLEL" (toString (int $v.tensorParallel)) -}}
 {{- end -}}
@@ -286,6 +289,9 @@ the password never shows on the command line. */ -}}
 {{- end -}}
 {{- if hasKey $settings "SPECWIRE_DRAFT_MODEL" -}}
 {{- $args = concat $args (list "--draft-model" "$(SPECWIRE_DRAFT_MODEL)") -}}
+{{- end -}}
+{{- if hasKey $settings "SPECWIRE_DFLASH_MODEL" -}}
+{{- $args = concat $args (list "--dflash-model" "$(SPECWIRE_DFLASH_MODEL)") -}}
 {{- end -}}
 {{- if hasKey $settings "SPECWIRE_TENSOR_PARALLEL" -}}
 {{- /* target-service starts ranks 1..N-1 itself (no torchrun in the image): one container, N GPUs. */ -}}
@@ -404,6 +410,9 @@ preStop sleep minus 5 s, so the server has drained and exited before the kubelet
 {{- $tp := int .Values.target.tensorParallel -}}
 {{- if and (gt $tp 1) .Values.target.gpu.enabled (ne (int .Values.target.gpu.count) 1) (ne (int .Values.target.gpu.count) $tp) -}}
 {{- fail (printf "target.gpu.count is %d but target.tensorParallel is %d: a tensor-parallel target takes one GPU per rank; leave target.gpu.count at 1 or set it to %d" (int .Values.target.gpu.count) $tp $tp) -}}
+{{- end -}}
+{{- if and .Values.target.dflashModel (gt $tp 1) -}}
+{{- fail "target.dflashModel with target.tensorParallel > 1: the DFlash assistant drafts through the target's embeddings and LM head on rank 0 alone (the target refuses it at start); unset one of them" -}}
 {{- end -}}
 {{- if and .Values.target.draftModel .Values.target.draftAddress -}}
 {{- fail "target.draftModel and target.draftAddress both name a draft model (the target refuses both at start): clear target.draftAddress to draft in the target's process, or target.draftModel to use the draft service" -}}
