@@ -13,7 +13,10 @@ def speculation_unavailable(output: Any) -> str | None:
     stats = output.speculation
     if stats.fallback_reason:
         return stats.fallback_reason
-    if stats.proposer in ("none", "unspecified") or stats.rounds == 0:
+    # The adaptive controller may rightly decode a whole request without drafting: that is its choice
+    # (the row's speed says what it cost), not speculation being unavailable.
+    chose_not_to = stats.rounds == 0 and getattr(stats, "draft_length_source", "") == "controller"
+    if stats.proposer in ("none", "unspecified") or (stats.rounds == 0 and not chose_not_to):
         return f"the target answered proposer={stats.proposer} with {stats.rounds} speculative rounds"
     return None
 
