@@ -1,26 +1,6 @@
-"""The target's side of speculation: which drafter a request uses, and the remote drafter.
+"""The target's side of speculation: which drafter a request uses (`DraftPolicy`).
 
-`RemoteDrafter` speaks the DraftService stream in lockstep with the decoding loop: the first
-`propose()` sends `DraftStart`, each later one sends the pending feedback with the next block size,
-so a round costs one round trip. Every answer must arrive within the round deadline; a late,
-broken, refused or malformed answer raises `DraftFailure`, and the loop finishes the request with
-plain decoding (same output). The next request opens a new stream, so drafting resumes as soon as
-the draft service is back.
-
-Threads. Every draft stream of the process is a `grpc.aio` call on one event loop of its own
-(`DraftChannel`, thread `specwire-draft-io`): a stream, idle or not, holds no thread, and nothing
-but the call itself is left to release when it ends. (A sync stream-stream call costs gRPC a thread
-blocked on the request iterator, and reading its answers with a deadline costs a reader thread: two
-threads per stream, which leaked whenever a stream was not closed.) `close()` ends the call on every
-exit path of the decoding loop (`speculative_loop` closes its drafter in a `finally`).
-
-Overlap (`DraftPolicy.draft_overlap`, on unless `--no-draft-overlap`): draft-model streams ask the draft
-service to draft the next block ahead while this target verifies (`DraftStart.overlap`); the proposals
-are the ones serial drafting makes, so nothing here changes but the wait. Each answer says per row
-whether it came from the block drafted ahead, counted in the request's `speculation` stats
-(`draft_ahead_hits`/`draft_ahead_misses`). Every draft-model stream also sends the target tokenizer's
-digest, so a draft service whose model has another vocabulary refuses the stream (and the request
-decodes without drafts, saying why in `fallback_reason`).
+The remote drafter (`DraftChannel`, `RemoteDrafter`) is in `specwire.target_service.remote_drafter`.
 
 Co-located draft (`--draft-model`, `DraftPolicy.draft_model`): `draft_model` requests get the draft
 service's own `ModelDrafter` (`open_model_drafter`) over a draft model loaded in this process, no RPC,
@@ -43,20 +23,13 @@ constant draft length of `num_mtp_layers` and no adaptive controller, as transfo
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
-import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any, cast
 
-import grpc
-
-from specwire.common.v1 import common_pb2
-from specwire.deadline import caller_deadline, remaining
+from specwire.deadline import caller_deadline
 from specwire.draft.v1 import draft_service_pb2 as pb
-from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.errors import FieldProblem, InvalidArgument
 from specwire.generation.speculation.controller import SharedCosts, SpeculationController
 from specwire.generation.speculation.dflash import dflash_hidden_layers, open_dflash_drafter
@@ -72,7 +45,7 @@ from specwire.generation.speculation.mtp import bind_hidden_states, mtp_layer_co
 from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models.mtp_layers import mtp_model_for
 from specwire.models.tokenizer_digest import tokenizer_digest
-from specwire.security.channels import RenewingChannel
+from specwire.target_service.remote_drafter import DraftChannel, RemoteDrafter
 from specwire.target_service.speculation_type import dflash_proposer
 from specwire.vocabulary import (
     PROPOSER_DFLASH,
@@ -81,261 +54,7 @@ from specwire.vocabulary import (
     PROPOSER_NONE,
     PROPOSER_PROMPT_LOOKUP,
 )
-from specwire.wire.generation_config import config_to_proto
 from specwire.wire.proposers import PROPOSER_FROM_PROTO
-from specwire.wire.tensors import tensor_from_proto
-
-log = logging.getLogger("specwire.target_service.drafting")
-
-# How long a finished stream may take to end politely (half-close, the service's OK) before it is cancelled.
-_GOODBYE_S = 5.0
-
-
-class DraftChannel:
-    """The draft service's `grpc.aio` channel, on an event loop thread of its own.
-
-    Started on first use; `close()` cancels the streams still open, closes the channel and ends the
-    thread. Coroutines run there through `run()`, in the caller's context (the draft stream's client
-    span is a child of the request's span).
-
-    Args:
-        address (`str`): the draft service (`host:port` or `dns:///name:port`).
-    """
-
-    def __init__(self, address: str):
-        self.address = address
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        # Renewed when the TLS files change; a draft stream lasts at most its request's deadline, and the
-        # clients' default deadline is 600 s.
-        self._channel = RenewingChannel(address, pb_grpc.DraftServiceStub, retire_grace_s=600.0)
-        self._closed = False
-        self.calls: set[Any] = set()  # open draft streams (on the loop's thread only)
-
-    def _schedule(self, coro: Coroutine, start: bool) -> concurrent.futures.Future | None:
-        """Schedule `coro` on the loop (started first if `start`); None when closed or not started."""
-        with self._lock:
-            if self._loop is None and start and not self._closed:
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, daemon=True, name="specwire-draft-io")
-                thread.start()
-                self._loop, self._thread = loop, thread
-            if self._closed or self._loop is None:
-                coro.close()
-                return None
-            # Scheduled under the lock: `close()` schedules its shutdown after everything scheduled here.
-            return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
-        """Run `coro` on the channel's loop and wait up to `timeout` seconds for its result.
-
-        Raises `DraftFailure` when the channel is closed or the coroutine was cancelled, and
-        `TimeoutError` (after cancelling the coroutine) when it takes longer than `timeout`.
-        """
-        future = self._schedule(coro, start=True)
-        if future is None:
-            raise DraftFailure("the target service is shutting down")
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError from None
-        except concurrent.futures.CancelledError:
-            raise DraftFailure("the draft stream was cancelled") from None
-
-    @property
-    def open_streams(self) -> int:
-        """Draft streams opened and not yet ended (observability and tests)."""
-        return len(self.calls)
-
-    def submit(self, coro: Coroutine) -> None:
-        """Run `coro` on the channel's loop without waiting (nothing if the channel is closed)."""
-        self._schedule(coro, start=False)
-
-    def stub(self) -> pb_grpc.DraftServiceStub:
-        """The stub (call on the channel's loop only: a grpc.aio channel belongs to the loop it was made on)."""
-        return self._channel.stub()
-
-    async def _shutdown(self) -> None:
-        for call in list(self.calls):
-            call.cancel()
-        self.calls.clear()
-        await self._channel.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            loop, thread = self._loop, self._thread
-            self._loop = self._thread = None
-            if loop is None:
-                return
-            shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
-        try:
-            shutdown.result(10)
-        except Exception:  # noqa: BLE001 - shutting down anyway
-            log.exception("closing the draft channel failed")
-        loop.call_soon_threadsafe(loop.stop)
-        if thread is not None:
-            thread.join(10)
-        loop.close()
-
-
-class RemoteDrafter:
-    """A `Drafter` behind a DraftService stream (a `grpc.aio` call on a `DraftChannel`).
-
-    Args:
-        channel (`DraftChannel`): the draft service's channel.
-        rows (`list[list[int]]`): each row's tokens so far.
-        config (`GenerationConfig`): the request's resolved config (processors, sampling, prompt lookup).
-        method (`int`): `DRAFT_METHOD_PROMPT_LOOKUP` or `DRAFT_METHOD_MODEL`.
-        vocab_size (`int`): the target's vocabulary size.
-        return_probs (`bool`): ask for the draft's probabilities (the target samples).
-        round_timeout_s (`float`): deadline of each answer.
-        deadline (`float`, *optional*): the caller's deadline (`specwire.deadline`, `time.monotonic()`
-            clock): the stream's deadline, and every round waits at most until then.
-        overlap (`bool`, defaults to `False`): ask the draft service to draft each next block ahead
-            while the target verifies (draft models only: `DraftStart.overlap`).
-        stats (`SpeculationStats`, *optional*): receives the hits and misses of the blocks drafted ahead.
-        digest (`tuple[int, bytes]`, *optional*): the target tokenizer's size and `tokenizer_digest`, sent
-            with draft-model streams so that a draft with another vocabulary is refused.
-    """
-
-    def __init__(
-        self,
-        channel,
-        rows,
-        config,
-        method,
-        vocab_size,
-        return_probs,
-        round_timeout_s,
-        deadline=None,
-        overlap: bool = False,
-        stats: SpeculationStats | None = None,
-        digest: tuple[int, bytes] | None = None,
-    ):
-        self.channel = channel
-        self.timeout = round_timeout_s
-        self.deadline = deadline
-        self.num_rows = len(rows)
-        self.vocab_size = vocab_size
-        start = pb.DraftStart(
-            rows=[common_pb2.TokenSequence(ids=r) for r in rows],
-            method=method,
-            config=config_to_proto(config),
-            vocab_size=vocab_size,
-            return_probs=return_probs,
-            overlap=overlap and method == pb.DRAFT_METHOD_MODEL,
-        )
-        if digest is not None and method == pb.DRAFT_METHOD_MODEL:
-            start.tokenizer_size, start.tokenizer_digest = digest
-        self.start: pb.DraftStart | None = start  # sent with the first propose
-        self.stats = stats
-        self.pending: pb.DraftFeedback | None = None
-        self.call: Any = None
-        self.closed = False
-        self.failed = False  # a round failed: close() cancels instead of ending politely
-        self.channel.run(self._open())
-
-    async def _open(self) -> None:
-        # Opened on the channel's loop (the call belongs to it), in the request's context (tracing).
-        self.call = self.channel.stub().Draft(timeout=remaining(deadline=self.deadline))
-        self.channel.calls.add(self.call)
-
-    async def _exchange(self, message: pb.DraftRequest) -> pb.DraftResponse:
-        try:
-            await self.call.write(message)
-            answer = await self.call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise DraftFailure(f"{exc.code().name}: {exc.details()}") from None
-        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            raise DraftFailure(f"the draft stream ended: {exc}") from None
-        if answer is grpc.aio.EOF:
-            raise DraftFailure("the draft stream ended")
-        return answer
-
-    def propose(self, num_tokens: int) -> Proposal:
-        if self.closed:
-            raise DraftFailure("the draft stream is closed")
-        if self.start is not None:
-            self.start.num_tokens = num_tokens
-            message = pb.DraftRequest(start=self.start)
-            self.start = None
-        else:
-            feedback = self.pending or pb.DraftFeedback()
-            feedback.num_tokens = num_tokens
-            message = pb.DraftRequest(feedback=feedback)
-            self.pending = None
-        timeout = remaining(self.timeout, deadline=self.deadline)  # min(--draft-timeout, the caller's time)
-        try:
-            answer = self.channel.run(self._exchange(message), timeout=timeout)
-            return self._proposal(answer, num_tokens)
-        except TimeoutError:
-            self.failed = True
-            raise DraftFailure(f"no draft within the {timeout:.2f}s round deadline") from None
-        except DraftFailure:
-            self.failed = True
-            raise
-
-    def _proposal(self, answer: pb.DraftResponse, num_tokens: int) -> Proposal:
-        """The answer as a `Proposal`, checked: a bad answer must not reach the target's forward."""
-        if len(answer.rows) != self.num_rows:
-            raise DraftFailure(f"the draft service answered {len(answer.rows)} rows for {self.num_rows}")
-        tokens, probs = [], []
-        for row in answer.rows:
-            ids = list(row.token_ids)
-            if len(ids) > num_tokens:
-                raise DraftFailure(f"the draft service answered {len(ids)} tokens (asked {num_tokens})")
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise DraftFailure(f"the draft service answered ids outside [0, {self.vocab_size}): {ids}")
-            row_probs = None
-            if row.HasField("probs"):
-                row_probs = tensor_from_proto(row.probs)
-                if tuple(row_probs.shape) != (len(ids), self.vocab_size):
-                    raise DraftFailure(
-                        f"draft probabilities of shape {tuple(row_probs.shape)}, not {(len(ids), self.vocab_size)}"
-                    )
-            tokens.append(ids)
-            probs.append(row_probs)
-        if self.stats is not None:  # counted once the answer is known good
-            self.stats.draft_ahead_hits += sum(1 for r in answer.rows if r.ahead == pb.DRAFT_AHEAD_HIT)
-            self.stats.draft_ahead_misses += sum(1 for r in answer.rows if r.ahead == pb.DRAFT_AHEAD_MISS)
-        return Proposal(tokens, probs)
-
-    def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
-        self.pending = pb.DraftFeedback(
-            rows=[
-                pb.RowFeedback(num_accepted=n, appended_ids=a, finished=f)
-                for n, a, f in zip(num_accepted, appended, finished, strict=True)
-            ]
-        )
-
-    def close(self) -> None:
-        """End the stream (idempotent, never blocks): the draft service frees the session at once."""
-        if self.closed:
-            return
-        self.closed = True
-        self.channel.submit(self._goodbye())
-
-    async def _goodbye(self) -> None:
-        call = self.call
-        try:
-            if not self.failed:
-                # Half-close and wait for the service's OK: the session ends cleanly (and the stream's
-                # client span with it); a service that does not answer in time is cancelled.
-                await asyncio.wait_for(self._drain(call), _GOODBYE_S)
-        except BaseException:  # noqa: BLE001 - any failure ends in a cancel
-            pass
-        finally:
-            call.cancel()
-            self.channel.calls.discard(call)
-
-    @staticmethod
-    async def _drain(call) -> None:
-        await call.done_writing()
-        while await call.read() is not grpc.aio.EOF:
-            pass
 
 
 @dataclasses.dataclass
