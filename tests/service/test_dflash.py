@@ -28,6 +28,7 @@ from specwire.models.dflash_assistant import load_dflash_assistant
 from specwire.target_service.__main__ import build_server as build_target_server
 from specwire.target_service.__main__ import main as target_main
 from specwire.target_service.drafting import DraftPolicy
+from tests.distributions import two_token_distribution
 from tests.servers import threaded_server
 from tests.tiny_models import build_tiny_dflash_assistant, build_tiny_llama
 
@@ -226,21 +227,6 @@ def test_seeded_sampling_repeats_itself(target):
     assert first.speculation.proposer == "dflash" and first.speculation.drafted_tokens > 0
 
 
-def _two_token_distribution(model, prompt, top_k: int) -> dict[tuple[int, int], float]:
-    """The exact probability of every two-token continuation of `prompt` under top-k sampling."""
-    warp = transformers.TopKLogitsWarper(top_k)
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        first = warp(ids, model(input_ids=ids).logits[:, -1].float()).softmax(-1)[0]
-        table = {}
-        for t1 in first.nonzero().flatten().tolist():
-            longer = torch.tensor([prompt + [t1]])
-            second = warp(longer, model(input_ids=longer).logits[:, -1].float()).softmax(-1)[0]
-            for t2 in second.nonzero().flatten().tolist():
-                table[(t1, t2)] = float(first[t1] * second[t2])
-    return table
-
-
 def test_speculative_sampling_keeps_the_targets_distribution(loaded, assistant):
     # top_k 8: the tiny assistant's draft shares part of the target's support (some drafts accepted, most not).
     model, rows, top_k, prompt = loaded.model, 3000, 8, PROMPTS[2]
@@ -258,7 +244,7 @@ def test_speculative_sampling_keeps_the_targets_distribution(loaded, assistant):
     # The first token comes from the prompt's forward, the second from the first DFlash round.
     pairs = [tuple(row) for row in drain(steps).sequences[:, len(prompt) : len(prompt) + 2].tolist()]
     assert stats.drafted_tokens > 0 and 0 < stats.accepted_tokens < stats.drafted_tokens, stats
-    want = _two_token_distribution(model, prompt, top_k)
+    want = two_token_distribution(model, prompt, top_k)
     got = {pair: pairs.count(pair) / rows for pair in set(pairs)}
     tv = 0.5 * sum(abs(got.get(k, 0.0) - want.get(k, 0.0)) for k in set(got) | set(want))
     assert tv < 0.08, tv

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from specwire.generation.speculation.drafters import DraftFailure, Proposal, _draft_processors
-from specwire.generation.speculation.mtp import HiddenStates, _fit, _Row
+from specwire.generation.speculation.mtp import FedByHiddenStates, HiddenStates, _fit, _Row
 
 __all__ = ["DFlashDrafter", "dflash_hidden_layers", "is_dflash_assistant", "open_dflash_drafter"]
 
@@ -46,7 +46,7 @@ def dflash_hidden_layers(assistant: Any) -> list[int]:
     return [int(i) + 1 for i in assistant.config.target_layer_ids]
 
 
-class DFlashDrafter:
+class DFlashDrafter(FedByHiddenStates):
     """Drafts `block_size - 1` tokens per row and round with a DFlash assistant (see the module docstring).
 
     Args:
@@ -91,31 +91,6 @@ class DFlashDrafter:
         self.noise = [False] * len(rows)  # the row's cache holds a noise window (cropped before the next)
         self.source: HiddenStates | None = None
         self.prefilled = False
-
-    def bind_hidden_states(self, source: HiddenStates) -> None:
-        """Read the target's hidden states from `source`; a prefill it already ran is taken now."""
-        self.source = source
-        if source.last_hidden_states:
-            self._take_prefill()
-
-    def _latest(self) -> torch.Tensor:
-        """The latest forward's kept hidden states `[rows, positions, hidden * layers]` (chunks joined)."""
-        return torch.cat(cast(HiddenStates, self.source).last_hidden_states, dim=1).to(self.device)
-
-    def _take_prefill(self) -> None:
-        """Each row's prompt positions of the prefill (those the mask keeps, or the last ones): every token but
-        the newest, which the loop took from the prefill's logits."""
-        hidden = self._latest()  # [rows, padded prompt, hidden * layers]
-        mask = cast(HiddenStates, self.source).attention_mask
-        for r, row in enumerate(self.rows):
-            prompt = len(row.tokens) - 1
-            if prompt <= 0 or row.finished:
-                continue
-            if mask is None:
-                row.receive(hidden[r : r + 1, hidden.shape[1] - prompt :], False)
-            else:
-                row.receive(hidden[r][mask[r, : hidden.shape[1]].to(hidden.device).bool()][None], False)
-        self.prefilled = True
 
     @torch.inference_mode()
     def propose(self, num_tokens: int) -> Proposal:

@@ -86,7 +86,49 @@ class _Row:
             self.history = hidden if self.history is None else torch.cat([self.history, hidden], dim=1)
 
 
-class MtpDrafter:
+class FedByHiddenStates:
+    """What the MTP and DFlash drafters share: the target's hidden states they are fed (`bind_hidden_states`)
+    and the prefill's prompt positions taken from them. A subclass sets `rows` (`_Row`s), `device`,
+    `source = None` and `prefilled = False`."""
+
+    rows: list[_Row]
+    device: Any
+    source: HiddenStates | None
+    prefilled: bool
+
+    def _keeps_for_correction(self) -> bool:
+        """Whether a row keeps the hidden states it received for a later cache correction."""
+        return False
+
+    def bind_hidden_states(self, source: HiddenStates) -> None:
+        """Read the target's hidden states from `source`; a prefill it already ran is taken now."""
+        self.source = source
+        if source.last_hidden_states:
+            self._take_prefill()
+
+    def _latest(self) -> torch.Tensor:
+        """The latest forward's kept hidden states `[rows, positions, features]` (a chunked prefill's chunks
+        joined)."""
+        return torch.cat(cast(HiddenStates, self.source).last_hidden_states, dim=1).to(self.device)
+
+    def _take_prefill(self) -> None:
+        """Each row's prompt positions of the prefill (those the mask keeps, or the last ones): every token but
+        the newest, which the loop took from the prefill's logits."""
+        hidden = self._latest()  # [rows, padded prompt, features]
+        mask = cast(HiddenStates, self.source).attention_mask
+        keep = self._keeps_for_correction()
+        for r, row in enumerate(self.rows):
+            prompt = len(row.tokens) - 1
+            if prompt <= 0 or row.finished:
+                continue
+            if mask is None:
+                row.receive(hidden[r : r + 1, hidden.shape[1] - prompt :], keep)
+            else:
+                row.receive(hidden[r][mask[r, : hidden.shape[1]].to(hidden.device).bool()][None], keep)
+        self.prefilled = True
+
+
+class MtpDrafter(FedByHiddenStates):
     """Drafts `num_mtp_layers` tokens per row and round with the target's MTP layers (see the module docstring).
 
     Args:
@@ -122,30 +164,8 @@ class MtpDrafter:
         self.source: HiddenStates | None = None
         self.prefilled = False  # the prefill's hidden states were taken
 
-    def bind_hidden_states(self, source: HiddenStates) -> None:
-        """Read the target's hidden states from `source`; a prefill it already ran is taken now."""
-        self.source = source
-        if source.last_hidden_states:
-            self._take_prefill()
-
-    def _latest(self) -> torch.Tensor:
-        """The latest forward's hidden states `[rows, positions, hidden]` (a chunked prefill's chunks joined)."""
-        return torch.cat(cast(HiddenStates, self.source).last_hidden_states, dim=1).to(self.device)
-
-    def _take_prefill(self) -> None:
-        """Each row's prompt positions of the prefill (those the mask keeps, or the last ones): every token but
-        the newest, which the loop took from the prefill's logits."""
-        hidden = self._latest()  # [rows, padded prompt, hidden]
-        mask = cast(HiddenStates, self.source).attention_mask
-        for r, row in enumerate(self.rows):
-            prompt = len(row.tokens) - 1
-            if prompt <= 0 or row.finished:
-                continue
-            if mask is None:
-                row.receive(hidden[r : r + 1, hidden.shape[1] - prompt :], self.layers > 1)
-            else:
-                row.receive(hidden[r][mask[r, : hidden.shape[1]].to(hidden.device).bool()][None], self.layers > 1)
-        self.prefilled = True
+    def _keeps_for_correction(self) -> bool:
+        return self.layers > 1
 
     @torch.inference_mode()
     def propose(self, num_tokens: int) -> Proposal:
