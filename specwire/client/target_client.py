@@ -288,9 +288,10 @@ class TargetClient:
     Several replicas: with `round_robin` each call goes to the next ready replica, and a replica that
     goes away is skipped from then on. Calls in flight on a replica that dies fail with UNAVAILABLE and
     are not sent again (generation is not idempotent: it may have run, and a sampled output is not
-    repeatable): send them again yourself if you want. `retries=` resends only load refusals. gRPC
-    resends, transparently, a call that never reached a replica's application (its connection was lost
-    before the call went out, or the replica refused the stream unread while shutting down).
+    repeatable): send them again yourself if you want. `retries=` resends only load refusals. A call no
+    replica took up yet (the target sends its response headers when it admits a request) is resent by
+    the channel: one refused unread or cancelled unhandled by a draining replica, or one whose replica
+    died before admitting it (`specwire.security.channels.UNSTARTED_RETRY_POLICY`).
     """
 
     def __init__(

@@ -87,12 +87,32 @@ READ_RETRY_POLICY: dict[str, Any] = {
 }
 
 
+# Generation is resent only while no server has taken it up. The target sends its response headers as
+# soon as it admits a request (`TargetServicer._run`), and gRPC never resends a call once headers arrived
+# (gRFC A6: the call is committed). Before that, a call can still fail: a draining replica's gRPC core
+# cancels the calls it had received but not yet handed to a handler (CANCELLED, grpc/grpc#41785), and a
+# replica that dies between receiving a call and admitting it leaves it UNAVAILABLE. Neither ran, so
+# sending it to another replica is what the caller wants. A call cut after its headers (a killed replica,
+# a drain's grace running out) is not resent.
+UNSTARTED_GENERATION: dict[str, tuple[str, ...]] = {"specwire.target.v1.TargetService": ("Generate", "GenerateStream")}
+UNSTARTED_RETRY_POLICY: dict[str, Any] = {**READ_RETRY_POLICY, "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]}
+
+
 def retry_service_config() -> str:
-    """The channels' service config (JSON): `READ_RETRY_POLICY` on each of `IDEMPOTENT_READS`."""
-    names = [
-        {"service": service, "method": method} for service, methods in IDEMPOTENT_READS.items() for method in methods
-    ]
-    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": READ_RETRY_POLICY}]})
+    """The channels' service config (JSON): `READ_RETRY_POLICY` on each of `IDEMPOTENT_READS`, and
+    `UNSTARTED_RETRY_POLICY` on generation (resent only before a target took it up)."""
+
+    def names(methods: dict[str, tuple[str, ...]]) -> list[dict[str, str]]:
+        return [{"service": service, "method": method} for service, group in methods.items() for method in group]
+
+    return json.dumps(
+        {
+            "methodConfig": [
+                {"name": names(IDEMPOTENT_READS), "retryPolicy": READ_RETRY_POLICY},
+                {"name": names(UNSTARTED_GENERATION), "retryPolicy": UNSTARTED_RETRY_POLICY},
+            ]
+        }
+    )
 
 
 def client_channel_options(

@@ -196,6 +196,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         # The request's span (config lookup and draft stream are its children), round spans, metrics.
         with RequestObserver(self.metrics, self.loaded.model_id, rpc, request) as observed:
             self._admit()
+            # Headers now: the call is taken up, so gRPC's retry policy never resends it from here on
+            # (`specwire.security.channels.UNSTARTED_RETRY_POLICY`).
+            await context.send_initial_metadata(())
             job = await build_job(
                 request, self.loaded, self.resolver, self.limits, self.pool, self.plugins, self.engine.on_model_thread
             )

@@ -8,10 +8,12 @@ service (in this process) answers every stream a few seconds late while the requ
 
 Retries, as stated to users (`TargetClient`'s docstring): Generate is not idempotent, so a call in
 flight on a replica that dies fails with UNAVAILABLE and is not resent (neither `retries=`, which
-resends only load refusals, nor the channel's retry policy, which covers reads only). A call that never
-reached a replica's application is resent by gRPC's transparent retry (gRFC A6), with or without a
-retry policy: e.g. one refused unread by a draining replica's GOAWAY. The drain test shows the outcome
-(no failed call); which of its calls needed the transparent retry depends on timing and is not asserted.
+resends only load refusals, nor the channel's retry policy, which resends generation only before a
+target took it up: the target sends its headers on admission). A call that never reached a replica's
+application is resent: by gRPC's transparent retry (gRFC A6) when a draining replica's GOAWAY refused it
+unread, by the channel's retry policy when the replica's gRPC core cancelled it before any handler took
+it (grpc/grpc#41785). The drain test shows the outcome (no failed call); which of its calls needed a
+retry depends on timing and is not asserted.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Retries on real servers: every client channel retries the idempotent reads on UNAVAILABLE (and
-nothing that writes or generates), and the clients' `retries=` sends a call the server refused for
-load (RESOURCE_EXHAUSTED with a retry hint) again after the hinted wait, within the call's timeout.
+nothing that writes), generation only while no target has taken it up (before its response headers),
+and the clients' `retries=` sends a call the server refused for load (RESOURCE_EXHAUSTED with a retry
+hint) again after the hinted wait, within the call's timeout.
 
 Faults are injected in front of the real config service (`tests.servers.InjectedFaults`); the target
 is saturated for real (its preparation pool held full, as in test_admission.py)."""
@@ -63,6 +64,55 @@ def test_retried_reads_are_reads_of_the_real_services():
     reads = {m for methods in IDEMPOTENT_READS.values() for m in methods}
     writes = {"CreateConfig", "UpdateConfig", "SetTag", "DeleteConfig", "ImportConfig", "Generate", "GenerateStream"}
     assert not reads & writes
+
+
+class _CutAfterHeaders:
+    """Each method's first call is taken up (response headers sent, as the target does on admission) and
+    then fails UNAVAILABLE: a replica killed in the middle of a generation."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def install(self, server):
+        cut = self
+
+        class Interceptor(grpc.aio.ServerInterceptor):
+            async def intercept_service(self, continuation, details):
+                if not details.method.endswith("/Generate"):
+                    return await continuation(details)
+                cut.calls += 1
+                if cut.calls > 1:
+                    return await continuation(details)
+
+                async def taken_up_then_lost(request, context):
+                    await context.send_initial_metadata(())
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: the replica went away")
+
+                return grpc.unary_unary_rpc_method_handler(taken_up_then_lost)
+
+        server.interceptors.insert(0, Interceptor())
+        return server
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE])
+def test_generation_no_target_took_up_is_resent(loaded, code):
+    # A draining replica's gRPC core cancels the calls it received but had not handed to a handler
+    # (grpc/grpc#41785); they never ran, so the channel sends them again.
+    faults = InjectedFaults(code)
+    with threaded_server(lambda: faults.install(build_target_server(loaded))) as server:
+        with TargetClient(server.address, timeout=30) as client:
+            out = client.generate(PROMPT, max_new_tokens=3)
+    assert out.sequences.shape[1] == PROMPT.shape[1] + 3
+    assert faults.count("TargetService/Generate") == 2
+
+
+def test_generation_a_target_took_up_is_not_resent(loaded):
+    cut = _CutAfterHeaders()
+    with threaded_server(lambda: cut.install(build_target_server(loaded))) as server:
+        with TargetClient(server.address, timeout=30) as client:
+            failing(grpc.StatusCode.UNAVAILABLE, client.generate, PROMPT, max_new_tokens=3)
+            assert cut.calls == 1  # heard once, never resent
+            assert client.generate(PROMPT, max_new_tokens=3).sequences.shape[1] == PROMPT.shape[1] + 3
 
 
 def test_reads_are_retried_on_unavailable_and_writes_are_not(registry_with):
