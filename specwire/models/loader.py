@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specwire.model_thread import without_thread_pool
 from specwire.models.default import (
     DEFAULT_GGUF_FILENAME,
     DEFAULT_MODEL_ID,
@@ -527,7 +528,9 @@ def quantize_int8(loaded: LoadedModel, progress: bool = True) -> LoadedModel:
             "load it with device='cpu', dtype='float32'"
         )
     started = time.perf_counter()
-    with warnings.catch_warnings():
+    # Single-threaded: a pool opened on this thread (the services' main thread) would park the model
+    # thread's OpenMP workers between matrix products for the rest of the process (`specwire.model_thread`).
+    with warnings.catch_warnings(), without_thread_pool():
         # torch marks its quantized tensor constructors deprecated; dynamic quantization still works.
         warnings.simplefilter("ignore")
         from torch.ao.quantization import quantize_dynamic

@@ -285,6 +285,32 @@ def test_int8_default_quantizes_a_copy(smollm, smollm_int8):
     assert set(full.topk(10).indices.tolist()) & set(int8.topk(10).indices.tolist())
 
 
+@pytest.mark.smollm
+def test_quantizing_opens_no_thread_pool_on_the_calling_thread(smollm):
+    """The services quantize on their main thread and run forwards on the model thread: an OpenMP pool opened by
+    the quantization would outnumber the cores and park the model thread's workers (`specwire.model_thread`)."""
+    import os
+    import threading
+
+    from specwire.models import quantize_int8
+
+    counts: list[int] = []
+
+    def quantize() -> None:
+        torch.set_num_threads(2)  # what the main thread of a 2-core service has
+        counts.append(len(os.listdir("/proc/self/task")))
+        quantize_int8(smollm, progress=False)
+        counts.append(len(os.listdir("/proc/self/task")))
+        counts.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=quantize)
+    thread.start()
+    thread.join()
+    before, after, threads = counts
+    assert after == before, "quantize_int8 started OpenMP workers on the calling thread"
+    assert threads == 2  # the thread's count is restored
+
+
 def test_int8_default_refuses_gpu():
     with pytest.raises(ModelLoadError) as caught:
         load_model("default-int8", device="cuda", progress=False)
