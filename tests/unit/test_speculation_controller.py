@@ -5,16 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specwire.generation.speculation.controller import (
-    AcceptanceEstimate,
-    ControllerOptions,
-    LinearCost,
-    RunLengths,
-    SharedCosts,
-    SizedCost,
-    SpeculationController,
-    expected_tokens,
-)
+from specwire.generation.speculation.controller import ControllerOptions, SharedCosts, SpeculationController
+from specwire.generation.speculation.estimates import AcceptanceEstimate, LinearCost, RunLengths, SizedCost
 
 
 def _costs(verify=(0.030, 0.002), draft=(0.0, 0.010), proposer="draft_model", samples=20) -> SharedCosts:
@@ -32,13 +24,6 @@ def _controller(costs: SharedCosts, acceptance: float, **kwargs) -> SpeculationC
     estimate = AcceptanceEstimate(prior_mean=acceptance, prior_strength=1e6)  # pinned
     always = AcceptanceEstimate(prior_mean=0.999, prior_strength=1e6)  # the drafter always proposes
     return SpeculationController(costs, "draft_model", acceptance=estimate, continuation=always, **kwargs)
-
-
-@pytest.mark.parametrize(
-    "a,k,expected", [(0.0, 0, 1.0), (0.0, 5, 1.0), (0.5, 1, 1.5), (0.5, 2, 1.75), (1.0, 4, 5.0), (0.9, 0, 1.0)]
-)
-def test_expected_tokens(a, k, expected):
-    assert expected_tokens(a, k) == pytest.approx(expected)
 
 
 def test_linear_cost_recovers_a_line_and_keeps_the_prior_with_one_size():
@@ -324,6 +309,32 @@ def test_the_draft_catch_up_is_learned_from_the_first_block_and_priced():
     assert fresh.best_length(remaining=1000, behind=400) > 0  # 0.4 s of prefill is repaid over 1000 tokens
     assert fresh.best_length(remaining=10, behind=400) == 0  # not over 10
     assert fresh.best_length(remaining=10, behind=0) > 0  # the draft already caught up: drafting pays
+
+
+def test_a_new_request_starts_from_the_acceptance_earlier_requests_measured():
+    """With the constant prior (0.7) the draft's prefill of a long prompt is not repaid, so a request would never
+    draft; once earlier requests measured that the pair agrees (every draft kept), a new one drafts at once."""
+    costs = _curve_costs(draft_per_token=0.005)
+    costs.observe_catch_up("draft_model", 400, 0.4)  # 1 ms a token
+    cautious = SpeculationController(costs, "draft_model")
+    assert cautious.best_length(remaining=128, behind=400) == 0
+    earlier = SpeculationController(costs, "draft_model")
+    for _ in range(30):
+        earlier.observe(8, [8], [8], [8], 0.045, 0.08, 9)
+    accepted, continued = costs.priors("draft_model")
+    assert accepted > 0.95 and continued > 0.95
+    informed = SpeculationController(costs, "draft_model")
+    assert informed.acceptance.mean == pytest.approx(accepted)
+    assert informed.best_length(remaining=128, behind=400) > 0
+    # The request's own rounds still decide: a few all rejected and it stops.
+    for _ in range(6):
+        informed.observe(5, [5], [5], [0], 0.03, 0.08, 6)
+    assert informed.best_length(remaining=128) == 0
+    # Prompt lookup keeps its constant prior: whether a prompt repeats itself is the prompt's.
+    lookup = SpeculationController(costs, "prompt_lookup")
+    for _ in range(30):
+        lookup.observe(8, [8], [0], [0], 0.0, 0.04, 1)
+    assert costs.priors("prompt_lookup") == (0.8, 0.5)
 
 
 def test_a_probe_that_the_rest_of_the_request_cannot_repay_is_skipped():

@@ -45,9 +45,15 @@ starts only when the expected saving over the remaining tokens repays it, and a 
 when its expected extra cost (catch-up, draft, verify over a plain round) is within `probe_budget`
 of the plain decoding of the rest (a probe it cannot repay even when it succeeds is not worth it).
 
-Priors (`PRIORS`). A draft model: acceptance 0.7, continuation 0.8. Prompt lookup: acceptance 0.8 (its
-copies are kept at 0.8-0.85 per token on the benchmark's prompts, counted as runs), a match half the
-time; its drafts cost nothing measurable, so it drafts from the first round. Until a cost has been
+Priors. A draft model's request starts from the acceptance and continuation this target measured over the
+last ~100 row-rounds of earlier requests with that drafter (`SharedCosts.priors`), weighed as 4 tokens: how
+often a draft model agrees with its target is mostly a property of the pair, and a cautious constant kept a
+request with a long prompt from ever drafting (the saving it expected did not repay the draft's prefill) where
+drafting every round was 1.78x faster. Before any request measured it, and for prompt lookup always, the
+constant `PRIORS`: a draft model acceptance 0.7, continuation 0.8; prompt lookup acceptance 0.8 (its copies
+are kept at 0.8-0.85 per token on the benchmark's prompts, counted as runs), a match half the time (whether a
+prompt repeats itself is a property of the prompt); its drafts cost nothing measurable, so it drafts from the
+first round. Until a cost has been
 measured it is taken relative to the plain round's cost (`v1 = verify_slope_prior * v0`,
 `d1 = draft_slope_prior * p0`, `d0 = 0`; a drafting round is first assumed to cost what a plain one
 does). Draft times are learned only from rounds whose previous round also drafted: the first block of
@@ -64,130 +70,21 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specwire.generation.speculation.estimates import AcceptanceEstimate, LinearCost, RunLengths, SizedCost
 from specwire.vocabulary import DRAFT_LENGTH_CONTROLLER, DRAFT_LENGTH_SCHEDULE
 
 __all__ = [
     "DECIDED_BY_CONTROLLER",
     "DECIDED_BY_SCHEDULE",
-    "AcceptanceEstimate",
     "ControllerOptions",
-    "LinearCost",
     "Prices",
-    "RunLengths",
     "SharedCosts",
-    "SizedCost",
     "SpeculationController",
-    "expected_tokens",
 ]
 
 # What decided a request's draft lengths (`SpeculationStats.decided_by`).
 DECIDED_BY_CONTROLLER = DRAFT_LENGTH_CONTROLLER
 DECIDED_BY_SCHEDULE = DRAFT_LENGTH_SCHEDULE
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Expected tokens one row emits from a block of `k` drafts: `(1 - a^(k+1)) / (1 - a)`.
-
-    Args:
-        acceptance (`float`): per-token acceptance probability `a` in `[0, 1]`.
-        k (`int`): drafted tokens (0: plain decoding, one token).
-    """
-    if acceptance >= 1.0:
-        return float(k + 1)
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-
-
-class LinearCost:
-    """`seconds = intercept + slope * x`, fitted by least squares over exponentially forgotten observations.
-
-    The slope is pulled towards a prior (ridge) so a model fitted from one block size stays sane.
-
-    Args:
-        decay (`float`, *optional*, defaults to 0.98): weight kept by past observations at each new one.
-        slope_weight (`float`, *optional*, defaults to 40.0): strength of the slope prior, in
-            observation-weight times x². Strong on purpose: rounds of nearly one size (blocks of 2 and
-            3 tokens) on a busy CPU give a slope that is mostly noise, and a steep one would rule long
-            blocks out before they were ever tried; blocks of many sizes outweigh it.
-    """
-
-    def __init__(self, decay: float = 0.98, slope_weight: float = 40.0):
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"`decay` must lie in (0, 1], got {decay}; e.g. 0.98.")
-        self.decay = decay
-        self.slope_weight = slope_weight
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-        self.observations = 0
-
-    def observe(self, x: float, seconds: float) -> None:
-        """One measurement: `seconds` for a size of `x`."""
-        d = self.decay
-        self._w = self._w * d + 1.0
-        self._x = self._x * d + x
-        self._y = self._y * d + seconds
-        self._xx = self._xx * d + x * x
-        self._xy = self._xy * d + x * seconds
-        self.observations += 1
-
-    def fit(self, slope_ratio: float | None) -> tuple[float, float] | None:
-        """`(intercept, slope)`, or None before the first observation.
-
-        Args:
-            slope_ratio (`float`, *optional*): the prior slope as a fraction of the intercept; None puts
-                the prior line through the origin (all of the cost per unit of x).
-        """
-        if not self.observations:
-            return None
-        w = self._w
-        mean_x, mean_y = self._x / w, self._y / w
-        var = max(self._xx / w - mean_x * mean_x, 0.0)
-        cov = self._xy / w - mean_x * mean_y
-        # The prior's line through the mean: intercept * (1 + ratio * mean_x) = mean_y.
-        if slope_ratio is None:
-            prior_slope = mean_y / max(mean_x, 1.0)  # (x counts tokens: below one, the cost is fixed)
-        else:
-            prior_slope = slope_ratio * mean_y / (1.0 + slope_ratio * mean_x)
-        slope = max((w * cov + self.slope_weight * prior_slope) / (w * var + self.slope_weight), 0.0)
-        intercept = max(mean_y - slope * mean_x, 0.0)
-        return intercept, slope
-
-
-class SizedCost:
-    """Seconds by size: each size's own mean (forgotten geometrically), shrunk towards a line through all sizes.
-
-    A verify forward's cost is not a line in its tokens: on a CPU the matrix products switch kernels with
-    the row count (SmolLM2-135M, one thread, after a 406-token prompt: 40 ms for 1 token, 60 for 2, 75
-    for 3, 61 for 4, 72 for 6), so a block of 3 drafts costs less than one of 2. A size measured a few
-    times is priced by its own mean; a size never measured by the line (`LinearCost`).
-
-    Args:
-        shrink (`float`, *optional*, defaults to 2.0): how many observations the line weighs against a
-            size's own mean.
-        decay (`float`, *optional*, defaults to 0.9): weight a size's past observations keep at each new
-            one of that size.
-    """
-
-    def __init__(self, shrink: float = 2.0, decay: float = 0.9):
-        self.shrink = shrink
-        self.decay = decay
-        self.line = LinearCost()
-        self._sizes: dict[int, tuple[float, float]] = {}  # size -> (weight, weighted sum of seconds)
-
-    def observe(self, size: int, seconds: float) -> None:
-        self.line.observe(size, seconds)
-        weight, total = self._sizes.get(size, (0.0, 0.0))
-        self._sizes[size] = (weight * self.decay + 1.0, total * self.decay + seconds)
-
-    def at(self, size: float, line: tuple[float, float]) -> float:
-        """Seconds at `size` (a fractional size interpolates its two neighbours), given the fitted `line`."""
-        low = int(math.floor(size))
-        if size == low:
-            return self._at(low, line)
-        share = size - low
-        return (1.0 - share) * self._at(low, line) + share * self._at(low + 1, line)
-
-    def _at(self, size: int, line: tuple[float, float]) -> float:
-        weight, total = self._sizes.get(size, (0.0, 0.0))
-        return (total + self.shrink * (line[0] + line[1] * size)) / (weight + self.shrink)
 
 
 @dataclass(frozen=True)
@@ -212,7 +109,8 @@ class Prices:
 
 class SharedCosts:
     """The measured costs every request on one target shares: the verify forward, one draft cost per proposer,
-    and one catch-up cost (the draft's prefill of the tokens it has not seen) per proposer.
+    and one catch-up cost (the draft's prefill of the tokens it has not seen) per proposer; and each draft
+    model's measured acceptance, the priors of its next requests (`priors`).
 
     Args:
         verify_slope_prior (`float`, *optional*, defaults to 0.05): verify seconds per extra token as a
@@ -229,6 +127,7 @@ class SharedCosts:
         self._plain = SizedCost()  # rounds without
         self._drafts: dict[str, LinearCost] = {}
         self._catch_up: dict[str, LinearCost] = {}
+        self._measured: dict[str, tuple[AcceptanceEstimate, AcceptanceEstimate]] = {}  # acceptance, continuation
 
     def observe_verify(self, tokens: int, seconds: float, drafted: bool = True) -> None:
         """A round's verify forward and bookkeeping took `seconds` for `tokens` (`drafted`: some row drafted)."""
@@ -264,6 +163,27 @@ class SharedCosts:
         # Prompt lookup searches the text it has: free until measured (a remote one's round trip then is).
         return (0.0, 0.0 if proposer in ALL_OR_NOTHING else self.draft_slope_prior * verify_intercept)
 
+    def priors(self, proposer: str) -> tuple[float, float]:
+        """`(acceptance, continuation)` a new request of `proposer` starts from: what this target's earlier requests
+        measured (`observe_acceptance`), `PRIORS` until they did."""
+        with self._lock:
+            measured = self._measured.get(proposer)
+            return PRIORS.get(proposer, DEFAULT_PRIORS) if measured is None else (measured[0].mean, measured[1].mean)
+
+    def observe_acceptance(self, proposer: str, drafted: int, kept: int, asked: int, proposed: int) -> None:
+        """One row-round of a request: the target kept the first `kept` of `drafted` drafts; the drafter proposed
+        `proposed` of the `asked` tokens."""
+        with self._lock:
+            if proposer not in self._measured:
+                acceptance, continuation = PRIORS.get(proposer, DEFAULT_PRIORS)
+                self._measured[proposer] = (
+                    AcceptanceEstimate(acceptance, decay=SHARED_DECAY),
+                    AcceptanceEstimate(continuation, decay=SHARED_DECAY),
+                )
+            measured_acceptance, measured_continuation = self._measured[proposer]
+            measured_acceptance.observe(drafted, kept)
+            measured_continuation.observe(asked, proposed)
+
     def catch_up(self, proposer: str) -> float:
         """Seconds per token the drafter has not seen (0 until measured)."""
         with self._lock:
@@ -297,92 +217,6 @@ class SharedCosts:
                 return plain_sized.at(tokens, plain_line)
 
         return Prices(plain, verify, self.draft(proposer, plain_line[0]), verify_line[1], self.catch_up(proposer))
-
-
-class AcceptanceEstimate:
-    """A per-token probability of one request (acceptance, continuation): a Beta posterior whose evidence
-    is forgotten geometrically.
-
-    A chain of `k` trials of which the first `m` succeeded adds `m` successes and, when `m < k`, one
-    failure (the trials after the first failure never happened): `n` drafted tokens of which the
-    target kept `m` (acceptance), or `k` tokens asked of which the drafter proposed `n` (continuation).
-
-    Args:
-        prior_mean (`float`, *optional*, defaults to 0.6): acceptance before any round.
-        prior_strength (`float`, *optional*, defaults to 4.0): pseudo-tokens the prior weighs.
-        decay (`float`, *optional*, defaults to 0.95): evidence kept at each observed row-round (about
-            the last 20 rounds count).
-    """
-
-    def __init__(self, prior_mean: float = 0.6, prior_strength: float = 4.0, decay: float = 0.95):
-        if not 0.0 < prior_mean < 1.0:
-            raise ValueError(f"`prior_mean` must lie in (0, 1), got {prior_mean}.")
-        self.alpha0 = prior_mean * prior_strength
-        self.beta0 = (1.0 - prior_mean) * prior_strength
-        self.decay = decay
-        self.accepted = 0.0
-        self.rejected = 0.0
-
-    def observe(self, trials: int, successes: int) -> None:
-        """A chain of `trials` whose first `successes` succeeded (no trials: no evidence)."""
-        if trials <= 0:
-            return
-        self.accepted = self.accepted * self.decay + successes
-        self.rejected = self.rejected * self.decay + (1.0 if successes < trials else 0.0)
-
-    @property
-    def mean(self) -> float:
-        return (self.alpha0 + self.accepted) / (self.alpha0 + self.beta0 + self.accepted + self.rejected)
-
-
-class RunLengths:
-    """How far into a block the target keeps agreeing: per position `j`, the chance that draft `j` is accepted
-    when drafts `1..j-1` were, from one request's blocks (forgotten geometrically), each position shrunk
-    towards the request's overall acceptance (`chained`: towards the position before it).
-
-    One acceptance for every position (a geometric run) fits a draft model, whose tokens are about equally
-    likely to be kept wherever they are. A copy from the prompt (prompt lookup) is not like that: its first
-    token is often wrong (the match was a coincidence) and, when it is right, the copy tends to go on to
-    the end (the text is being repeated): a long block is worth much more than a geometric run with the
-    same overall acceptance says, which made the controller pick short lookup blocks where 10 paid more.
-
-    Args:
-        positions (`int`): the longest block.
-        shrink (`float`, *optional*, defaults to 3.0): observations the overall acceptance weighs at each position.
-        decay (`float`, *optional*, defaults to 0.95): evidence kept at each observed block.
-        chained (`bool`, *optional*, defaults to `False`): shrink each position towards the one before it
-            instead of the overall acceptance (copies: what kept going keeps going). Not for a draft model:
-            on the code edit it drafted blocks of 20 at 0.89x of plain decoding.
-    """
-
-    def __init__(self, positions: int, shrink: float = 3.0, decay: float = 0.95, chained: bool = False):
-        self.chained = chained
-        self.shrink = shrink
-        self.decay = decay
-        self.tried = [0.0] * positions  # per position: blocks that reached it (draft j verified, 1..j-1 kept)
-        self.kept = [0.0] * positions  # of those, the blocks whose draft j was kept
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A block of `drafted` tokens of which the first `accepted` were kept (no drafts: no evidence)."""
-        if drafted <= 0:
-            return
-        self.tried = [t * self.decay for t in self.tried]
-        self.kept = [k * self.decay for k in self.kept]
-        for j in range(min(accepted + 1, drafted, len(self.tried))):
-            self.tried[j] += 1.0
-            self.kept[j] += 1.0 if j < accepted else 0.0
-
-    def survival(self, overall: float, k: int) -> list[float]:
-        """`[S(1), .., S(k)]`, `S(j)` the chance that drafts `1..j` are all kept, given `overall` acceptance."""
-        out, alive, hazard = [], 1.0, overall
-        for j in range(k):
-            tried, kept = (self.tried[j], self.kept[j]) if j < len(self.tried) else (0.0, 0.0)
-            # Chained: shrunk towards the position before (the first towards `overall`): where the request's
-            # blocks never reached, a copy that kept going is assumed to keep going, so longer blocks get tried.
-            hazard = (kept + self.shrink * (hazard if self.chained else overall)) / (tried + self.shrink)
-            alive *= hazard
-            out.append(alive)
-        return out
 
 
 @dataclass(frozen=True)
@@ -433,6 +267,9 @@ ALL_OR_NOTHING = frozenset({"prompt_lookup"})
 # 0.81x of plain decoding, the prefill and the first blocks spent before the request's own rounds said no.
 PRIORS = {"prompt_lookup": (0.8, 0.5)}
 DEFAULT_PRIORS = (0.7, 0.8)
+# Evidence the target's measured acceptance keeps at each row-round (`SharedCosts.priors`): about the last 100
+# row-rounds of every request count, so a new request starts from what the pair of models has been doing lately.
+SHARED_DECAY = 0.99
 
 
 @dataclass
@@ -469,7 +306,7 @@ class SpeculationController:
 
     def __post_init__(self) -> None:
         self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
-        accept_prior, continue_prior = PRIORS.get(self.proposer, DEFAULT_PRIORS)
+        accept_prior, continue_prior = self.costs.priors(self.proposer)
         if self.acceptance is None:
             self.acceptance = AcceptanceEstimate(prior_mean=accept_prior)
         if self.continuation is None:
@@ -603,6 +440,9 @@ class SpeculationController:
                 self.continuation.observe(1 if asked and k else 0, 1 if n else 0)
             else:
                 self.continuation.observe(k if asked else 0, n)
+                # Not prompt lookup's: whether a prompt repeats itself is a property of that prompt, not of the
+                # deployment, so its requests start from `PRIORS`.
+                self.costs.observe_acceptance(self.proposer, n, min(m, n), k if asked else 0, n)
             self.acceptance.observe(n, min(m, n))
             # Prompt lookup's runs count its proposed drafts (a block or none is `c`); a draft model's
             # count every draft asked, proposed and kept (a draft it did not propose ends the run).
