@@ -265,12 +265,26 @@ class RemoteDrafter:
         return Proposal(tokens, probs)
 
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
-        self.pending = pb.DraftFeedback(
-            rows=[
-                pb.RowFeedback(num_accepted=n, appended_ids=a, finished=f)
-                for n, a, f in zip(num_accepted, appended, finished, strict=True)
-            ]
-        )
+        """Kept for the next `propose` to send: every round's, rounds without a proposal included (the
+        controller's time off), so the draft service sees every token the target emitted."""
+        if self.start is not None:
+            # Nothing proposed yet, so nothing accepted: the session starts further on. (A row finished by
+            # then is still drafted for in the first block; the target drops those drafts.)
+            for row, tokens in zip(self.start.rows, appended, strict=True):
+                row.ids.extend(tokens)
+            return
+        if self.pending is None:
+            self.pending = pb.DraftFeedback(
+                rows=[
+                    pb.RowFeedback(num_accepted=n, appended_ids=a, finished=f)
+                    for n, a, f in zip(num_accepted, appended, finished, strict=True)
+                ]
+            )
+            return
+        # The rounds since the last proposal accepted none of it: their tokens follow the pending ones.
+        for row, tokens, done in zip(self.pending.rows, appended, finished, strict=True):
+            row.appended_ids.extend(tokens)
+            row.finished = row.finished or done
 
     def close(self) -> None:
         """End the stream (idempotent, never blocks): the draft service frees the session at once."""

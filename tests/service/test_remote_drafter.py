@@ -1,0 +1,60 @@
+"""The target's remote drafter (`RemoteDrafter`) against a real draft service: its proposals are the ones the
+same draft model makes in-process (`ModelDrafter`) after the same rounds, rounds without a proposal included
+(the controller's time off, before the first block and between blocks), serial and drafted ahead."""
+
+from __future__ import annotations
+
+import pytest
+
+from specwire.draft.v1 import draft_service_pb2 as pb
+from specwire.draft_service.__main__ import build_server
+from specwire.generation.config import GenerationConfig
+from specwire.generation.speculation.drafters import open_model_drafter
+from specwire.models import load_model
+from specwire.target_service.remote_drafter import DraftChannel, RemoteDrafter
+from tests.servers import threaded_server
+
+ROWS = [[5, 6, 7, 8, 9, 10, 5, 6], [20, 21, 22, 23, 20]]
+# The draft length asked each round; 0: a round of time off (no proposal, the target decodes plainly).
+LENGTHS = [0, 0, 3, 4, 0, 0, 0, 2, 5, 0, 3]
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft_dir):
+    return load_model(str(tiny_draft_dir), progress=False)
+
+
+@pytest.fixture(scope="module")
+def channel(draft):
+    with threaded_server(lambda: build_server(draft)) as running:
+        opened = DraftChannel(running.address)
+        yield opened
+        opened.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_rounds_without_a_proposal_reach_the_draft_service(draft, channel, overlap):
+    config = GenerationConfig(eos_token_id=2, assistant_confidence_threshold=0.0)
+    local = open_model_drafter(draft.model, [list(r) for r in ROWS], config, 378, return_probs=False)
+    remote = RemoteDrafter(
+        channel, [list(r) for r in ROWS], config, pb.DRAFT_METHOD_MODEL, 378, False, 30.0, overlap=overlap
+    )
+    try:
+        drafted = 0
+        for round_, length in enumerate(LENGTHS):
+            accepted = [0, 0]
+            if length:
+                want, got = local.propose(length), remote.propose(length)
+                assert got.tokens == want.tokens, f"round {round_}"
+                drafted += sum(map(len, got.tokens))
+                # Row 0 keeps its whole block, row 1 half of it.
+                accepted = [len(want.tokens[0]), len(want.tokens[1]) // 2]
+            # The target's token after the kept drafts: another one than the draft's, so a draft service that
+            # missed it would draft from another context.
+            appended = [[(31 * round_ + 7 * r) % 300 + 3] for r in range(len(ROWS))]
+            local.feedback(accepted, appended, [False, False])
+            remote.feedback(accepted, appended, [False, False])
+        assert drafted > 0
+    finally:
+        remote.close()
+        local.close()
