@@ -49,6 +49,7 @@ from specwire.target_service.remote_drafter import DraftChannel, RemoteDrafter
 from specwire.target_service.speculation_type import dflash_proposer
 from specwire.vocabulary import (
     PROPOSER_DFLASH,
+    PROPOSER_DRAFT_MODEL,
     PROPOSER_EARLY_EXIT,
     PROPOSER_MTP,
     PROPOSER_NONE,
@@ -327,7 +328,9 @@ class DraftPolicy:
         # denoised block: no length to adapt.
         if not self.adaptive or proposer in (PROPOSER_NONE, PROPOSER_MTP, PROPOSER_DFLASH) or named_fields:
             return None
-        return SpeculationController(self.costs, proposer, load=load)
+        # A co-located draft model computes on the target's device (early exit does too, but is not adaptive).
+        shares_device = proposer == PROPOSER_DRAFT_MODEL and self.draft_model is not None
+        return SpeculationController(self.costs, proposer, load=load, shares_device=shares_device)
 
     def close(self) -> None:
         """Cancel the draft streams still open and close the channel."""

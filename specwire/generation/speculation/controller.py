@@ -28,14 +28,22 @@ no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each rou
   properties of the model and the hardware;
 - `L = others * v1 * rows * N(k)` is the load term: with other requests in the same forwards (the
   batched scheduler) or in turn on the model thread, a block's extra tokens make each of them wait
-  `v1` (the slope of `V`'s line) per token; `others` comes from a callable the target passes in.
+  `v1` (the slope of `V`'s line) per token; `others` comes from a callable the target passes in. A draft
+  model co-located on the target's device (`shares_device`) takes the device from them as well while it
+  drafts: `L` then adds `others * D`.
 
-`k = 0` is plain decoding (one target forward per round, no draft). A drafting choice must beat
-plain decoding by `ControllerOptions.margin`. When plain decoding wins, the controller stops
-drafting for `off_rounds` rounds ("time off"), then drafts a probe block to learn whether the
-acceptance changed; each probe after which drafting still does not pay at least doubles the time off
-(up to `max_off_rounds`), and makes it long enough that the probe's extra cost stays within
-`probe_budget` of it; a probe that pays resumes drafting and resets it.
+The acceptance `a` and continuation `c` a decision reads are optimistic: each posterior's mean plus one
+standard deviation (`ControllerOptions.optimism`). Drafting is the only way a request learns whether its
+drafts are kept, so thin evidence (a new request, one bad block) is read hopefully, and a request whose
+drafts are rejected round after round still stops drafting once the evidence is in.
+
+`k = 0` is plain decoding (one target forward per round, no draft). Plain rounds are measured now and
+then even where drafting pays (`SharedCosts.plain_due`), so the choice compares against what plain
+decoding costs. A drafting choice must beat plain decoding by `ControllerOptions.margin`. When plain
+decoding wins, the controller stops drafting for `off_rounds` rounds ("time off"), then drafts a probe
+block to learn whether the acceptance changed; each probe after which drafting still does not pay at
+least doubles the time off (up to `max_off_rounds`), and makes it long enough that the probe's extra
+cost stays within `probe_budget` of it; a probe that pays resumes drafting and resets it.
 
 The rest of the request. The loop tells the controller how many tokens the request may still generate
 and how many tokens the drafter has not seen yet (`behind`: the whole context before its first block,
@@ -65,6 +73,7 @@ draft length changes how many tokens a round verifies, not which tokens are emit
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -72,6 +81,8 @@ from dataclasses import dataclass, field
 
 from specwire.generation.speculation.estimates import AcceptanceEstimate, LinearCost, RunLengths, SizedCost
 from specwire.vocabulary import DRAFT_LENGTH_CONTROLLER, DRAFT_LENGTH_SCHEDULE
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DECIDED_BY_CONTROLLER",
@@ -128,11 +139,23 @@ class SharedCosts:
         self._drafts: dict[str, LinearCost] = {}
         self._catch_up: dict[str, LinearCost] = {}
         self._measured: dict[str, tuple[AcceptanceEstimate, AcceptanceEstimate]] = {}  # acceptance, continuation
+        self._since_plain = 0  # rounds with drafts since the last round without
 
     def observe_verify(self, tokens: int, seconds: float, drafted: bool = True) -> None:
         """A round's verify forward and bookkeeping took `seconds` for `tokens` (`drafted`: some row drafted)."""
         with self._lock:
             (self._verify if drafted else self._plain).observe(tokens, seconds)
+            self._since_plain = self._since_plain + 1 if drafted else 0
+
+    def plain_due(self, every: int) -> bool:
+        """Whether a round without drafts should be measured now: none has been since a round with drafts was,
+        or not for `every` rounds with drafts. A target whose requests all draft would otherwise price plain
+        decoding by the verify line's intercept, which on a CPU is well above a plain round (SmolLM2 on one
+        core: ~55 ms against 37), and keep drafting where plain decoding is faster."""
+        with self._lock:
+            if not self._plain.line.observations:
+                return self._verify.line.observations > 0
+            return self._since_plain >= every
 
     def plain(self) -> tuple[float, float] | None:
         """`(p0, p1)`: a round without drafts costs about `p0 + p1 * tokens`; None before one was measured."""
@@ -232,6 +255,13 @@ class ControllerOptions:
         max_off_rounds (`int`, *optional*, defaults to 256): the longest time off, after failed probes.
         margin (`float`, *optional*, defaults to 0.02): how much faster than plain decoding drafting must
             be expected to be (drafting on a tie only risks the cost estimates' errors).
+        optimism (`float`, *optional*, defaults to 1.0): standard deviations of the request's acceptance and
+            continuation posteriors added to their means when choosing (`AcceptanceEstimate.upper`): drafting
+            is how a request learns whether drafting pays, so thin evidence is read hopefully. Without it one
+            rejected first block (a 1 in 10 chance where 0.9 of the drafts are kept) took a chat request off
+            drafting for good, at plain speed where drafting was 1.5x.
+        plain_every (`int`, *optional*, defaults to 32): rounds with drafts (on this target) after which a
+            round without is measured (`SharedCosts.plain_due`).
         probe_budget (`float`, *optional*, defaults to 0.05): the most a failed probe's extra cost may
             add to the time off before the next one (the time off after it is at least the probe's
             extra seconds / (budget x a plain round)); 0 only doubles. A draft model's probe pays its
@@ -245,6 +275,8 @@ class ControllerOptions:
     max_off_rounds: int = 256
     margin: float = 0.02
     probe_budget: float = 0.05
+    optimism: float = 1.0
+    plain_every: int = 32
 
     def __post_init__(self) -> None:
         if self.max_length < 1 or self.probe_length < 1 or self.off_rounds < 1:
@@ -283,6 +315,9 @@ class SpeculationController:
         proposer (`str`): whose draft cost applies (`prompt_lookup`, `draft_model`).
         rows (`int`): the request's rows (every block verifies one per row).
         load (`Callable[[], float]`, *optional*): how many other requests wait on this one's forwards now.
+        shares_device (`bool`, *optional*, defaults to `False`): the drafter computes on the target's device (a
+            co-located draft model): its forwards take the device from the other requests too, so the load term
+            charges them its draft time as well.
         options (`ControllerOptions`, *optional*): bounds.
         acceptance (`AcceptanceEstimate`, *optional*): the request's acceptance of proposed tokens (a fresh
             prior by default, `PRIORS`).
@@ -295,6 +330,7 @@ class SpeculationController:
     proposer: str
     rows: int = 1
     load: Callable[[], float] | None = None
+    shares_device: bool = False
     options: ControllerOptions = field(default_factory=ControllerOptions)
     acceptance: AcceptanceEstimate | None = None
     continuation: AcceptanceEstimate | None = None
@@ -316,9 +352,11 @@ class SpeculationController:
     def all_or_nothing(self) -> bool:
         return self.proposer in ALL_OR_NOTHING
 
-    def _means(self) -> tuple[float, float]:
+    def _hopes(self) -> tuple[float, float]:
+        """The acceptance and continuation decisions read: optimistic as far as the evidence is thin."""
         assert self.acceptance is not None and self.continuation is not None  # set by __post_init__
-        return self.acceptance.mean, self.continuation.mean
+        optimism = self.options.optimism
+        return self.acceptance.upper(optimism), self.continuation.upper(optimism)
 
     def rate(self, k: int, prices: Prices, others: float = 0.0) -> float:
         """Expected tokens per second of a round drafting `k` tokens per row (0: plain decoding)."""
@@ -326,7 +364,7 @@ class SpeculationController:
         plain_s = prices.plain(rows)
         if k == 0:
             return rows / max(plain_s, 1e-9)
-        a, c = self._means()
+        a, c = self._hopes()
         if self.all_or_nothing:  # a block of k with probability c, else a plain round
             drafted, block = c * k, float(k)
             tokens = c * (1.0 + sum(self.runs.survival(a, k))) + (1.0 - c)  # S(j): drafts 1..j all kept
@@ -337,12 +375,12 @@ class SpeculationController:
             # unsure (the confidence threshold) is kept more often where it goes on than c * a says.
             tokens = 1.0 + sum(self.runs.survival(c * a, k))
         d0, d1 = prices.draft
+        draft_s = d0 + d1 * rows * drafted
         seconds = (
-            d0
-            + d1 * rows * drafted
+            draft_s
             + c * prices.verify(rows * (1.0 + block))
             + (1.0 - c) * plain_s
-            + others * prices.slope * rows * drafted
+            + others * (prices.slope * rows * drafted + (draft_s if self.shares_device else 0.0))
         )
         return rows * tokens / max(seconds, 1e-9)
 
@@ -366,7 +404,25 @@ class SpeculationController:
         if best and behind and remaining is not None:
             saved = self.rows * remaining * (1.0 / plain_rate - 1.0 / best_rate)
             if saved <= prices.catch_up * behind:
-                return 0
+                best = 0
+        if log.isEnabledFor(logging.DEBUG):
+            a, c = self._hopes()
+            log.debug(
+                "%s: k=%d (acceptance %.2f, continuation %.2f, plain %.1f tok/s, best %.1f tok/s, others %.0f, "
+                "remaining %s, behind %d, catch-up %.2f ms/token, draft %.2f + %.2f ms/token)",
+                self.proposer,
+                best,
+                a,
+                c,
+                plain_rate,
+                best_rate,
+                others,
+                remaining,
+                behind,
+                prices.catch_up * 1e3,
+                prices.draft[0] * 1e3,
+                prices.draft[1] * 1e3,
+            )
         return best
 
     def next_length(self, remaining: int | None = None, behind: int = 0) -> int:
@@ -389,6 +445,8 @@ class SpeculationController:
             self.probes += 1
             length = min(self.options.probe_length, self.options.max_length)
             return length if remaining is None else max(min(length, remaining - 1), 0)
+        if self.costs.plain_due(self.options.plain_every):
+            return 0  # a round to measure plain decoding by, not time off
         k = self.best_length(remaining, behind)
         if k == 0:  # this round is the first of the time off
             self.off_period = self.options.off_rounds
