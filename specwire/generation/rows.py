@@ -29,7 +29,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-__all__ = ["RaggedRows", "RowBatch", "Rows", "SpeculativeRows", "model_device"]
+__all__ = ["RaggedRows", "RowBatch", "Rows", "SpeculativeRows", "accepts_argument", "model_device"]
 
 
 class Rows(Protocol):
@@ -89,7 +89,8 @@ def model_device(model: Any) -> torch.device:
     return cast(torch.device, next(model.parameters()).device)
 
 
-def _accepts(model: Any, name: str) -> bool:
+def accepts_argument(model: Any, name: str) -> bool:
+    """Whether `model.forward` takes the keyword argument `name` (`logits_to_keep`, ...)."""
     try:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -182,7 +183,7 @@ class RowBatch:
         self.device = model_device(model)
         self.use_cache = use_cache
         self.prefill_chunk_size = prefill_chunk_size
-        self._logits_to_keep = _accepts(model, "logits_to_keep")
+        self._logits_to_keep = accepts_argument(model, "logits_to_keep")
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
             positions = attention_mask.long().cumsum(-1) - 1

@@ -316,15 +316,14 @@ def test_a_new_request_starts_from_the_acceptance_earlier_requests_measured():
     never draft; once earlier requests measured that the pair agrees (every draft kept), a new one drafts at once."""
     costs = _curve_costs(draft_per_token=0.005)
     costs.observe_catch_up("draft_model", 400, 0.4)  # 1 ms a token
-    means = ControllerOptions(optimism=0.0)
-    cautious = SpeculationController(costs, "draft_model", options=means)
+    cautious = SpeculationController(costs, "draft_model")
     assert cautious.best_length(remaining=128, behind=400) == 0
     earlier = SpeculationController(costs, "draft_model")
     for _ in range(30):
         earlier.observe(8, [8], [8], [8], 0.045, 0.08, 9)
     accepted, continued = costs.priors("draft_model")
     assert accepted > 0.95 and continued > 0.95
-    informed = SpeculationController(costs, "draft_model", options=means)
+    informed = SpeculationController(costs, "draft_model")
     assert informed.acceptance.mean == pytest.approx(accepted)
     assert informed.best_length(remaining=128, behind=400) > 0
     # The request's own rounds still decide: a few all rejected and it stops.
@@ -363,29 +362,6 @@ def test_prompt_lookup_without_a_match_costs_a_plain_round_and_drafts_from_the_s
     assert controller.continuation.mean < 0.35  # a match in about one round of 5 (the last one matched)
     assert controller.best_length() >= 10
     assert controller.rate(10, prices) > 1.1 * controller.rate(0, prices)
-
-
-def test_one_rejected_block_does_not_stop_a_request_whose_pair_of_models_agrees():
-    """Optimism: earlier requests kept 0.9 of the drafts; a new request whose first block is rejected at once
-    (a 1 in 10 chance) still drafts, where the posterior's mean alone (0.73) would stop; a request whose blocks
-    are rejected round after round stops all the same."""
-    costs = _curve_costs(draft_per_token=0.005)
-    earlier = SpeculationController(costs, "draft_model")
-    for _ in range(60):  # 9 kept, the 10th rejected: 0.9 a token
-        earlier.observe(10, [10], [10], [9], 0.05, 0.1, 11)
-    assert costs.priors("draft_model")[0] == pytest.approx(0.9, abs=0.05)
-
-    def first_block_rejected(options: ControllerOptions) -> SpeculationController:
-        controller = SpeculationController(costs, "draft_model", options=options)
-        controller.observe(6, [6], [6], [0], 0.07, 0.09, 7)
-        return controller
-
-    assert first_block_rejected(ControllerOptions(optimism=0.0)).best_length() == 0
-    hopeful = first_block_rejected(ControllerOptions())
-    assert hopeful.best_length() > 0
-    for _ in range(6):
-        hopeful.observe(6, [6], [6], [0], 0.07, 0.09, 7)
-    assert hopeful.best_length() == 0
 
 
 def test_a_plain_round_is_measured_when_every_round_drafts():

@@ -32,11 +32,6 @@ no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each rou
   model co-located on the target's device (`shares_device`) takes the device from them as well while it
   drafts: `L` then adds `others * D`.
 
-The acceptance `a` and continuation `c` a decision reads are optimistic: each posterior's mean plus one
-standard deviation (`ControllerOptions.optimism`). Drafting is the only way a request learns whether its
-drafts are kept, so thin evidence (a new request, one bad block) is read hopefully, and a request whose
-drafts are rejected round after round still stops drafting once the evidence is in.
-
 `k = 0` is plain decoding (one target forward per round, no draft). Plain rounds are measured now and
 then even where drafting pays (`SharedCosts.plain_due`), so the choice compares against what plain
 decoding costs. A drafting choice must beat plain decoding by `ControllerOptions.margin`. When plain
@@ -255,11 +250,6 @@ class ControllerOptions:
         max_off_rounds (`int`, *optional*, defaults to 256): the longest time off, after failed probes.
         margin (`float`, *optional*, defaults to 0.02): how much faster than plain decoding drafting must
             be expected to be (drafting on a tie only risks the cost estimates' errors).
-        optimism (`float`, *optional*, defaults to 1.0): standard deviations of the request's acceptance and
-            continuation posteriors added to their means when choosing (`AcceptanceEstimate.upper`): drafting
-            is how a request learns whether drafting pays, so thin evidence is read hopefully. Without it one
-            rejected first block (a 1 in 10 chance where 0.9 of the drafts are kept) took a chat request off
-            drafting for good, at plain speed where drafting was 1.5x.
         plain_every (`int`, *optional*, defaults to 32): rounds with drafts (on this target) after which a
             round without is measured (`SharedCosts.plain_due`).
         probe_budget (`float`, *optional*, defaults to 0.05): the most a failed probe's extra cost may
@@ -275,7 +265,6 @@ class ControllerOptions:
     max_off_rounds: int = 256
     margin: float = 0.02
     probe_budget: float = 0.05
-    optimism: float = 1.0
     plain_every: int = 32
 
     def __post_init__(self) -> None:
@@ -352,11 +341,9 @@ class SpeculationController:
     def all_or_nothing(self) -> bool:
         return self.proposer in ALL_OR_NOTHING
 
-    def _hopes(self) -> tuple[float, float]:
-        """The acceptance and continuation decisions read: optimistic as far as the evidence is thin."""
+    def _means(self) -> tuple[float, float]:
         assert self.acceptance is not None and self.continuation is not None  # set by __post_init__
-        optimism = self.options.optimism
-        return self.acceptance.upper(optimism), self.continuation.upper(optimism)
+        return self.acceptance.mean, self.continuation.mean
 
     def rate(self, k: int, prices: Prices, others: float = 0.0) -> float:
         """Expected tokens per second of a round drafting `k` tokens per row (0: plain decoding)."""
@@ -364,7 +351,7 @@ class SpeculationController:
         plain_s = prices.plain(rows)
         if k == 0:
             return rows / max(plain_s, 1e-9)
-        a, c = self._hopes()
+        a, c = self._means()
         if self.all_or_nothing:  # a block of k with probability c, else a plain round
             drafted, block = c * k, float(k)
             tokens = c * (1.0 + sum(self.runs.survival(a, k))) + (1.0 - c)  # S(j): drafts 1..j all kept
@@ -406,7 +393,7 @@ class SpeculationController:
             if saved <= prices.catch_up * behind:
                 best = 0
         if log.isEnabledFor(logging.DEBUG):
-            a, c = self._hopes()
+            a, c = self._means()
             log.debug(
                 "%s: k=%d (acceptance %.2f, continuation %.2f, plain %.1f tok/s, best %.1f tok/s, others %.0f, "
                 "remaining %s, behind %d, catch-up %.2f ms/token, draft %.2f + %.2f ms/token)",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from specwire.generation.rows import accepts_argument
 from specwire.generation.speculation.prompt_lookup import (
     BannedFn,
     SuffixMatcher,
@@ -231,10 +232,13 @@ class ModelDrafter:
         text_config = model.config.get_text_config(decoder=True)
         self.rows = [_RowCache(list(r), DynamicCache(config=text_config)) for r in rows]
         self.finished = [False] * len(rows)
+        # Only the last position's logits are read: a catch-up over a 400-token prompt would otherwise run
+        # the LM head (the vocabulary wide) 400 times.
+        self._last_logits = {"logits_to_keep": 1} if accepts_argument(model, "logits_to_keep") else {}
 
     def _next_scores(self, row: _RowCache, new_tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=row.cache, use_cache=True)
+        out = self.model(input_ids=ids, past_key_values=row.cache, use_cache=True, **self._last_logits)
         row.cached += len(new_tokens)
         return cast(torch.Tensor, out.logits[:, -1, :].float())  # [1, draft_vocab]
 

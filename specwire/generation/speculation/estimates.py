@@ -145,13 +145,6 @@ class AcceptanceEstimate:
     def mean(self) -> float:
         return (self.alpha0 + self.accepted) / (self.alpha0 + self.beta0 + self.accepted + self.rejected)
 
-    def upper(self, deviations: float) -> float:
-        """The mean plus `deviations` standard deviations of the posterior (below 1): an optimistic estimate,
-        as optimistic as the evidence is thin."""
-        mean = self.mean
-        evidence = self.alpha0 + self.beta0 + self.accepted + self.rejected
-        return min(mean + deviations * math.sqrt(mean * (1.0 - mean) / (evidence + 1.0)), 0.999)
-
 
 class RunLengths:
     """How far into a block the target keeps agreeing: per position `j`, the chance that draft `j` is accepted
