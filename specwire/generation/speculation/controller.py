@@ -283,9 +283,10 @@ class ControllerOptions:
 ALL_OR_NOTHING = frozenset({"prompt_lookup"})
 # Priors per proposer: (acceptance of a proposed token, continuation). A match of prompt lookup is a coin toss
 # until the request's own rounds say otherwise (a few rounds do: the prior weighs 4 tokens). A draft model's
-# prior is cautious on purpose: on a CPU its drafting barely pays even where most drafts are kept (SmolLM2 +
-# its int8 draft: +42% at k=20 on chat, -18% on the code edit), and (0.85, 0.85) drafted on the code edit at
-# 0.81x of plain decoding, the prefill and the first blocks spent before the request's own rounds said no.
+# prior, until this target has measured its acceptance (`SharedCosts.priors`), is cautious on purpose: on a
+# CPU its drafting barely pays even where most drafts are kept (SmolLM2 + its int8 draft: +42% at k=20 on
+# chat, -18% on the code edit), and (0.85, 0.85) drafted on the code edit at 0.81x of plain decoding, the
+# prefill and the first blocks spent before the request's own rounds said no.
 PRIORS = {"prompt_lookup": (0.8, 0.5)}
 DEFAULT_PRIORS = (0.7, 0.8)
 # Evidence the target's measured acceptance keeps at each row-round (`SharedCosts.priors`): about the last 100
@@ -393,24 +394,38 @@ class SpeculationController:
             if saved <= prices.catch_up * behind:
                 best = 0
         if log.isEnabledFor(logging.DEBUG):
-            a, c = self._means()
-            log.debug(
-                "%s: k=%d (acceptance %.2f, continuation %.2f, plain %.1f tok/s, best %.1f tok/s, others %.0f, "
-                "remaining %s, behind %d, catch-up %.2f ms/token, draft %.2f + %.2f ms/token)",
-                self.proposer,
-                best,
-                a,
-                c,
-                plain_rate,
-                best_rate,
-                others,
-                remaining,
-                behind,
-                prices.catch_up * 1e3,
-                prices.draft[0] * 1e3,
-                prices.draft[1] * 1e3,
-            )
+            self._log_choice(best, plain_rate, best_rate, others, prices, remaining, behind)
         return best
+
+    def _log_choice(
+        self,
+        k: int,
+        plain_rate: float,
+        best_rate: float,
+        others: float,
+        prices: Prices,
+        remaining: int | None,
+        behind: int,
+    ) -> None:
+        """What a decision read and chose (DEBUG: `--log-level DEBUG` says why a request drafted or not)."""
+        a, c = self._means()
+        d0, d1 = prices.draft
+        log.debug(
+            "%s: k=%d (acceptance %.2f, continuation %.2f, plain %.1f tok/s, best %.1f tok/s, others %.0f, "
+            "remaining %s, behind %d, catch-up %.2f ms/token, draft %.2f + %.2f ms/token)",
+            self.proposer,
+            k,
+            a,
+            c,
+            plain_rate,
+            best_rate,
+            others,
+            remaining,
+            behind,
+            prices.catch_up * 1e3,
+            d0 * 1e3,
+            d1 * 1e3,
+        )
 
     def next_length(self, remaining: int | None = None, behind: int = 0) -> int:
         """The draft length of the coming round (0: plain decoding), with the time off and probes.
