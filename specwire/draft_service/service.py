@@ -126,6 +126,8 @@ def _response(proposal: Proposal, outcomes: list[int] | None = None) -> pb.Draft
     rows = []
     for i, (tokens, probs) in enumerate(zip(proposal.tokens, proposal.probs, strict=True)):
         row = pb.RowDraft(token_ids=tokens, ahead=_AHEAD_TO_PROTO[outcomes[i] if outcomes else AHEAD_NONE])
+        if proposal.hindsight is not None:
+            row.hindsight_checked, row.hindsight_agreed, row.hindsight_confident = proposal.hindsight[i]
         if probs is not None:
             row.probs.CopyFrom(tensor_to_proto(probs.float()))
         rows.append(row)

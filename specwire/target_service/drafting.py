@@ -314,7 +314,11 @@ class DraftPolicy:
         return None
 
     def controller(
-        self, proposer: str, named_fields: tuple[str, ...], load: Callable[[], float] | None
+        self,
+        proposer: str,
+        named_fields: tuple[str, ...],
+        load: Callable[[], float] | None,
+        greedy: bool = True,
     ) -> SpeculationController | None:
         """The adaptive controller of a request, or None when its draft lengths are decided otherwise.
 
@@ -323,6 +327,8 @@ class DraftPolicy:
             named_fields (`tuple[str, ...]`): the draft-length fields the request (its overrides, its
                 config or its registry config) sets; any of them keeps transformers' schedule exact.
             load (`Callable[[], float]`, *optional*): other requests waiting on this one's forwards now.
+            greedy (`bool`, *optional*, defaults to `True`): the request decodes greedily, so a draft model's
+                guesses of the target's tokens are the drafts it would have had kept (`look_back`).
         """
         # MTP drafts all its layers' tokens every round (transformers' MTPCandidateGenerator), DFlash a whole
         # denoised block: no length to adapt.
@@ -330,7 +336,8 @@ class DraftPolicy:
             return None
         # A co-located draft model computes on the target's device (early exit does too, but is not adaptive).
         shares_device = proposer == PROPOSER_DRAFT_MODEL and self.draft_model is not None
-        return SpeculationController(self.costs, proposer, load=load, shares_device=shares_device)
+        look_back = proposer == PROPOSER_DRAFT_MODEL and greedy
+        return SpeculationController(self.costs, proposer, load=load, shares_device=shares_device, look_back=look_back)
 
     def close(self) -> None:
         """Cancel the draft streams still open and close the channel."""

@@ -294,7 +294,9 @@ class Engine:
             speculates=not blocker,
         )
         open_drafter = _opener(opener, drafting, opened)
-        controller = self.drafting.controller(proposer, job.draft_fields, self._others_waiting)
+        controller = self.drafting.controller(
+            proposer, job.draft_fields, self._others_waiting, greedy=not job.config.do_sample
+        )
         return speculate_from_plan(
             model,
             plan,

@@ -38,7 +38,7 @@ from specwire.common.v1 import common_pb2
 from specwire.deadline import remaining
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
-from specwire.generation.speculation.drafters import DraftFailure, Proposal
+from specwire.generation.speculation.drafters import DraftFailure, Hindsight, Proposal
 from specwire.generation.speculation.stats import SpeculationStats
 from specwire.security.channels import RenewingChannel
 from specwire.wire.generation_config import config_to_proto
@@ -192,6 +192,7 @@ class RemoteDrafter:
         if digest is not None and method == pb.DRAFT_METHOD_MODEL:
             start.tokenizer_size, start.tokenizer_digest = digest
         self.start: pb.DraftStart | None = start  # sent with the first propose
+        self.prompt_lengths = [len(r) for r in rows]
         self.stats = stats
         self.pending: pb.DraftFeedback | None = None
         self.call: Any = None
@@ -219,6 +220,12 @@ class RemoteDrafter:
     def propose(self, num_tokens: int) -> Proposal:
         if self.closed:
             raise DraftFailure("the draft stream is closed")
+        if self.start is not None and num_tokens == 0 and self._emitted_before_start():
+            # A look-back before any block: the session opens on the prompt alone, then hears the target's
+            # tokens as feedback, so the draft service checks its guesses of them (hindsight) rather than
+            # taking them for prompt.
+            self._ask(pb.DraftRequest(start=self.start), 0)
+            self.start = None
         if self.start is not None:
             self.start.num_tokens = num_tokens
             message = pb.DraftRequest(start=self.start)
@@ -228,6 +235,21 @@ class RemoteDrafter:
             feedback.num_tokens = num_tokens
             message = pb.DraftRequest(feedback=feedback)
             self.pending = None
+        return self._ask(message, num_tokens)
+
+    def _emitted_before_start(self) -> bool:
+        """Move the tokens the target emitted before the session opened from the start to a pending feedback;
+        whether there were any."""
+        assert self.start is not None
+        emitted = [list(row.ids[n:]) for row, n in zip(self.start.rows, self.prompt_lengths, strict=True)]
+        if not any(emitted):
+            return False
+        for row, n in zip(self.start.rows, self.prompt_lengths, strict=True):
+            del row.ids[n:]
+        self.pending = pb.DraftFeedback(rows=[pb.RowFeedback(num_accepted=0, appended_ids=t) for t in emitted])
+        return True
+
+    def _ask(self, message: pb.DraftRequest, num_tokens: int) -> Proposal:
         timeout = remaining(self.timeout, deadline=self.deadline)  # min(--draft-timeout, the caller's time)
         try:
             answer = self.channel.run(self._exchange(message), timeout=timeout)
@@ -243,7 +265,7 @@ class RemoteDrafter:
         """The answer as a `Proposal`, checked: a bad answer must not reach the target's forward."""
         if len(answer.rows) != self.num_rows:
             raise DraftFailure(f"the draft service answered {len(answer.rows)} rows for {self.num_rows}")
-        tokens, probs = [], []
+        tokens, probs, hindsight = [], [], []
         for row in answer.rows:
             ids = list(row.token_ids)
             if len(ids) > num_tokens:
@@ -257,12 +279,16 @@ class RemoteDrafter:
                     raise DraftFailure(
                         f"draft probabilities of shape {tuple(row_probs.shape)}, not {(len(ids), self.vocab_size)}"
                     )
+            seen = Hindsight(row.hindsight_checked, row.hindsight_agreed, row.hindsight_confident)
+            if min(seen) < 0 or max(seen.agreed, seen.confident) > seen.checked:
+                raise DraftFailure(f"the draft service's hindsight does not add up: {seen}")
             tokens.append(ids)
             probs.append(row_probs)
+            hindsight.append(seen)
         if self.stats is not None:  # counted once the answer is known good
             self.stats.draft_ahead_hits += sum(1 for r in answer.rows if r.ahead == pb.DRAFT_AHEAD_HIT)
             self.stats.draft_ahead_misses += sum(1 for r in answer.rows if r.ahead == pb.DRAFT_AHEAD_MISS)
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs, hindsight)
 
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
         """Kept for the next `propose` to send: every round's, rounds without a proposal included (the

@@ -295,7 +295,9 @@ def test_a_draft_model_with_another_vocabulary_is_refused(stack, loaded):
         policy = DraftPolicy(drafts.address, round_timeout_s=30.0)
         stack_.callback(policy.close)
         server = stack_.enter_context(threaded_server(lambda: build_target_server(impostor, drafting=policy)))
-        output = _generate(server.address, [[5, 6, 7]], max_new_tokens=4, **DRAFT)
+        # 8 tokens: a request starts with time off (`SpeculationController.look_back`), its first look-back opens
+        # the stream.
+        output = _generate(server.address, [[5, 6, 7]], max_new_tokens=8, **DRAFT)
     assert "another vocabulary" in output.speculation.fallback_reason
 
 

@@ -15,8 +15,11 @@ from specwire.target_service.remote_drafter import DraftChannel, RemoteDrafter
 from tests.servers import threaded_server
 
 ROWS = [[5, 6, 7, 8, 9, 10, 5, 6], [20, 21, 22, 23, 20]]
-# The draft length asked each round; 0: a round of time off (no proposal, the target decodes plainly).
+# The draft length asked each round; 0: a round of time off (no proposal, the target decodes plainly); LOOK: a
+# look-back (a proposal of 0: the draft catches up and reports its hindsight), before the first block too.
+LOOK = -1
 LENGTHS = [0, 0, 3, 4, 0, 0, 0, 2, 5, 0, 3]
+WITH_LOOK_BACKS = [0, 0, LOOK, 0, 3, 0, 0, 0, LOOK, 2, 0, 0, LOOK, LOOK, 4]
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +35,22 @@ def channel(draft):
         opened.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_rounds_without_a_proposal_reach_the_draft_service(draft, channel, overlap):
+@pytest.mark.parametrize("overlap, lengths", [(False, LENGTHS), (True, LENGTHS), (False, WITH_LOOK_BACKS)])
+def test_rounds_without_a_proposal_reach_the_draft_service(draft, channel, overlap, lengths):
     config = GenerationConfig(eos_token_id=2, assistant_confidence_threshold=0.0)
     local = open_model_drafter(draft.model, [list(r) for r in ROWS], config, 378, return_probs=False)
     remote = RemoteDrafter(
         channel, [list(r) for r in ROWS], config, pb.DRAFT_METHOD_MODEL, 378, False, 30.0, overlap=overlap
     )
     try:
-        drafted = 0
-        for round_, length in enumerate(LENGTHS):
+        drafted = checked = 0
+        for round_, length in enumerate(lengths):
             accepted = [0, 0]
-            if length:
+            if length == LOOK:
+                want, got = local.propose(0), remote.propose(0)
+                assert got.tokens == [[], []] and got.hindsight == want.hindsight, f"round {round_}"
+                checked += sum(h.checked for h in got.hindsight)
+            elif length:
                 want, got = local.propose(length), remote.propose(length)
                 assert got.tokens == want.tokens, f"round {round_}"
                 drafted += sum(map(len, got.tokens))
@@ -55,6 +62,8 @@ def test_rounds_without_a_proposal_reach_the_draft_service(draft, channel, overl
             local.feedback(accepted, appended, [False, False])
             remote.feedback(accepted, appended, [False, False])
         assert drafted > 0
+        # Every token of the time off before a look-back is checked but the one a block's answer left behind.
+        assert checked == 0 if LOOK not in lengths else checked > 0
     finally:
         remote.close()
         local.close()

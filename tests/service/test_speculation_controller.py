@@ -147,8 +147,9 @@ def test_controller_with_a_remote_draft_equals_plain_greedy(loaded, tiny_model_d
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_a_draft_that_cannot_pay_is_switched_off(loaded, tiny_draft_dir, scheduler):
-    """A slow draft (20 ms a forward) of other weights (most drafts rejected): plain decoding wins, and a probe
-    of this draft costs more than 5% of the rest of the request: none is made (the unit tests probe)."""
+    """A slow draft (20 ms a forward) of other weights (most drafts rejected): plain decoding wins, and once the
+    first look-back (where a first block used to be) measured the draft, a probe of it costs more than 5% of the
+    rest of the request: none is made (the unit tests probe)."""
     slow = load_model(str(tiny_draft_dir), progress=False)
     Faults(slow.model, delay_s=0.02)
     with ExitStack() as stack:
@@ -162,7 +163,7 @@ def test_a_draft_that_cannot_pay_is_switched_off(loaded, tiny_draft_dir, schedul
     assert torch.equal(spec.sequences, plain.sequences)
     s = _controlled(spec)
     assert s.tokens_without_draft > 60, s  # most of the request decoded without drafting
-    assert s.probes == 0, s  # 80 tokens of a ~ms target never repay a probe of this draft
+    assert s.probes <= 1, s  # the first look-back; 80 tokens of a ~ms target never repay another
     assert max(rounds for length, rounds in s.draft_lengths if length == 0) >= 60
     assert "without drafting" in draft_lengths_line(s)
 

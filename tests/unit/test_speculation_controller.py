@@ -389,3 +389,45 @@ def test_a_co_located_draft_under_load_charges_its_draft_time_to_the_others():
     colocated = _controller(costs, 0.9, load=lambda: 7, shares_device=True).best_length()
     assert remote > 0 and colocated == 0
     assert _controller(costs, 0.9, shares_device=True).best_length() > 0  # alone it drafts
+
+
+def _plain_rounds(controller: SpeculationController, count: int) -> None:
+    for _ in range(count):
+        assert controller.next_length(remaining=500) == 0 and not controller.looking_back
+        controller.observe(0, [0], [0], [0], 0.0, 0.036, 1)
+
+
+def test_look_backs_end_the_time_off_and_resume_drafting_where_it_would_have_paid():
+    """A greedy draft model's request starts with time off; each look-back reads how many of the target's tokens
+    the draft would have drafted (its hindsight) and resumes drafting where those would have paid."""
+    costs = _curve_costs(draft_per_token=0.005)
+    options = ControllerOptions(off_rounds=3, max_off_rounds=64)
+    controller = SpeculationController(costs, "draft_model", options=options, look_back=True)
+    _plain_rounds(controller, 3)  # no block on the prior: the first tokens of an answer are drafted worst
+    assert controller.next_length(remaining=500) == 0 and controller.looking_back and controller.probes == 1
+    controller.observe(0, [0], [0], [0], 0.02, 0.036, 1, behind=4, hindsight=(3, 0, 3))  # none would have been kept
+    assert controller.off and controller.off_left >= options.off_rounds
+    gap = controller.off_left
+    _plain_rounds(controller, gap)
+    assert controller.next_length(remaining=500) == 0 and controller.looking_back and controller.probes == 2
+    controller.observe(0, [0], [0], [0], 0.02, 0.036, 1, behind=gap + 1, hindsight=(gap, gap, gap))  # all of them
+    assert not controller.off
+    assert controller.next_length(remaining=500) > 0
+    # What the look-backs saw is the pair's evidence too: the next request starts from it.
+    assert costs.priors("draft_model")[0] != SpeculationController(SharedCosts(), "draft_model").acceptance.mean
+
+
+def test_a_look_back_is_skipped_when_the_rest_cannot_repay_the_catch_up_and_a_silent_one_turns_to_probes():
+    costs = _curve_costs(draft_per_token=0.005)
+    costs.observe_catch_up("draft_model", 400, 0.4)  # 1 ms a token
+    options = ControllerOptions(off_rounds=2, max_off_rounds=64)
+    controller = SpeculationController(costs, "draft_model", options=options, look_back=True)
+    _plain_rounds(controller, 2)
+    assert controller.next_length(remaining=20, behind=400) == 0  # 0.4 s of catch-up: over 5% of 20 rounds
+    assert not controller.looking_back and controller.probes == 0
+    controller.off_left = 0
+    assert controller.next_length(remaining=1000, behind=3) == 0 and controller.looking_back
+    # A drafter that reports no hindsight (a draft service without it): probes blocks from then on.
+    controller.observe(0, [0], [0], [0], 0.02, 0.036, 1, behind=3, hindsight=(0, 0, 0))
+    assert not controller.look_back and controller.off
+    assert controller.next_length(remaining=1000) == options.probe_length and controller.probing

@@ -30,7 +30,7 @@ from specwire.generation.speculation.controller import (
     DECIDED_BY_SCHEDULE,
     SpeculationController,
 )
-from specwire.generation.speculation.drafters import Drafter, DraftFailure, Proposal
+from specwire.generation.speculation.drafters import Drafter, DraftFailure, Hindsight, Proposal
 from specwire.generation.speculation.schedules import DraftSchedule
 from specwire.generation.speculation.stats import SpeculationStats
 from specwire.vocabulary import FINISH_LENGTH
@@ -68,6 +68,7 @@ class _Block:
         draft_s (`float`): seconds spent drafting.
         proposed (`bool`): whether the drafter was asked at all.
         want (`list[int]`): per row, the draft length it asked for.
+        hindsight (`Hindsight`, *optional*): the drafter's, summed over the rows (`Proposal.hindsight`).
     """
 
     asked: int
@@ -77,6 +78,7 @@ class _Block:
     draft_s: float
     proposed: bool = False
     want: list[int] = field(default_factory=list)
+    hindsight: Hindsight | None = None
 
     @property
     def k(self) -> int:
@@ -326,6 +328,7 @@ class SpeculativeRun:
             verify_s,
             sum(len(b) + 1 for b in block.blocks),
             self._behind if block.proposed else 0,
+            block.hindsight,
         )
         self.stats.probes = self.controller.probes
 
@@ -353,7 +356,8 @@ class SpeculativeRun:
         asked = max(want)
         proposal = Proposal([[] for _ in state], [None] * len(state))
         draft_s, proposed = 0.0, False
-        if self.drafter is not None and asked > 0:
+        looking_back = self.controller is not None and self.controller.looking_back
+        if self.drafter is not None and (asked > 0 or looking_back):
             proposed = True
             started = time.perf_counter()
             try:
@@ -380,7 +384,8 @@ class SpeculativeRun:
             for r, row in enumerate(state)
         ]
         blocks = [drafts[r] or forced[r] for r in range(len(state))]
-        return _Block(asked, drafts, list(proposal.probs), blocks, draft_s, proposed, want)
+        hindsight = None if proposal.hindsight is None else sum(proposal.hindsight, Hindsight())
+        return _Block(asked, drafts, list(proposal.probs), blocks, draft_s, proposed, want, hindsight)
 
     def _candidates(self, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
         """`[last token, block...]` per row `[rows, k + 1]`, and which of those slots are real tokens."""

@@ -40,6 +40,21 @@ block to learn whether the acceptance changed; each probe after which drafting s
 least doubles the time off (up to `max_off_rounds`), and makes it long enough that the probe's extra
 cost stays within `probe_budget` of it; a probe that pays resumes drafting and resets it.
 
+Look-backs. A greedy draft model's request (`look_back`) ends its time off with a look-back instead: the drafter
+only catches up on the target's tokens and reports how many of them it would have drafted itself, and whether
+it would have gone on after each (`drafters.Hindsight`: its greedy guesses, checked against tokens the target
+emitted anyway). That is evidence on every token of the time off, for the price of the catch-up a probe pays
+too and no block to verify. Acceptance changes along an answer (SmolLM2 and its int8 draft agree on ~0.65 of a
+chat answer's first 60 tokens and ~0.98 after; on a fifth of the low-acceptance prompt's first 20 and nearly
+all after), and a probe every 4, 8, 16.. rounds saw too few tokens to notice: the request's estimates weigh
+the look-back's tokens as the most recent evidence (`AcceptanceEstimate.observe_counts(per_token=True)`). A
+look-back after which drafting would not pay is followed by the time off its cost allows within
+`probe_budget` (no doubling: the next one may see a later part of the answer), one that would pay resumes
+drafting. Such a request also starts with time off: its first look-back checks the draft on the answer's
+first tokens, where a first block mostly cost, and is skipped, like any look-back, where the rest of the
+request cannot repay the draft's prefill of the prompt (a long prompt, a short answer). A look-back that
+reports nothing (a draft service without hindsight) turns the request to probes.
+
 The rest of the request. The loop tells the controller how many tokens the request may still generate
 and how many tokens the drafter has not seen yet (`behind`: the whole context before its first block,
 the tokens of the time off before a probe). Catching up (a draft model's prefill) is a one-off cost,
@@ -49,7 +64,8 @@ when its expected extra cost (catch-up, draft, verify over a plain round) is wit
 of the plain decoding of the rest (a probe it cannot repay even when it succeeds is not worth it).
 
 Priors. A draft model's request starts from the acceptance and continuation this target measured over the
-last ~100 row-rounds of earlier requests with that drafter (`SharedCosts.priors`), weighed as 4 tokens: how
+last ~100 row-rounds (blocks and look-backs) of earlier requests with that drafter (`SharedCosts.priors`),
+weighed as 4 tokens: how
 often a draft model agrees with its target is mostly a property of the pair, and a cautious constant kept a
 request with a long prompt from ever drafting (the saving it expected did not repay the draft's prefill) where
 drafting every round was 1.78x faster. Before any request measured it, and for prompt lookup always, the
@@ -192,15 +208,26 @@ class SharedCosts:
         """One row-round of a request: the target kept the first `kept` of `drafted` drafts; the drafter proposed
         `proposed` of the `asked` tokens."""
         with self._lock:
-            if proposer not in self._measured:
-                acceptance, continuation = PRIORS.get(proposer, DEFAULT_PRIORS)
-                self._measured[proposer] = (
-                    AcceptanceEstimate(acceptance, decay=SHARED_DECAY),
-                    AcceptanceEstimate(continuation, decay=SHARED_DECAY),
-                )
-            measured_acceptance, measured_continuation = self._measured[proposer]
+            measured_acceptance, measured_continuation = self._measured_of(proposer)
             measured_acceptance.observe(drafted, kept)
             measured_continuation.observe(asked, proposed)
+
+    def observe_hindsight(self, proposer: str, checked: int, agreed: int, confident: int) -> None:
+        """A request's look-back (`drafters.Hindsight`). Blocks are drafted only where the controller expects
+        them to pay, so their acceptance alone overstates the pair's: the tokens of the time off count too."""
+        with self._lock:
+            measured_acceptance, measured_continuation = self._measured_of(proposer)
+            measured_acceptance.observe_counts(agreed, checked - agreed)
+            measured_continuation.observe_counts(confident, checked - confident)
+
+    def _measured_of(self, proposer: str) -> tuple[AcceptanceEstimate, AcceptanceEstimate]:
+        if proposer not in self._measured:
+            acceptance, continuation = PRIORS.get(proposer, DEFAULT_PRIORS)
+            self._measured[proposer] = (
+                AcceptanceEstimate(acceptance, decay=SHARED_DECAY),
+                AcceptanceEstimate(continuation, decay=SHARED_DECAY),
+            )
+        return self._measured[proposer]
 
     def catch_up(self, proposer: str) -> float:
         """Seconds per token the drafter has not seen (0 until measured)."""
@@ -314,6 +341,10 @@ class SpeculationController:
         continuation (`AcceptanceEstimate`, *optional*): how often the drafter proposes the next token asked
             of it, or for an all-or-nothing proposer (`ALL_OR_NOTHING`) proposes a block at all (a fresh
             prior by default, `PRIORS`).
+        look_back (`bool`, *optional*, defaults to `False`): the drafter reports hindsight (`Proposal.hindsight`:
+            a greedy draft model), so time off ends with a look-back (the drafter catches up and says how many
+            of the target's tokens it would have drafted) instead of a probe block. Turned off by a look-back
+            that reports nothing.
     """
 
     costs: SharedCosts
@@ -327,7 +358,9 @@ class SpeculationController:
     probes: int = 0
     off_left: int = 0  # rounds of time off still to go
     off_period: int = 0  # the current time off (doubles after each failed probe)
+    look_back: bool = False
     probing: bool = False  # the last length handed out was a probe
+    looking_back: bool = False  # the last round was a look-back (no drafts, the drafter caught up)
     drafted_last_round: bool = False
 
     def __post_init__(self) -> None:
@@ -337,6 +370,14 @@ class SpeculationController:
             self.acceptance = AcceptanceEstimate(prior_mean=accept_prior)
         if self.continuation is None:
             self.continuation = AcceptanceEstimate(prior_mean=continue_prior)
+        if self.look_back:
+            # A request starts with time off: its first look-back checks the draft on its own first tokens for
+            # the price of the prefill a first block pays too, and is skipped where the rest of the request
+            # cannot repay that prefill (`probe_budget`). The first tokens of an answer are drafted worse than
+            # the rest (SmolLM2 and its int8 draft agree on ~0.65 of a chat answer's first 60 tokens, ~0.98
+            # after): a block there mostly costs.
+            self.off_period = self.options.off_rounds
+            self.off_left = self.off_period
 
     @property
     def all_or_nothing(self) -> bool:
@@ -435,13 +476,17 @@ class SpeculationController:
                 of the request cannot repay is skipped, and no block is longer than the rest).
             behind (`int`, *optional*, defaults to 0): tokens the drafter has not seen yet.
         """
-        self.probing = False
+        self.probing = self.looking_back = False
         if self.off_left > 0:
             self.off_left -= 1
             return 0
         if self.off_period:  # the time off is over: a probe, if the rest of the request can afford it
             if remaining is not None and not self._probe_affordable(remaining, behind):
                 self.off_left = self.off_period - 1
+                return 0
+            if self.look_back:
+                self.looking_back = True
+                self.probes += 1
                 return 0
             self.probing = True
             self.probes += 1
@@ -464,7 +509,9 @@ class SpeculationController:
         k = self.options.probe_length
         plain_s = prices.plain(self.rows)
         d0, d1 = prices.draft
-        extra = d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s + prices.catch_up * behind
+        extra = prices.catch_up * behind  # a look-back's whole cost
+        if not self.look_back:
+            extra += d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s
         return extra <= self.options.probe_budget * remaining * plain_s
 
     @property
@@ -482,6 +529,7 @@ class SpeculationController:
         verify_s: float,
         verify_tokens: int,
         behind: int = 0,
+        hindsight: tuple[int, int, int] | None = None,
     ) -> None:
         """What a round did.
 
@@ -493,8 +541,20 @@ class SpeculationController:
             verify_s (`float`): wall time of the verify forward and its acceptance.
             verify_tokens (`int`): tokens the verify forward ran for this request.
             behind (`int`, *optional*, defaults to 0): tokens the drafter had not seen before this round.
+            hindsight (`tuple[int, int, int]`, *optional*): `(checked, agreed, confident)` over the request's
+                rows (`drafters.Hindsight`): evidence from the tokens the drafter caught up on.
         """
         assert self.acceptance is not None and self.continuation is not None  # set by __post_init__
+        checked, agreed, confident = hindsight or (0, 0, 0)
+        # Each of the target's tokens the draft guessed is a draft it would have had kept or not, and after
+        # which it would have gone on or stopped: one token's acceptance and continuation.
+        self.acceptance.observe_counts(agreed, checked - agreed, per_token=True)
+        self.continuation.observe_counts(confident, checked - confident, per_token=True)
+        # Where in a block the drafts stop being kept is learned from blocks only: those before the checked
+        # tokens are that much older (forgotten as if each token had been a block).
+        self.runs.forget(self.runs.decay**checked)
+        if checked:
+            self.costs.observe_hindsight(self.proposer, checked, agreed, confident)
         for k, n, m in zip(wanted, drafted, accepted, strict=True):
             if self.all_or_nothing:
                 self.continuation.observe(1 if asked and k else 0, 1 if n else 0)
@@ -510,11 +570,22 @@ class SpeculationController:
         self.costs.observe_verify(verify_tokens, verify_s, drafted=any(drafted))
         if asked and self.drafted_last_round and not self.probing:
             self.costs.observe_draft(self.proposer, sum(drafted), draft_s)
-        elif asked and behind > 1:  # the drafter caught up first: what drafting alone does not explain
+        elif (asked or self.looking_back) and behind > 1:  # the drafter caught up: what drafting does not explain
             d0, d1 = self.costs.prices(self.proposer).draft
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
         self.drafted_last_round = asked > 0
-        if self.probing:
+        if self.looking_back:
+            if not checked:
+                self.look_back = False  # the drafter reports no hindsight: the next round probes instead
+            elif self.best_length() > 0:
+                self.off_period = 0  # drafting would have paid over the time off
+            else:
+                self.off_period = min(
+                    max(self.options.off_rounds, self._budgeted_off_rounds(draft_s + verify_s)),
+                    self.options.max_off_rounds,
+                )
+                self.off_left = self.off_period
+        elif self.probing:
             if self.best_length() > 0:
                 self.off_period = 0  # drafting pays again
             else:

@@ -74,6 +74,8 @@ class OverlappingModelDrafter(ModelDrafter):
 
     def propose(self, num_tokens: int) -> Proposal:
         self.last_asked = num_tokens
+        if num_tokens <= 0:  # a look-back drafts nothing: the blocks drafted ahead are not used
+            self.confirmed = [None] * len(self.rows)
         if not any(self.confirmed):
             return super().propose(num_tokens)
         return self._propose_reusing(num_tokens)
@@ -98,7 +100,7 @@ class OverlappingModelDrafter(ModelDrafter):
             row.drafted = drafted
             tokens.append(drafted)
             probs.append(self._stacked(row_probs))
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs, self._hindsight())
 
     def _starts_where_serial_would(self, ahead: _Ahead) -> bool:
         if self.generator is None or ahead.start_state is None:
@@ -158,6 +160,7 @@ class OverlappingModelDrafter(ModelDrafter):
                 self._feedback_row(i, n, extra, finished[i])
             elif n == len(ahead.block) and list(extra) == [ahead.guess] and row.drafted == ahead.block:
                 row.tokens += ahead.block + [ahead.guess]
+                row.checked_from = len(row.tokens)
                 row.drafted = []
                 self.confirmed[i] = ahead  # used (cut or extended) by the next propose
             else:

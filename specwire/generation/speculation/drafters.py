@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 
@@ -38,6 +38,7 @@ __all__ = [
     "PROMPT_LOOKUP_RULES",
     "DraftFailure",
     "Drafter",
+    "Hindsight",
     "ModelDrafter",
     "PromptLookupDrafter",
     "Proposal",
@@ -57,10 +58,30 @@ class Proposal:
         tokens (`list[list[int]]`): per row, the proposed tokens (possibly none).
         probs (`list[torch.Tensor | None]`): per row, the draft's processed probabilities of shape
             `(len(tokens[row]), vocab)` when the session returns them, else `None`.
+        hindsight (`list[Hindsight]`, *optional*): per row, what the draft's guesses of the target's tokens
+            it caught up on since the last proposal (the controller's time off) say; None from a drafter that
+            does not report it.
     """
 
     tokens: list[list[int]]
     probs: list[torch.Tensor | None]
+    hindsight: list[Hindsight] | None = None
+
+
+class Hindsight(NamedTuple):
+    """Of the target's tokens a draft caught up on without having drafted before them: how many it `checked`,
+    how many it would have drafted itself (`agreed`: its greedy token given the same prefix) and how often
+    it was sure enough to go on drafting after its guess (`confident`: its confidence threshold). Read from
+    the draft's raw logits, without the request's processors: evidence of what drafting would have had,
+    for the speculation controller, never for output."""
+
+    checked: int = 0
+    agreed: int = 0
+    confident: int = 0
+
+    def __add__(self, other: object) -> Hindsight:
+        assert isinstance(other, Hindsight)
+        return Hindsight(*(a + b for a, b in zip(self, other, strict=True)))
 
 
 class Drafter(Protocol):
@@ -194,6 +215,11 @@ class _RowCache:
         self.cache = cache
         self.cached = 0  # tokens[:cached] are in the cache
         self.drafted: list[int] = []
+        # Hindsight: tokens[checked_from:] were emitted by the target without a draft of this session before
+        # them (time off), so the draft's guess of each is a fair check; `checked`, `agreed` since the last
+        # proposal.
+        self.checked_from = len(tokens)
+        self.hindsight = Hindsight()
 
 
 class ModelDrafter:
@@ -237,9 +263,25 @@ class ModelDrafter:
         self._last_logits = {"logits_to_keep": 1} if accepts_argument(model, "logits_to_keep") else {}
 
     def _next_scores(self, row: _RowCache, new_tokens: list[int]) -> torch.Tensor:
+        """Run `new_tokens` through the row's cache: the scores of the token after them `[1, draft_vocab]`.
+
+        Greedy, the positions before tokens of the target's time off (`_RowCache.checked_from`) keep their
+        logits too, and their argmax is checked against those tokens (`Proposal.hindsight`).
+        """
+        start, end = row.cached, row.cached + len(new_tokens) - 1  # the positions this forward computes
+        first = max(row.checked_from, start + 1)  # position p guesses token p + 1: the first token checked
+        checks = 0 if self.do_sample else max(min(len(row.tokens), end + 2) - first, 0)
+        keep = {"logits_to_keep": checks + 1} if self._last_logits and checks else self._last_logits
         ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=row.cache, use_cache=True, **self._last_logits)
+        out = self.model(input_ids=ids, past_key_values=row.cache, use_cache=True, **keep)
         row.cached += len(new_tokens)
+        if checks:
+            offset = first - 1 - (end - out.logits.shape[1] + 1)  # the logits of position first - 1
+            logits = out.logits[0, offset : offset + checks].float()
+            guessed = logits.argmax(-1)
+            agreed = sum(g == t for g, t in zip(guessed.tolist(), row.tokens[first : first + checks], strict=True))
+            unsure = int(self.confidence(guessed, logits).sum()) if self.confidence.enabled else 0
+            row.hindsight += Hindsight(checks, agreed, checks - unsure)
         return cast(torch.Tensor, out.logits[:, -1, :].float())  # [1, draft_vocab]
 
     def _fit_vocab(self, scores: torch.Tensor) -> torch.Tensor:
@@ -254,6 +296,9 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def propose(self, num_tokens: int) -> Proposal:
+        """Up to `num_tokens` drafts per row; asked for none, the draft only catches up (`look_back`)."""
+        if num_tokens <= 0:
+            return self.look_back()
         tokens: list[list[int]] = []
         probs: list[torch.Tensor | None] = []
         for i, row in enumerate(self.rows):
@@ -264,7 +309,25 @@ class ModelDrafter:
             row.drafted = drafted
             tokens.append(drafted)
             probs.append(self._stacked(row_probs))
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs, self._hindsight())
+
+    @torch.inference_mode()
+    def look_back(self) -> Proposal:
+        """No drafts: each row's cache catches up on the tokens it lacks but the last (the next forward's
+        input), and reports how many of them it would have drafted (`Proposal.hindsight`): a cheap probe of
+        whether drafting would pay again, for the price of a prefill."""
+        for i, row in enumerate(self.rows):
+            row.drafted = []
+            if not self.finished[i] and len(row.tokens) - row.cached > 1:
+                self._next_scores(row, row.tokens[row.cached : -1])
+        return Proposal([[] for _ in self.rows], [None] * len(self.rows), self._hindsight())
+
+    def _hindsight(self) -> list[Hindsight]:
+        """Each row's hindsight since the last proposal, then reset."""
+        out = [row.hindsight for row in self.rows]
+        for row in self.rows:
+            row.hindsight = Hindsight()
+        return out
 
     def _stacked(self, row_probs: list[torch.Tensor]) -> torch.Tensor | None:
         return torch.stack(row_probs).cpu() if row_probs and self.return_probs else None
@@ -343,6 +406,10 @@ class ModelDrafter:
         row = self.rows[i]
         kept = len(row.tokens) + num_accepted
         row.tokens += row.drafted[:num_accepted] + list(appended)
+        if row.drafted:
+            # The token after the kept drafts answers the block: not a fair check of the draft. Any after it
+            # (feedback of several rounds at once: a remote drafter's time off) are.
+            row.checked_from = kept + 1
         # The cache holds the old tokens plus drafted tokens; keep the accepted ones.
         self._crop(row, kept)
         row.drafted = []

@@ -141,6 +141,16 @@ class AcceptanceEstimate:
         self.accepted = self.accepted * self.decay + successes
         self.rejected = self.rejected * self.decay + (1.0 if successes < trials else 0.0)
 
+    def observe_counts(self, successes: int, failures: int, per_token: bool = False) -> None:
+        """Tokens checked one by one (hindsight): `successes` and `failures`, the evidence before them forgotten
+        as `failures` chains would forget it, or (`per_token`) as if each token had been a chain (what the
+        request's draft does now, rather than its whole history: its acceptance changes along an answer)."""
+        if successes + failures <= 0:
+            return
+        forget = self.decay ** (successes + failures if per_token else max(failures, 1))
+        self.accepted = self.accepted * forget + successes
+        self.rejected = self.rejected * forget + failures
+
     @property
     def mean(self) -> float:
         return (self.alpha0 + self.accepted) / (self.alpha0 + self.beta0 + self.accepted + self.rejected)
@@ -182,6 +192,11 @@ class RunLengths:
         for j in range(min(accepted + 1, drafted, len(self.tried))):
             self.tried[j] += 1.0
             self.kept[j] += 1.0 if j < accepted else 0.0
+
+    def forget(self, factor: float) -> None:
+        """Keep `factor` of the evidence (what the blocks said has aged: the time off went by)."""
+        self.tried = [t * factor for t in self.tried]
+        self.kept = [k * factor for k in self.kept]
 
     def survival(self, overall: float, k: int) -> list[float]:
         """`[S(1), .., S(k)]`, `S(j)` the chance that drafts `1..j` are all kept, given `overall` acceptance."""
