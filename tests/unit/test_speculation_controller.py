@@ -431,3 +431,21 @@ def test_a_look_back_is_skipped_when_the_rest_cannot_repay_the_catch_up_and_a_si
     controller.observe(0, [0], [0], [0], 0.02, 0.036, 1, behind=3, hindsight=(0, 0, 0))
     assert not controller.look_back and controller.off
     assert controller.next_length(remaining=1000) == options.probe_length and controller.probing
+
+
+def test_a_co_located_look_back_under_load_counts_the_wait_of_the_others():
+    """A co-located draft's catch-up takes the device from every request waiting: a look-back affordable alone is
+    skipped under load, where a remote draft's (on its own device) is not."""
+    costs = _curve_costs(draft_per_token=0.005)
+    costs.observe_catch_up("draft_model", 400, 0.4)  # 1 ms a token
+    options = ControllerOptions(off_rounds=2)
+
+    def look_back_made(**kwargs) -> bool:
+        controller = SpeculationController(costs, "draft_model", options=options, look_back=True, **kwargs)
+        _plain_rounds(controller, 2)
+        controller.next_length(remaining=300, behind=200)  # 0.2 s against 5% of 300 plain rounds (~0.5 s)
+        return controller.looking_back
+
+    assert look_back_made(shares_device=True)
+    assert look_back_made(load=lambda: 7)
+    assert not look_back_made(shares_device=True, load=lambda: 7)

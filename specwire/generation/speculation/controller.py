@@ -63,20 +63,18 @@ starts only when the expected saving over the remaining tokens repays it, and a 
 when its expected extra cost (catch-up, draft, verify over a plain round) is within `probe_budget`
 of the plain decoding of the rest (a probe it cannot repay even when it succeeds is not worth it).
 
-Priors. A draft model's request starts from the acceptance and continuation this target measured over the
-last ~100 row-rounds (blocks and look-backs) of earlier requests with that drafter (`SharedCosts.priors`),
-weighed as 4 tokens: how
-often a draft model agrees with its target is mostly a property of the pair, and a cautious constant kept a
-request with a long prompt from ever drafting (the saving it expected did not repay the draft's prefill) where
-drafting every round was 1.78x faster. Before any request measured it, and for prompt lookup always, the
-constant `PRIORS`: a draft model acceptance 0.7, continuation 0.8; prompt lookup acceptance 0.8 (its copies
-are kept at 0.8-0.85 per token on the benchmark's prompts, counted as runs), a match half the time (whether a
-prompt repeats itself is a property of the prompt); its drafts cost nothing measurable, so it drafts from the
-first round. Until a cost has been
-measured it is taken relative to the plain round's cost (`v1 = verify_slope_prior * v0`,
-`d1 = draft_slope_prior * p0`, `d0 = 0`; a drafting round is first assumed to cost what a plain one
-does). Draft times are learned only from rounds whose previous round also drafted: the first block of
-a request and a probe after time off include the catch-up, learned apart.
+Priors. A draft model's request starts from the acceptance and continuation this target measured over the last
+~100 row-rounds (blocks and look-backs) of earlier requests with that drafter (`SharedCosts.priors`), weighed
+as 4 tokens: how often a draft model agrees with its target is mostly a property of the pair, and a cautious
+constant kept a request with a long prompt from ever drafting (the saving it expected did not repay the
+draft's prefill) where drafting every round was 1.78x faster. Before any request measured it, and for prompt
+lookup always, the constant `PRIORS`: a draft model acceptance 0.7, continuation 0.8; prompt lookup acceptance
+0.8 (its copies are kept at 0.8-0.85 per token on the benchmark's prompts, counted as runs), a match half the
+time (whether a prompt repeats itself is a property of the prompt); its drafts cost nothing measurable, so it
+drafts from the first round. Until a cost has been measured it is taken relative to the plain round's cost
+(`v1 = verify_slope_prior * v0`, `d1 = draft_slope_prior * p0`, `d0 = 0`; a drafting round is first assumed to
+cost what a plain one does). Draft times are learned only from rounds whose previous round also drafted: the
+first block of a request and a probe after time off include the catch-up, learned apart.
 
 Pure Python, thread-safe where shared (`SharedCosts`); no services. Output never depends on it: the
 draft length changes how many tokens a round verifies, not which tokens are emitted.
@@ -284,6 +282,8 @@ class ControllerOptions:
             extra seconds / (budget x a plain round)); 0 only doubles. A draft model's probe pays its
             catch-up on every token since it last drafted (and the first one the draft's prefill of
             the prompt): on a CPU that is several plain rounds, which probing every few rounds repeats.
+            A co-located draft's probe or look-back delays every request waiting for the device: its
+            extra cost counts once per request (`shares_device`).
     """
 
     max_length: int = 20
@@ -371,11 +371,7 @@ class SpeculationController:
         if self.continuation is None:
             self.continuation = AcceptanceEstimate(prior_mean=continue_prior)
         if self.look_back:
-            # A request starts with time off: its first look-back checks the draft on its own first tokens for
-            # the price of the prefill a first block pays too, and is skipped where the rest of the request
-            # cannot repay that prefill (`probe_budget`). The first tokens of an answer are drafted worse than
-            # the rest (SmolLM2 and its int8 draft agree on ~0.65 of a chat answer's first 60 tokens, ~0.98
-            # after): a block there mostly costs.
+            # Time off first: the first look-back, not a block, tries the draft (module docstring, Look-backs).
             self.off_period = self.options.off_rounds
             self.off_left = self.off_period
 
@@ -512,7 +508,14 @@ class SpeculationController:
         extra = prices.catch_up * behind  # a look-back's whole cost
         if not self.look_back:
             extra += d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s
-        return extra <= self.options.probe_budget * remaining * plain_s
+        return extra * self._sharers() <= self.options.probe_budget * remaining * plain_s
+
+    def _sharers(self) -> float:
+        """How many requests a probe's extra time delays: this one, and for a draft on the target's device
+        (`shares_device`) every other one waiting for the device while it drafts or catches up."""
+        if not self.shares_device or self.load is None:
+            return 1.0
+        return 1.0 + max(float(self.load()), 0.0)
 
     @property
     def off(self) -> bool:
@@ -601,5 +604,5 @@ class SpeculationController:
         if not self.options.probe_budget or plain is None:
             return 0
         plain_round = plain[0] + plain[1] * self.rows
-        extra = max(probe_seconds - plain_round, 0.0)
+        extra = max(probe_seconds - plain_round, 0.0) * self._sharers()
         return int(math.ceil(extra / (self.options.probe_budget * max(plain_round, 1e-9))))
