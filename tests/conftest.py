@@ -36,6 +36,15 @@ def tiny_draft_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_draft(tiny_draft_dir):
+    """`tiny_draft_dir` loaded once (`load_model`), for the tests that only read it: one that changes the model
+    (a `Faults` delay) loads its own."""
+    from specwire.models import load_model
+
+    return load_model(str(tiny_draft_dir), progress=False)
+
+
+@pytest.fixture(scope="session")
 def smollm():
     """The embedded default model (`load_model("default")`): SmolLM2-135M-Instruct, dequantized from GGUF.
 

@@ -48,19 +48,14 @@ def loaded(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def draft(tiny_draft_dir):
-    return load_model(str(tiny_draft_dir), progress=False)
-
-
-@pytest.fixture(scope="module")
-def targets(loaded, draft):
+def targets(loaded, tiny_draft):
     """`targets(scheduler)`: a target with the co-located draft (built once per module and scheduler)."""
     built: dict[str, Target] = {}
     with ExitStack() as stack:
 
         def get(scheduler: str) -> Target:
             if scheduler not in built:
-                policy = DraftPolicy(draft_model=draft)
+                policy = DraftPolicy(draft_model=tiny_draft)
                 # Slots of 64 positions in "lane": longer requests run in the sequential lane.
                 options = SchedulerOptions(lean_forward=False, slot_tokens=64 if scheduler == "lane" else None)
                 server = stack.enter_context(
@@ -105,14 +100,14 @@ def test_greedy_equals_plain_greedy(targets, scheduler, draft_length):
     assert target.policy.open_streams == 0
 
 
-def test_seeded_sampling_equals_the_same_draft_behind_the_draft_service(targets, loaded, draft):
+def test_seeded_sampling_equals_the_same_draft_behind_the_draft_service(targets, loaded, tiny_draft):
     """The co-located drafter is the draft service's drafter: same seed, same tokens (both lossless)."""
     kwargs = dict(max_new_tokens=20, do_sample=True, seed=7, top_k=20, num_return_sequences=2, **DRAFT)
     with TargetClient(targets("batched").address) as client:
         colocated = client.generate(BATCH[:1], **kwargs)
         again = client.generate(BATCH[:1], **kwargs)
     with ExitStack() as stack:
-        drafts = stack.enter_context(threaded_server(lambda: build_draft_server(draft)))
+        drafts = stack.enter_context(threaded_server(lambda: build_draft_server(tiny_draft)))
         policy = DraftPolicy(drafts.address, round_timeout_s=30.0)
         stack.callback(policy.close)
         remote = stack.enter_context(threaded_server(lambda: build_target_server(loaded, drafting=policy)))
@@ -169,8 +164,8 @@ def test_drafts_run_off_the_event_loop(targets, scheduler, thread):
     assert names and all(n.startswith(thread) for n in names), set(names)
 
 
-def test_another_vocabulary_is_refused(loaded, draft):
-    check_draft_model(loaded, draft)  # the same tokenizer: accepted
+def test_another_vocabulary_is_refused(loaded, tiny_draft):
+    check_draft_model(loaded, tiny_draft)  # the same tokenizer: accepted
     other = types.SimpleNamespace(tokenizer=build_tokenizer(vocab_size=300), model_id="other-draft")
     with pytest.raises(ValueError, match="another vocabulary"):
         check_draft_model(loaded, other)

@@ -16,20 +16,14 @@ from specwire.common.v1 import common_pb2
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.draft_service.__main__ import build_server
-from specwire.models import load_model
 from specwire.wire.generation_config import dict_to_proto
 from specwire.wire.tensors import tensor_from_proto
 from tests.servers import threaded_server
 
 
 @pytest.fixture(scope="module")
-def draft_loaded(tiny_draft_dir):
-    return load_model(str(tiny_draft_dir), progress=False)
-
-
-@pytest.fixture(scope="module")
-def server(draft_loaded):
-    with threaded_server(lambda: build_server(draft_loaded)) as running:
+def server(tiny_draft):
+    with threaded_server(lambda: build_server(tiny_draft)) as running:
         yield running
 
 
@@ -93,8 +87,8 @@ def test_prompt_lookup_session_follows_accepted_tokens(server):
     stream.close()
 
 
-def test_prompt_lookup_transformers_rule(draft_loaded):
-    with threaded_server(lambda: build_server(draft_loaded, prompt_lookup_rule="transformers")) as server:
+def test_prompt_lookup_transformers_rule(tiny_draft):
+    with threaded_server(lambda: build_server(tiny_draft, prompt_lookup_rule="transformers")) as server:
         stream = Stream(server.address)
         rows = [[10, 11, 12, 13, 14, 10, 11], [7, 8, 9], [11, 12, 13, 19, 12, 13, 14, 19, 12, 13]]
         first = stream.send(start(rows, pb.DRAFT_METHOD_PROMPT_LOOKUP, num_tokens=3))
@@ -231,8 +225,8 @@ def servicer_of(running):
     return running.server.bindings[0].servicer
 
 
-def test_sessions_are_counted_and_capped_with_a_retry_hint(draft_loaded):
-    with threaded_server(lambda: build_server(draft_loaded, max_sessions=2)) as running:
+def test_sessions_are_counted_and_capped_with_a_retry_hint(tiny_draft):
+    with threaded_server(lambda: build_server(tiny_draft, max_sessions=2)) as running:
         servicer = servicer_of(running)
         first, second, third = (Stream(running.address) for _ in range(3))
         first.send(start([[1, 2, 1]], pb.DRAFT_METHOD_MODEL))
@@ -255,8 +249,8 @@ def test_sessions_are_counted_and_capped_with_a_retry_hint(draft_loaded):
         assert _wait_for(lambda: servicer.open_sessions == 0)
 
 
-def test_idle_sessions_are_ended_with_a_clear_status(draft_loaded):
-    with threaded_server(lambda: build_server(draft_loaded, session_idle_timeout_s=0.3)) as running:
+def test_idle_sessions_are_ended_with_a_clear_status(tiny_draft):
+    with threaded_server(lambda: build_server(tiny_draft, session_idle_timeout_s=0.3)) as running:
         servicer = servicer_of(running)
         stream = Stream(running.address)
         stream.send(start([[5, 6, 7]], pb.DRAFT_METHOD_MODEL, {"eos_token_id": 2}))
@@ -277,8 +271,8 @@ def test_idle_sessions_are_ended_with_a_clear_status(draft_loaded):
         busy.close()
 
 
-def test_cancelled_and_broken_streams_release_their_sessions(draft_loaded):
-    with threaded_server(lambda: build_server(draft_loaded)) as running:
+def test_cancelled_and_broken_streams_release_their_sessions(tiny_draft):
+    with threaded_server(lambda: build_server(tiny_draft)) as running:
         servicer = servicer_of(running)
         streams = [Stream(running.address) for _ in range(4)]
         for stream in streams:

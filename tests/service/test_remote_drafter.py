@@ -10,7 +10,6 @@ from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft_service.__main__ import build_server
 from specwire.generation.config import GenerationConfig
 from specwire.generation.speculation.drafters import open_model_drafter
-from specwire.models import load_model
 from specwire.target_service.remote_drafter import DraftChannel, RemoteDrafter
 from tests.servers import threaded_server
 
@@ -23,22 +22,17 @@ WITH_LOOK_BACKS = [0, 0, LOOK, 0, 3, 0, 0, 0, LOOK, 2, 0, 0, LOOK, LOOK, 4]
 
 
 @pytest.fixture(scope="module")
-def draft(tiny_draft_dir):
-    return load_model(str(tiny_draft_dir), progress=False)
-
-
-@pytest.fixture(scope="module")
-def channel(draft):
-    with threaded_server(lambda: build_server(draft)) as running:
+def channel(tiny_draft):
+    with threaded_server(lambda: build_server(tiny_draft)) as running:
         opened = DraftChannel(running.address)
         yield opened
         opened.close()
 
 
 @pytest.mark.parametrize("overlap, lengths", [(False, LENGTHS), (True, LENGTHS), (False, WITH_LOOK_BACKS)])
-def test_rounds_without_a_proposal_reach_the_draft_service(draft, channel, overlap, lengths):
+def test_rounds_without_a_proposal_reach_the_draft_service(tiny_draft, channel, overlap, lengths):
     config = GenerationConfig(eos_token_id=2, assistant_confidence_threshold=0.0)
-    local = open_model_drafter(draft.model, [list(r) for r in ROWS], config, 378, return_probs=False)
+    local = open_model_drafter(tiny_draft.model, [list(r) for r in ROWS], config, 378, return_probs=False)
     remote = RemoteDrafter(
         channel, [list(r) for r in ROWS], config, pb.DRAFT_METHOD_MODEL, 378, False, 30.0, overlap=overlap
     )

@@ -8,7 +8,6 @@ import torch
 
 from specwire.generation.config import GenerationConfig
 from specwire.generation.speculation.drafters import Hindsight, ModelDrafter
-from specwire.models import load_model
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
 # The target's tokens: after the first block (none of it kept), a correction, then a time off: 4 tokens the draft
@@ -16,11 +15,6 @@ PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
 CORRECTION = [41]
 OTHERS = [12, 99, 7, 250]
 THRESHOLD = 0.025  # the confidence threshold: the tiny draft's guesses fall on both sides of it
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft_dir):
-    return load_model(str(tiny_draft_dir), progress=False)
 
 
 def _expected(model, tokens: list[int], first: int, threshold: float) -> Hindsight:
@@ -42,21 +36,21 @@ def _greedy(model, tokens: list[int], count: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def time_off(draft) -> list[int]:
-    return _greedy(draft.model, PROMPT + CORRECTION, 4) + OTHERS
+def time_off(tiny_draft) -> list[int]:
+    return _greedy(tiny_draft.model, PROMPT + CORRECTION, 4) + OTHERS
 
 
 def _config(do_sample: bool = False) -> GenerationConfig:
     return GenerationConfig(eos_token_id=2, do_sample=do_sample, assistant_confidence_threshold=THRESHOLD)
 
 
-def _drafter(draft, do_sample: bool = False) -> ModelDrafter:
+def _drafter(tiny_draft, do_sample: bool = False) -> ModelDrafter:
     generator = torch.Generator().manual_seed(0)
-    return ModelDrafter(draft.model, [list(PROMPT)], _config(do_sample), 378, generator=generator)
+    return ModelDrafter(tiny_draft.model, [list(PROMPT)], _config(do_sample), 378, generator=generator)
 
 
-def test_a_look_back_checks_the_time_off_against_a_full_forward(draft, time_off):
-    drafter = _drafter(draft)
+def test_a_look_back_checks_the_time_off_against_a_full_forward(tiny_draft, time_off):
+    drafter = _drafter(tiny_draft)
     first = drafter.propose(3)
     assert first.hindsight == [Hindsight()]  # the prompt is not checked: the target emitted none of it
     drafter.feedback([0], [CORRECTION], [False])
@@ -66,19 +60,19 @@ def test_a_look_back_checks_the_time_off_against_a_full_forward(draft, time_off)
     assert seen.tokens == [[]]
     tokens = PROMPT + CORRECTION + time_off
     # The correction answered the block: not a fair check. Every token after it is.
-    expected = _expected(draft.model, tokens, len(PROMPT) + 1, threshold=THRESHOLD)
+    expected = _expected(tiny_draft.model, tokens, len(PROMPT) + 1, threshold=THRESHOLD)
     assert seen.hindsight == [expected]
     assert expected.checked == len(time_off) and expected.agreed >= 4 and 0 < expected.confident < len(time_off)
     assert drafter.propose(0).hindsight == [Hindsight()]  # reported once
 
     # Caught up, the draft proposes what a fresh draft of the same tokens proposes.
-    fresh = ModelDrafter(draft.model, [list(tokens)], _config(), 378)
+    fresh = ModelDrafter(tiny_draft.model, [list(tokens)], _config(), 378)
     assert drafter.propose(4).tokens == fresh.propose(4).tokens
 
 
-def test_a_block_after_time_off_reports_the_time_off_too(draft, time_off):
+def test_a_block_after_time_off_reports_the_time_off_too(tiny_draft, time_off):
     """A block asked right after time off (a probe) catches up on the same tokens and reports them."""
-    drafter = _drafter(draft)
+    drafter = _drafter(tiny_draft)
     drafter.propose(2)
     drafter.feedback([0], [CORRECTION], [False])
     for token in time_off[:5]:
@@ -86,23 +80,23 @@ def test_a_block_after_time_off_reports_the_time_off_too(draft, time_off):
     proposal = drafter.propose(3)
     tokens = PROMPT + CORRECTION + time_off[:5]
     # The last token is the forward's input: its guess came from the one before, checked too.
-    assert proposal.hindsight == [_expected(draft.model, tokens, len(PROMPT) + 1, threshold=THRESHOLD)]
+    assert proposal.hindsight == [_expected(tiny_draft.model, tokens, len(PROMPT) + 1, threshold=THRESHOLD)]
 
 
-def test_the_token_after_a_kept_block_is_not_checked(draft, time_off):
+def test_the_token_after_a_kept_block_is_not_checked(tiny_draft, time_off):
     """The bonus token after a block the target kept whole answers that block: only the time off after it counts."""
-    drafter = _drafter(draft)
+    drafter = _drafter(tiny_draft)
     block = drafter.propose(3).tokens[0]
     drafter.feedback([len(block)], [[77]], [False])
     for token in time_off:
         drafter.feedback([0], [[token]], [False])
     tokens = PROMPT + block + [77] + time_off
-    assert drafter.propose(0).hindsight == [_expected(draft.model, tokens, len(tokens) - len(time_off), THRESHOLD)]
+    assert drafter.propose(0).hindsight == [_expected(tiny_draft.model, tokens, len(tokens) - len(time_off), THRESHOLD)]
 
 
-def test_a_sampling_draft_reports_no_hindsight(draft):
+def test_a_sampling_draft_reports_no_hindsight(tiny_draft):
     """Sampled drafts are kept by chance, not when they equal the target's token: argmax agreement says nothing."""
-    drafter = _drafter(draft, do_sample=True)
+    drafter = _drafter(tiny_draft, do_sample=True)
     drafter.propose(2)
     drafter.feedback([0], [CORRECTION], [False])
     for token in OTHERS:
