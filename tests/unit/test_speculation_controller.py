@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -449,3 +451,20 @@ def test_a_co_located_look_back_under_load_counts_the_wait_of_the_others():
     assert look_back_made(shares_device=True)
     assert look_back_made(load=lambda: 7)
     assert not look_back_made(shares_device=True, load=lambda: 7)
+
+
+def test_the_time_off_after_a_look_back_is_priced_by_the_next_one_not_by_the_prompt_the_first_caught_up_on():
+    """The first look-back also pays the draft's prefill of the prompt, a one-off: the time off after it is what
+    the next look-back costs (a catch-up forward's fixed cost, then the time off's tokens) within the budget."""
+    costs = _curve_costs(draft_per_token=0.005)
+    fixed, per_token = 0.017, 0.0008
+    for tokens in (4, 16, 70, 400) * 3:
+        costs.observe_catch_up("draft_model", tokens, fixed + per_token * tokens)
+    options = ControllerOptions(off_rounds=3)
+    controller = SpeculationController(costs, "draft_model", options=options, look_back=True)
+    _plain_rounds(controller, 3)
+    assert controller.next_length(remaining=500, behind=72) == 0 and controller.looking_back
+    controller.observe(0, [0], [0], [0], fixed + per_token * 72, 0.036, 1, behind=72, hindsight=(3, 0, 3))
+    p0, p1 = costs.plain()
+    expected = math.ceil(fixed / (options.probe_budget * (p0 + p1) - per_token))
+    assert abs(controller.off_period - expected) <= 1 and expected < 30  # ~59 priced by this look-back's cost

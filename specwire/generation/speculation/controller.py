@@ -41,19 +41,20 @@ least doubles the time off (up to `max_off_rounds`), and makes it long enough th
 cost stays within `probe_budget` of it; a probe that pays resumes drafting and resets it.
 
 Look-backs. A greedy draft model's request (`look_back`) ends its time off with a look-back instead: the drafter
-only catches up on the target's tokens and reports how many of them it would have drafted itself, and whether
-it would have gone on after each (`drafters.Hindsight`: its greedy guesses, checked against tokens the target
-emitted anyway). That is evidence on every token of the time off, for the price of the catch-up a probe pays
-too and no block to verify. Acceptance changes along an answer (SmolLM2 and its int8 draft agree on ~0.65 of a
-chat answer's first 60 tokens and ~0.98 after; on a fifth of the low-acceptance prompt's first 20 and nearly
-all after), and a probe every 4, 8, 16.. rounds saw too few tokens to notice: the request's estimates weigh
-the look-back's tokens as the most recent evidence (`AcceptanceEstimate.observe_counts(per_token=True)`). A
-look-back after which drafting would not pay is followed by the time off its cost allows within
-`probe_budget` (no doubling: the next one may see a later part of the answer), one that would pay resumes
-drafting. Such a request also starts with time off: its first look-back checks the draft on the answer's
-first tokens, where a first block mostly cost, and is skipped, like any look-back, where the rest of the
-request cannot repay the draft's prefill of the prompt (a long prompt, a short answer). A look-back that
-reports nothing (a draft service without hindsight) turns the request to probes.
+only catches up on the target's tokens and reports how many of them it would have drafted itself, and whether it
+would have gone on after each (`drafters.Hindsight`: its greedy guesses, checked against tokens the target
+emitted anyway). That is evidence on every token of the time off, for the price of the catch-up a probe pays too
+and no block to verify. Acceptance changes along an answer (SmolLM2 and its int8 draft agree on ~0.65 of a chat
+answer's first 60 tokens and ~0.98 after; on a fifth of the low-acceptance prompt's first 20 and nearly all
+after), and a probe every 4, 8, 16.. rounds saw too few tokens to notice: the request's estimates weigh the
+look-back's tokens as the most recent evidence (`AcceptanceEstimate.observe_counts(per_token=True)`). A
+look-back after which drafting would not pay is followed by the time off after which the next one costs at most
+`probe_budget` of it (`_look_back_interval`: a catch-up forward's fixed cost and that time off's tokens; no
+doubling: the next one may see a later part of the answer), one that would pay resumes drafting. Such a request
+also starts with time off: its first look-back checks the draft on the answer's first tokens, where a first
+block mostly cost, and is skipped, like any look-back, where the rest of the request cannot repay the draft's
+prefill of the prompt (a long prompt, a short answer). A look-back that reports nothing (a draft service without
+hindsight) turns the request to probes.
 
 The rest of the request. The loop tells the controller how many tokens the request may still generate
 and how many tokens the drafter has not seen yet (`behind`: the whole context before its first block,
@@ -229,10 +230,15 @@ class SharedCosts:
 
     def catch_up(self, proposer: str) -> float:
         """Seconds per token the drafter has not seen (0 until measured)."""
+        line = self.catch_up_line(proposer)
+        return line[1] if line is not None else 0.0
+
+    def catch_up_line(self, proposer: str) -> tuple[float, float] | None:
+        """`(fixed, per token)` seconds of the drafter's catch-up (a forward's fixed cost, then its tokens);
+        None until measured."""
         with self._lock:
             cost = self._catch_up.get(proposer)
-            fitted = cost.fit(None) if cost is not None else None
-        return fitted[1] if fitted is not None else 0.0
+            return cost.fit(None) if cost is not None else None
 
     def prices(self, proposer: str) -> Prices:
         """The costs of one decision; before any measurement the prior's shape on a unit scale, and a drafting
@@ -505,9 +511,11 @@ class SpeculationController:
         k = self.options.probe_length
         plain_s = prices.plain(self.rows)
         d0, d1 = prices.draft
-        extra = prices.catch_up * behind  # a look-back's whole cost
-        if not self.look_back:
-            extra += d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s
+        if self.look_back:  # its whole cost: the catch-up forward
+            line = self.costs.catch_up_line(self.proposer)
+            extra = line[0] + line[1] * behind if line is not None else 0.0
+        else:
+            extra = prices.catch_up * behind + d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s
         return extra * self._sharers() <= self.options.probe_budget * remaining * plain_s
 
     def _sharers(self) -> float:
@@ -584,8 +592,7 @@ class SpeculationController:
                 self.off_period = 0  # drafting would have paid over the time off
             else:
                 self.off_period = min(
-                    max(self.options.off_rounds, self._budgeted_off_rounds(draft_s + verify_s)),
-                    self.options.max_off_rounds,
+                    max(self.options.off_rounds, self._look_back_interval()), self.options.max_off_rounds
                 )
                 self.off_left = self.off_period
         elif self.probing:
@@ -597,6 +604,19 @@ class SpeculationController:
                     self.options.max_off_rounds,
                 )
                 self.off_left = self.off_period
+
+    def _look_back_interval(self) -> int:
+        """Plain rounds after which the next look-back (a catch-up forward's fixed cost, and the catch-up of those
+        rounds' tokens) costs at most `probe_budget` of them. Not the last look-back's cost: the first one also
+        caught up on the prompt, which is not done again."""
+        plain, line = self.costs.plain(), self.costs.catch_up_line(self.proposer)
+        if not self.options.probe_budget or plain is None or line is None:
+            return 0
+        sharers = self._sharers()
+        room = self.options.probe_budget * (plain[0] + plain[1] * self.rows) - line[1] * self.rows * sharers
+        if room <= 0:
+            return self.options.max_off_rounds
+        return int(math.ceil(line[0] * sharers / room))
 
     def _budgeted_off_rounds(self, probe_seconds: float) -> int:
         """Plain rounds after which a probe's extra cost is at most `probe_budget` of the time off."""
