@@ -226,7 +226,7 @@ class DraftPolicy:
                     return PromptLookupDrafter(rows, config, vocab_size, self.prompt_lookup_rule)
                 method = pb.DRAFT_METHOD_PROMPT_LOOKUP
             else:
-                if self.draft_model is not None:
+                if self.colocated(proposer):
                     return self._colocated(rows, config, vocab_size)
                 if self.draft_address is None:
                     raise DraftFailure(
@@ -335,9 +335,14 @@ class DraftPolicy:
         if not self.adaptive or proposer in (PROPOSER_NONE, PROPOSER_MTP, PROPOSER_DFLASH) or named_fields:
             return None
         # A co-located draft model computes on the target's device (early exit does too, but is not adaptive).
-        shares_device = proposer == PROPOSER_DRAFT_MODEL and self.draft_model is not None
         look_back = proposer == PROPOSER_DRAFT_MODEL and greedy
-        return SpeculationController(self.costs, proposer, load=load, shares_device=shares_device, look_back=look_back)
+        return SpeculationController(
+            self.costs, proposer, load=load, shares_device=self.colocated(proposer), look_back=look_back
+        )
+
+    def colocated(self, proposer: str) -> bool:
+        """Whether `proposer`'s drafts are computed in this process, on the target's device (`--draft-model`)."""
+        return proposer == PROPOSER_DRAFT_MODEL and self.draft_model is not None
 
     def close(self) -> None:
         """Cancel the draft streams still open and close the channel."""
