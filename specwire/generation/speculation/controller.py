@@ -86,6 +86,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -102,6 +103,9 @@ __all__ = [
     "SharedCosts",
     "SpeculationController",
 ]
+
+# How long a draft, catch-up or verify cost stays known without being measured again (`SharedCosts._current`).
+STALE_AFTER_S = 60.0
 
 # What decided a request's draft lengths (`SpeculationStats.decided_by`).
 DECIDED_BY_CONTROLLER = DRAFT_LENGTH_CONTROLLER
@@ -138,11 +142,23 @@ class SharedCosts:
             fraction of the forward's fixed cost, until block sizes vary.
         draft_slope_prior (`float`, *optional*, defaults to 0.2): draft seconds per proposed token as a
             fraction of the verify forward's fixed cost, until the draft was measured (prompt lookup: 0).
+        stale_after_s (`float`, *optional*, defaults to `STALE_AFTER_S`): a draft, catch-up or verify cost not
+            measured again for this long is forgotten.
+        clock (`Callable[[], float]`, *optional*): seconds, monotonic (`time.monotonic`).
     """
 
-    def __init__(self, verify_slope_prior: float = 0.05, draft_slope_prior: float = 0.2):
+    def __init__(
+        self,
+        verify_slope_prior: float = 0.05,
+        draft_slope_prior: float = 0.2,
+        stale_after_s: float = STALE_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.verify_slope_prior = verify_slope_prior
         self.draft_slope_prior = draft_slope_prior
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._measured_at: dict[tuple[str, str], float] = {}  # (draft | catch_up | verify, proposer) -> last seen
         self._lock = threading.Lock()
         self._verify = SizedCost()  # rounds with drafts
         self._plain = SizedCost()  # rounds without
@@ -154,8 +170,20 @@ class SharedCosts:
     def observe_verify(self, tokens: int, seconds: float, drafted: bool = True) -> None:
         """A round's verify forward and bookkeeping took `seconds` for `tokens` (`drafted`: some row drafted)."""
         with self._lock:
+            if drafted:
+                self._forget_stale_verify()
+                self._measured_at[("verify", "")] = self._clock()
             (self._verify if drafted else self._plain).observe(tokens, seconds)
             self._since_plain = self._since_plain + 1 if drafted else 0
+
+    def _forget_stale_verify(self) -> None:
+        """Rounds with drafts not measured for `stale_after_s` are forgotten (under the lock), as a draft cost is
+        (`_current`): measured in a burst, each request's verify waits for the others' in the packed forward, and
+        such a price keeps every request off drafting once the burst is over."""
+        at = self._measured_at.get(("verify", ""))
+        if at is not None and self._clock() - at > self.stale_after_s:
+            self._verify = SizedCost()
+            del self._measured_at[("verify", "")]
 
     def plain_due(self, every: int) -> bool:
         """Whether a round without drafts should be measured now: none has been since a round with drafts was,
@@ -175,21 +203,39 @@ class SharedCosts:
     def verify(self) -> tuple[float, float] | None:
         """`(v0, v1)`: a round with drafts costs about `v0 + v1 * tokens`; None before one was measured."""
         with self._lock:
+            self._forget_stale_verify()
             return self._verify.line.fit(self.verify_slope_prior)
 
     def observe_draft(self, proposer: str, k: int, seconds: float) -> None:
         with self._lock:
+            self._current(self._drafts, "draft", proposer)  # a stale line is not extended
             self._drafts.setdefault(proposer, LinearCost()).observe(k, seconds)
+            self._measured_at[("draft", proposer)] = self._clock()
 
     def observe_catch_up(self, proposer: str, tokens: int, seconds: float) -> None:
         """The drafter spent `seconds` (beyond drafting) on `tokens` it had not seen (the first block's prefill)."""
         with self._lock:
+            self._current(self._catch_up, "catch_up", proposer)
             self._catch_up.setdefault(proposer, LinearCost()).observe(tokens, max(seconds, 0.0))
+            self._measured_at[("catch_up", proposer)] = self._clock()
+
+    def _current(self, table: dict[str, LinearCost], kind: str, proposer: str) -> LinearCost | None:
+        """`table`'s cost of `proposer`, forgotten once not measured for `stale_after_s` (under the lock).
+
+        A cost measured under a burst (8 clients' drafts served in turn by one draft service: ~20x a single
+        request's) stops every request from drafting, so nothing measures it again: it would outlive the burst
+        for as long as the target runs. Forgotten, the next request drafts or looks back from the prior and
+        measures it anew (a few rounds a minute where drafting does not pay)."""
+        cost = table.get(proposer)
+        if cost is not None and self._clock() - self._measured_at[(kind, proposer)] > self.stale_after_s:
+            del table[proposer]
+            return None
+        return cost
 
     def draft(self, proposer: str, verify_intercept: float) -> tuple[float, float]:
         """`(d0, d1)`: draft seconds = `d0 + d1 * k`, from the prior until `proposer` was measured."""
         with self._lock:
-            cost = self._drafts.get(proposer)
+            cost = self._current(self._drafts, "draft", proposer)
             fitted = cost.fit(None) if cost is not None else None
         if fitted is not None:
             return fitted
@@ -237,7 +283,7 @@ class SharedCosts:
         """`(fixed, per token)` seconds of the drafter's catch-up (a forward's fixed cost, then its tokens);
         None until measured."""
         with self._lock:
-            cost = self._catch_up.get(proposer)
+            cost = self._current(self._catch_up, "catch_up", proposer)
             return cost.fit(None) if cost is not None else None
 
     def prices(self, proposer: str) -> Prices:
