@@ -470,11 +470,10 @@ def test_the_time_off_after_a_look_back_is_priced_by_the_next_one_not_by_the_pro
     assert abs(controller.off_period - expected) <= 1 and expected < 30  # ~59 priced by this look-back's cost
 
 
-def test_a_draft_cost_not_measured_again_for_a_minute_is_forgotten():
+def test_a_cost_not_measured_again_over_16_requests_is_forgotten():
     """A cost measured under a burst stops every request from drafting, so nothing would measure it again: after
-    `stale_after_s` without a measurement it is forgotten, and the next measurement starts a fresh line."""
-    now = [0.0]
-    costs = SharedCosts(stale_after_s=60.0, clock=lambda: now[0])
+    `stale_after_requests` requests without a measurement it is forgotten, and the next one starts a fresh line."""
+    costs = SharedCosts(stale_after_requests=16)
     for k in (1, 2, 3, 4) * 5:
         costs.observe_draft("draft_model", k, 0.2 * k)  # 8 streams served in turn: 200 ms a token
         costs.observe_catch_up("draft_model", 10 * k, 0.1 + 0.01 * k)
@@ -483,9 +482,10 @@ def test_a_draft_cost_not_measured_again_for_a_minute_is_forgotten():
     assert costs.prices("draft_model").verify(3) == pytest.approx(0.3, rel=0.05)
     assert costs.draft("draft_model", 0.03)[1] == pytest.approx(0.2, rel=0.01)
     assert costs.catch_up("draft_model") > 0
-    now[0] = 59.0
+    for _ in range(16):
+        SpeculationController(costs, "draft_model")  # requests that measured nothing
     assert costs.draft("draft_model", 0.03)[1] == pytest.approx(0.2, rel=0.01)  # still known
-    now[0] = 61.0
+    SpeculationController(costs, "draft_model")
     assert costs.draft("draft_model", 0.03) == pytest.approx((0.0, 0.2 * 0.03))  # the prior again
     assert costs.catch_up_line("draft_model") is None and costs.catch_up("draft_model") == 0.0
     prices = costs.prices("draft_model")

@@ -86,7 +86,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -104,8 +103,9 @@ __all__ = [
     "SpeculationController",
 ]
 
-# How long a draft, catch-up or verify cost stays known without being measured again (`SharedCosts._current`).
-STALE_AFTER_S = 60.0
+# How many requests a draft, catch-up or verify cost stays known for without being measured again
+# (`SharedCosts._current`).
+STALE_AFTER_REQUESTS = 16
 
 # What decided a request's draft lengths (`SpeculationStats.decided_by`).
 DECIDED_BY_CONTROLLER = DRAFT_LENGTH_CONTROLLER
@@ -142,22 +142,20 @@ class SharedCosts:
             fraction of the forward's fixed cost, until block sizes vary.
         draft_slope_prior (`float`, *optional*, defaults to 0.2): draft seconds per proposed token as a
             fraction of the verify forward's fixed cost, until the draft was measured (prompt lookup: 0).
-        stale_after_s (`float`, *optional*, defaults to `STALE_AFTER_S`): a draft, catch-up or verify cost not
-            measured again for this long is forgotten.
-        clock (`Callable[[], float]`, *optional*): seconds, monotonic (`time.monotonic`).
+        stale_after_requests (`int`, *optional*, defaults to `STALE_AFTER_REQUESTS`): a draft, catch-up or
+            verify cost not measured again over this many requests (`new_request`) is forgotten.
     """
 
     def __init__(
         self,
         verify_slope_prior: float = 0.05,
         draft_slope_prior: float = 0.2,
-        stale_after_s: float = STALE_AFTER_S,
-        clock: Callable[[], float] = time.monotonic,
+        stale_after_requests: int = STALE_AFTER_REQUESTS,
     ):
         self.verify_slope_prior = verify_slope_prior
         self.draft_slope_prior = draft_slope_prior
-        self.stale_after_s = stale_after_s
-        self._clock = clock
+        self.stale_after_requests = stale_after_requests
+        self._requests = 0  # controllers made on this target (`new_request`)
         self._measured_at: dict[tuple[str, str], float] = {}  # (draft | catch_up | verify, proposer) -> last seen
         self._lock = threading.Lock()
         self._verify = SizedCost()  # rounds with drafts
@@ -172,18 +170,23 @@ class SharedCosts:
         with self._lock:
             if drafted:
                 self._forget_stale_verify()
-                self._measured_at[("verify", "")] = self._clock()
+                self._measured_at[("verify", "")] = self._requests
             (self._verify if drafted else self._plain).observe(tokens, seconds)
             self._since_plain = self._since_plain + 1 if drafted else 0
 
     def _forget_stale_verify(self) -> None:
-        """Rounds with drafts not measured for `stale_after_s` are forgotten (under the lock), as a draft cost is
+        """Rounds with drafts not measured for `stale_after_requests` are forgotten (under the lock), as a draft cost is
         (`_current`): measured in a burst, each request's verify waits for the others' in the packed forward, and
         such a price keeps every request off drafting once the burst is over."""
         at = self._measured_at.get(("verify", ""))
-        if at is not None and self._clock() - at > self.stale_after_s:
+        if at is not None and self._requests - at > self.stale_after_requests:
             self._verify = SizedCost()
             del self._measured_at[("verify", "")]
+
+    def new_request(self) -> None:
+        """A request's controller was made: what costs go stale by (`stale_after_requests`)."""
+        with self._lock:
+            self._requests += 1
 
     def plain_due(self, every: int) -> bool:
         """Whether a round without drafts should be measured now: none has been since a round with drafts was,
@@ -210,24 +213,25 @@ class SharedCosts:
         with self._lock:
             self._current(self._drafts, "draft", proposer)  # a stale line is not extended
             self._drafts.setdefault(proposer, LinearCost()).observe(k, seconds)
-            self._measured_at[("draft", proposer)] = self._clock()
+            self._measured_at[("draft", proposer)] = self._requests
 
     def observe_catch_up(self, proposer: str, tokens: int, seconds: float) -> None:
         """The drafter spent `seconds` (beyond drafting) on `tokens` it had not seen (the first block's prefill)."""
         with self._lock:
             self._current(self._catch_up, "catch_up", proposer)
             self._catch_up.setdefault(proposer, LinearCost()).observe(tokens, max(seconds, 0.0))
-            self._measured_at[("catch_up", proposer)] = self._clock()
+            self._measured_at[("catch_up", proposer)] = self._requests
 
     def _current(self, table: dict[str, LinearCost], kind: str, proposer: str) -> LinearCost | None:
-        """`table`'s cost of `proposer`, forgotten once not measured for `stale_after_s` (under the lock).
+        """`table`'s cost of `proposer`, forgotten once not measured over `stale_after_requests` (under the lock).
 
         A cost measured under a burst (8 clients' drafts served in turn by one draft service: ~20x a single
         request's) stops every request from drafting, so nothing measures it again: it would outlive the burst
         for as long as the target runs. Forgotten, the next request drafts or looks back from the prior and
-        measures it anew (a few rounds a minute where drafting does not pay)."""
+        measures it anew (a few rounds every `stale_after_requests` requests where drafting does not pay). Counted
+        in requests, not seconds: sparse traffic that drafts keeps its costs between requests."""
         cost = table.get(proposer)
-        if cost is not None and self._clock() - self._measured_at[(kind, proposer)] > self.stale_after_s:
+        if cost is not None and self._requests - self._measured_at[(kind, proposer)] > self.stale_after_requests:
             del table[proposer]
             return None
         return cost
@@ -417,6 +421,7 @@ class SpeculationController:
 
     def __post_init__(self) -> None:
         self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
+        self.costs.new_request()
         accept_prior, continue_prior = self.costs.priors(self.proposer)
         if self.acceptance is None:
             self.acceptance = AcceptanceEstimate(prior_mean=accept_prior)
