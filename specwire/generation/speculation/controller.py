@@ -156,7 +156,7 @@ class SharedCosts:
         self.draft_slope_prior = draft_slope_prior
         self.stale_after_requests = stale_after_requests
         self._requests = 0  # controllers made on this target (`new_request`)
-        self._measured_at: dict[tuple[str, str], float] = {}  # (draft | catch_up | verify, proposer) -> last seen
+        self._measured_at: dict[tuple[str, str], int] = {}  # (draft | catch_up | verify, proposer) -> `_requests`
         self._lock = threading.Lock()
         self._verify = SizedCost()  # rounds with drafts
         self._plain = SizedCost()  # rounds without
@@ -184,7 +184,7 @@ class SharedCosts:
             del self._measured_at[("verify", "")]
 
     def new_request(self) -> None:
-        """A request's controller was made: what costs go stale by (`stale_after_requests`)."""
+        """A request's controller was made: unmeasured costs age by one request (`stale_after_requests`)."""
         with self._lock:
             self._requests += 1
 
