@@ -31,7 +31,8 @@ from typing import Any, cast
 from specwire.deadline import caller_deadline
 from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.errors import FieldProblem, InvalidArgument
-from specwire.generation.speculation.controller import SharedCosts, SpeculationController
+from specwire.generation.speculation.controller import SpeculationController
+from specwire.generation.speculation.costs import SharedCosts
 from specwire.generation.speculation.dflash import dflash_hidden_layers, open_dflash_drafter
 from specwire.generation.speculation.drafters import (
     Drafter,

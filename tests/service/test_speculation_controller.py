@@ -20,7 +20,7 @@ from specwire.client import TargetClient
 from specwire.client.cli.generate import draft_lengths_line
 from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.generation.config import GenerationConfig
-from specwire.generation.speculation.controller import SharedCosts
+from specwire.generation.speculation.costs import SharedCosts
 from specwire.models import load_model
 from specwire.target.v1 import target_service_pb2 as pb
 from specwire.target_service.__main__ import build_parser

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from specwire.generation.speculation.controller import ControllerOptions, SharedCosts, SpeculationController
+from specwire.generation.speculation.controller import ControllerOptions, SpeculationController
+from specwire.generation.speculation.costs import SharedCosts
 from specwire.generation.speculation.estimates import AcceptanceEstimate, LinearCost, RunLengths, SizedCost
 
 

@@ -1,0 +1,242 @@
+"""What every request on one target shares for the speculation controller (`speculation.controller`): the
+measured costs of verify rounds, drafts and catch-ups, and each draft model's measured acceptance (the priors
+of its next requests). The cost model that reads them is described in `speculation.controller`.
+
+Pure Python, thread-safe; no services.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specwire.generation.speculation.estimates import AcceptanceEstimate, LinearCost, SizedCost
+
+__all__ = ["ALL_OR_NOTHING", "DEFAULT_PRIORS", "PRIORS", "Prices", "SharedCosts"]
+
+# Proposers whose proposals are all or nothing: prompt lookup finds a match and copies what followed it (as
+# many tokens as asked, or up to the end of the text), or finds none and costs nothing (the round is a plain
+# one). Their continuation estimate is the chance of a match per round, not per token.
+ALL_OR_NOTHING = frozenset({"prompt_lookup"})
+# Priors per proposer: (acceptance of a proposed token, continuation). A match of prompt lookup is a coin toss
+# until the request's own rounds say otherwise (a few rounds do: the prior weighs 4 tokens). A draft model's
+# prior, until this target has measured its acceptance (`SharedCosts.priors`), is cautious on purpose: on a
+# CPU its drafting barely pays even where most drafts are kept (SmolLM2 + its int8 draft: +42% at k=20 on
+# chat, -18% on the code edit), and (0.85, 0.85) drafted on the code edit at 0.81x of plain decoding, the
+# prefill and the first blocks spent before the request's own rounds said no.
+PRIORS = {"prompt_lookup": (0.8, 0.5)}
+DEFAULT_PRIORS = (0.7, 0.8)
+# Evidence the target's measured acceptance keeps at each row-round (`SharedCosts.priors`): about the last 100
+# row-rounds of every request count, so a new request starts from what the pair of models has been doing lately.
+SHARED_DECAY = 0.99
+
+# How many requests a draft, catch-up or verify cost stays known for without being measured again
+# (`SharedCosts._current`).
+STALE_AFTER_REQUESTS = 16
+
+
+@dataclass(frozen=True)
+class Prices:
+    """A snapshot of the costs one decision reads (seconds).
+
+    Args:
+        plain (`Callable[[float], float]`): a round without drafts, by tokens verified.
+        verify (`Callable[[float], float]`): a round with drafts, by tokens verified.
+        draft (`tuple[float, float]`): `(d0, d1)`, the drafter's seconds for `d0 + d1 * tokens drafted`.
+        slope (`float`): seconds per verified token of a round with drafts (what a token costs the
+            requests sharing the forward).
+        catch_up (`float`): the drafter's seconds per token it has not seen yet (its prefill).
+    """
+
+    plain: Callable[[float], float]
+    verify: Callable[[float], float]
+    draft: tuple[float, float]
+    slope: float
+    catch_up: float = 0.0
+
+
+class SharedCosts:
+    """The measured costs every request on one target shares: the verify forward, one draft cost per proposer,
+    and one catch-up cost (the draft's prefill of the tokens it has not seen) per proposer; and each draft
+    model's measured acceptance, the priors of its next requests (`priors`).
+
+    Args:
+        verify_slope_prior (`float`, *optional*, defaults to 0.05): verify seconds per extra token as a
+            fraction of the forward's fixed cost, until block sizes vary.
+        draft_slope_prior (`float`, *optional*, defaults to 0.2): draft seconds per proposed token as a
+            fraction of the verify forward's fixed cost, until the draft was measured (prompt lookup: 0).
+        stale_after_requests (`int`, *optional*, defaults to `STALE_AFTER_REQUESTS`): a draft, catch-up or
+            verify cost not measured again over this many requests (`new_request`) is forgotten.
+    """
+
+    def __init__(
+        self,
+        verify_slope_prior: float = 0.05,
+        draft_slope_prior: float = 0.2,
+        stale_after_requests: int = STALE_AFTER_REQUESTS,
+    ):
+        self.verify_slope_prior = verify_slope_prior
+        self.draft_slope_prior = draft_slope_prior
+        self.stale_after_requests = stale_after_requests
+        self._requests = 0  # controllers made on this target (`new_request`)
+        self._measured_at: dict[tuple[str, str], int] = {}  # (draft | catch_up | verify, proposer) -> `_requests`
+        self._lock = threading.Lock()
+        self._verify = SizedCost()  # rounds with drafts
+        self._plain = SizedCost()  # rounds without
+        self._drafts: dict[str, LinearCost] = {}
+        self._catch_up: dict[str, LinearCost] = {}
+        self._measured: dict[str, tuple[AcceptanceEstimate, AcceptanceEstimate]] = {}  # acceptance, continuation
+        self._since_plain = 0  # rounds with drafts since the last round without
+
+    def observe_verify(self, tokens: int, seconds: float, drafted: bool = True) -> None:
+        """A round's verify forward and bookkeeping took `seconds` for `tokens` (`drafted`: some row drafted)."""
+        with self._lock:
+            if drafted:
+                self._forget_stale_verify()
+                self._measured_at[("verify", "")] = self._requests
+            (self._verify if drafted else self._plain).observe(tokens, seconds)
+            self._since_plain = self._since_plain + 1 if drafted else 0
+
+    def _forget_stale_verify(self) -> None:
+        """Rounds with drafts not measured for `stale_after_requests` are forgotten (under the lock), as a draft cost is
+        (`_current`): measured in a burst, each request's verify waits for the others' in the packed forward, and
+        such a price keeps every request off drafting once the burst is over."""
+        at = self._measured_at.get(("verify", ""))
+        if at is not None and self._requests - at > self.stale_after_requests:
+            self._verify = SizedCost()
+            del self._measured_at[("verify", "")]
+
+    def new_request(self) -> None:
+        """A request's controller was made: unmeasured costs age by one request (`stale_after_requests`)."""
+        with self._lock:
+            self._requests += 1
+
+    def plain_due(self, every: int) -> bool:
+        """Whether a round without drafts should be measured now: none has been since a round with drafts was,
+        or not for `every` rounds with drafts. A target whose requests all draft would otherwise price plain
+        decoding by the verify line's intercept, which on a CPU is well above a plain round (SmolLM2 on one
+        core: ~55 ms against 37), and keep drafting where plain decoding is faster."""
+        with self._lock:
+            if not self._plain.line.observations:
+                return self._verify.line.observations > 0
+            return self._since_plain >= every
+
+    def plain(self) -> tuple[float, float] | None:
+        """`(p0, p1)`: a round without drafts costs about `p0 + p1 * tokens`; None before one was measured."""
+        with self._lock:
+            return self._plain.line.fit(self.verify_slope_prior)
+
+    def verify(self) -> tuple[float, float] | None:
+        """`(v0, v1)`: a round with drafts costs about `v0 + v1 * tokens`; None before one was measured."""
+        with self._lock:
+            self._forget_stale_verify()
+            return self._verify.line.fit(self.verify_slope_prior)
+
+    def observe_draft(self, proposer: str, k: int, seconds: float) -> None:
+        with self._lock:
+            self._current(self._drafts, "draft", proposer)  # a stale line is not extended
+            self._drafts.setdefault(proposer, LinearCost()).observe(k, seconds)
+            self._measured_at[("draft", proposer)] = self._requests
+
+    def observe_catch_up(self, proposer: str, tokens: int, seconds: float) -> None:
+        """The drafter spent `seconds` (beyond drafting) on `tokens` it had not seen (the first block's prefill)."""
+        with self._lock:
+            self._current(self._catch_up, "catch_up", proposer)
+            self._catch_up.setdefault(proposer, LinearCost()).observe(tokens, max(seconds, 0.0))
+            self._measured_at[("catch_up", proposer)] = self._requests
+
+    def _current(self, table: dict[str, LinearCost], kind: str, proposer: str) -> LinearCost | None:
+        """`table`'s cost of `proposer`, forgotten once not measured over `stale_after_requests` (under the lock).
+
+        A cost measured under a burst (8 clients' drafts served in turn by one draft service: ~20x a single
+        request's) stops every request from drafting, so nothing measures it again: it would outlive the burst
+        for as long as the target runs. Forgotten, the next request drafts or looks back from the prior and
+        measures it anew (a few rounds every `stale_after_requests` requests where drafting does not pay). Counted
+        in requests, not seconds: sparse traffic that drafts keeps its costs between requests."""
+        cost = table.get(proposer)
+        if cost is not None and self._requests - self._measured_at[(kind, proposer)] > self.stale_after_requests:
+            del table[proposer]
+            return None
+        return cost
+
+    def draft(self, proposer: str, verify_intercept: float) -> tuple[float, float]:
+        """`(d0, d1)`: draft seconds = `d0 + d1 * k`, from the prior until `proposer` was measured."""
+        with self._lock:
+            cost = self._current(self._drafts, "draft", proposer)
+            fitted = cost.fit(None) if cost is not None else None
+        if fitted is not None:
+            return fitted
+        # Prompt lookup searches the text it has: free until measured (a remote one's round trip then is).
+        return (0.0, 0.0 if proposer in ALL_OR_NOTHING else self.draft_slope_prior * verify_intercept)
+
+    def priors(self, proposer: str) -> tuple[float, float]:
+        """`(acceptance, continuation)` a new request of `proposer` starts from: what this target's earlier requests
+        measured (`observe_acceptance`), `PRIORS` until they did."""
+        with self._lock:
+            measured = self._measured.get(proposer)
+            return PRIORS.get(proposer, DEFAULT_PRIORS) if measured is None else (measured[0].mean, measured[1].mean)
+
+    def observe_acceptance(self, proposer: str, drafted: int, kept: int, asked: int, proposed: int) -> None:
+        """One row-round of a request: the target kept the first `kept` of `drafted` drafts; the drafter proposed
+        `proposed` of the `asked` tokens."""
+        with self._lock:
+            measured_acceptance, measured_continuation = self._measured_of(proposer)
+            measured_acceptance.observe(drafted, kept)
+            measured_continuation.observe(asked, proposed)
+
+    def observe_hindsight(self, proposer: str, checked: int, agreed: int, confident: int) -> None:
+        """A request's look-back (`drafters.Hindsight`). Blocks are drafted only where the controller expects
+        them to pay, so their acceptance alone overstates the pair's: the tokens of the time off count too."""
+        with self._lock:
+            measured_acceptance, measured_continuation = self._measured_of(proposer)
+            measured_acceptance.observe_counts(agreed, checked - agreed)
+            measured_continuation.observe_counts(confident, checked - confident)
+
+    def _measured_of(self, proposer: str) -> tuple[AcceptanceEstimate, AcceptanceEstimate]:
+        if proposer not in self._measured:
+            acceptance, continuation = PRIORS.get(proposer, DEFAULT_PRIORS)
+            self._measured[proposer] = (
+                AcceptanceEstimate(acceptance, decay=SHARED_DECAY),
+                AcceptanceEstimate(continuation, decay=SHARED_DECAY),
+            )
+        return self._measured[proposer]
+
+    def catch_up(self, proposer: str) -> float:
+        """Seconds per token the drafter has not seen (0 until measured)."""
+        line = self.catch_up_line(proposer)
+        return line[1] if line is not None else 0.0
+
+    def catch_up_line(self, proposer: str) -> tuple[float, float] | None:
+        """`(fixed, per token)` seconds of the drafter's catch-up (a forward's fixed cost, then its tokens);
+        None until measured."""
+        with self._lock:
+            cost = self._current(self._catch_up, "catch_up", proposer)
+            return cost.fit(None) if cost is not None else None
+
+    def prices(self, proposer: str) -> Prices:
+        """The costs of one decision; before any measurement the prior's shape on a unit scale, and a drafting
+        round not measured yet is assumed to cost what a plain one does (it is then measured)."""
+        verify_line, plain_line = self.verify(), self.plain()
+        if verify_line is None and plain_line is None:
+            plain_line = (1.0, self.verify_slope_prior)
+        verify_line = verify_line if verify_line is not None else plain_line
+        plain_line = plain_line if plain_line is not None else verify_line
+        assert verify_line is not None and plain_line is not None  # one was measured, or the prior set it
+        measured_verify = self._verify.line.observations > 0
+        measured_plain = self._plain.line.observations > 0
+        verify_sized, plain_sized = self._verify, self._plain
+
+        def verify(tokens: float) -> float:
+            if not measured_verify:
+                return plain(tokens)
+            with self._lock:
+                return verify_sized.at(tokens, verify_line)
+
+        def plain(tokens: float) -> float:
+            if not measured_plain:
+                return plain_line[0] + plain_line[1] * tokens
+            with self._lock:
+                return plain_sized.at(tokens, plain_line)
+
+        return Prices(plain, verify, self.draft(proposer, plain_line[0]), verify_line[1], self.catch_up(proposer))
