@@ -335,14 +335,14 @@ class DraftPolicy:
         # denoised block: no length to adapt.
         if not self.adaptive or proposer in (PROPOSER_NONE, PROPOSER_MTP, PROPOSER_DFLASH) or named_fields:
             return None
-        # A co-located draft model computes on the target's device (early exit does too, but is not adaptive).
         look_back = proposer == PROPOSER_DRAFT_MODEL and greedy
         return SpeculationController(
             self.costs, proposer, load=load, shares_device=self.colocated(proposer), look_back=look_back
         )
 
     def colocated(self, proposer: str) -> bool:
-        """Whether `proposer`'s drafts are computed in this process, on the target's device (`--draft-model`)."""
+        """Whether `proposer`'s drafts are computed in this process, on the target's device (`--draft-model`;
+        early exit does too, but is not adaptive)."""
         return proposer == PROPOSER_DRAFT_MODEL and self.draft_model is not None
 
     def close(self) -> None:

@@ -192,7 +192,7 @@ class RemoteDrafter:
         if digest is not None and method == pb.DRAFT_METHOD_MODEL:
             start.tokenizer_size, start.tokenizer_digest = digest
         self.start: pb.DraftStart | None = start  # sent with the first propose
-        self.prompt_lengths = [len(r) for r in rows]
+        self.before_start: list[list[int]] = [[] for _ in rows]  # tokens the target emitted before the first propose
         self.stats = stats
         self.pending: pb.DraftFeedback | None = None
         self.call: Any = None
@@ -220,13 +220,20 @@ class RemoteDrafter:
     def propose(self, num_tokens: int) -> Proposal:
         if self.closed:
             raise DraftFailure("the draft stream is closed")
-        if self.start is not None and num_tokens == 0 and self._emitted_before_start():
+        if self.start is not None and num_tokens == 0 and any(self.before_start):
             # A look-back before any block: the session opens on the prompt alone, then hears the target's
             # tokens as feedback, so the draft service checks its guesses of them (hindsight) rather than
             # taking them for prompt.
             self._ask(pb.DraftRequest(start=self.start), 0)
             self.start = None
+            self.pending = pb.DraftFeedback(
+                rows=[pb.RowFeedback(num_accepted=0, appended_ids=tokens) for tokens in self.before_start]
+            )
         if self.start is not None:
+            # Nothing proposed yet, so nothing accepted: the session starts further on. (A row finished by
+            # then is still drafted for in the first block; the target drops those drafts.)
+            for row, tokens in zip(self.start.rows, self.before_start, strict=True):
+                row.ids.extend(tokens)
             self.start.num_tokens = num_tokens
             message = pb.DraftRequest(start=self.start)
             self.start = None
@@ -236,18 +243,6 @@ class RemoteDrafter:
             message = pb.DraftRequest(feedback=feedback)
             self.pending = None
         return self._ask(message, num_tokens)
-
-    def _emitted_before_start(self) -> bool:
-        """Move the tokens the target emitted before the session opened from the start to a pending feedback;
-        whether there were any."""
-        assert self.start is not None
-        emitted = [list(row.ids[n:]) for row, n in zip(self.start.rows, self.prompt_lengths, strict=True)]
-        if not any(emitted):
-            return False
-        for row, n in zip(self.start.rows, self.prompt_lengths, strict=True):
-            del row.ids[n:]
-        self.pending = pb.DraftFeedback(rows=[pb.RowFeedback(num_accepted=0, appended_ids=t) for t in emitted])
-        return True
 
     def _ask(self, message: pb.DraftRequest, num_tokens: int) -> Proposal:
         timeout = remaining(self.timeout, deadline=self.deadline)  # min(--draft-timeout, the caller's time)
@@ -294,10 +289,8 @@ class RemoteDrafter:
         """Kept for the next `propose` to send: every round's, rounds without a proposal included (the
         controller's time off), so the draft service sees every token the target emitted."""
         if self.start is not None:
-            # Nothing proposed yet, so nothing accepted: the session starts further on. (A row finished by
-            # then is still drafted for in the first block; the target drops those drafts.)
-            for row, tokens in zip(self.start.rows, appended, strict=True):
-                row.ids.extend(tokens)
+            for row_tokens, tokens in zip(self.before_start, appended, strict=True):
+                row_tokens.extend(tokens)
             return
         if self.pending is None:
             self.pending = pb.DraftFeedback(

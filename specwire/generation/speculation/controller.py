@@ -246,7 +246,7 @@ class SpeculationController:
                 one-off cost): drafting starts only when the remaining tokens repay it.
         """
         prices = self.costs.prices(self.proposer)
-        others = max(float(self.load()), 0.0) if self.load is not None else 0.0
+        others = self._others()
         plain_rate = self.rate(0, prices, others)
         best, best_rate = 0, plain_rate * (1.0 + self.options.margin)
         longest = self.options.max_length if remaining is None else min(self.options.max_length, remaining - 1)
@@ -343,9 +343,11 @@ class SpeculationController:
     def _sharers(self) -> float:
         """How many requests a probe's extra time delays: this one, and for a draft on the target's device
         (`shares_device`) every other one waiting for the device while it drafts or catches up."""
-        if not self.shares_device or self.load is None:
-            return 1.0
-        return 1.0 + max(float(self.load()), 0.0)
+        return 1.0 + self._others() if self.shares_device else 1.0
+
+    def _others(self) -> float:
+        """Other requests waiting on this one's forwards now (the target's `load`)."""
+        return max(float(self.load()), 0.0) if self.load is not None else 0.0
 
     @property
     def off(self) -> bool:
@@ -379,14 +381,14 @@ class SpeculationController:
         """
         assert self.acceptance is not None and self.continuation is not None  # set by __post_init__
         checked, agreed, confident = hindsight or (0, 0, 0)
-        # Each of the target's tokens the draft guessed is a draft it would have had kept or not, and after
-        # which it would have gone on or stopped: one token's acceptance and continuation.
-        self.acceptance.observe_counts(agreed, checked - agreed, per_token=True)
-        self.continuation.observe_counts(confident, checked - confident, per_token=True)
-        # Where in a block the drafts stop being kept is learned from blocks only: those before the checked
-        # tokens are that much older (forgotten as if each token had been a block).
-        self.runs.forget(self.runs.decay**checked)
         if checked:
+            # Each of the target's tokens the draft guessed is a draft it would have had kept or not, and after
+            # which it would have gone on or stopped: one token's acceptance and continuation.
+            self.acceptance.observe_counts(agreed, checked - agreed, per_token=True)
+            self.continuation.observe_counts(confident, checked - confident, per_token=True)
+            # Where in a block the drafts stop being kept is learned from blocks only: those before the checked
+            # tokens are that much older (forgotten as if each token had been a block).
+            self.runs.forget(self.runs.decay**checked)
             self.costs.observe_hindsight(self.proposer, checked, agreed, confident)
         for k, n, m in zip(wanted, drafted, accepted, strict=True):
             if self.all_or_nothing:
