@@ -35,6 +35,7 @@ from specwire.generation.speculation.drafters import Drafter, PromptLookupDrafte
 from specwire.model_thread import model_executor
 from specwire.models import LoadedModel
 from specwire.models.tokenizer_digest import tokenizer_digest
+from specwire.runtime.lean_draft import lean_draft_forward
 from specwire.serving import handles_errors
 from specwire.wire.generation_config import WireFormatError, config_from_proto
 from specwire.wire.tensors import tensor_to_proto
@@ -100,7 +101,13 @@ def _open_session(
             )
         _check_tokenizer(start, draft_model, digest)
         return open_model_drafter(
-            draft_model.model, rows, config, start.vocab_size, start.return_probs, overlap=start.overlap
+            draft_model.model,
+            rows,
+            config,
+            start.vocab_size,
+            start.return_probs,
+            overlap=start.overlap,
+            forward=lean_draft_forward,
         )
     raise InvalidArgument.for_field(
         "start.method", start.method, "choose DRAFT_METHOD_PROMPT_LOOKUP or DRAFT_METHOD_MODEL"
@@ -127,7 +134,7 @@ def _response(proposal: Proposal, outcomes: list[int] | None = None) -> pb.Draft
     for i, (tokens, probs) in enumerate(zip(proposal.tokens, proposal.probs, strict=True)):
         row = pb.RowDraft(token_ids=tokens, ahead=_AHEAD_TO_PROTO[outcomes[i] if outcomes else AHEAD_NONE])
         if proposal.hindsight is not None:
-            row.hindsight_checked, row.hindsight_agreed, row.hindsight_confident = proposal.hindsight[i]
+            row.hindsight_checked, row.hindsight_kept, row.hindsight_confident = proposal.hindsight[i]
         if probs is not None:
             row.probs.CopyFrom(tensor_to_proto(probs.float()))
         rows.append(row)

@@ -52,8 +52,25 @@ _CHUNKED_HEAD_ROWS = range(4, 16)
 _HEAD_CHUNK = 1024
 
 
-def _linear_parts(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return module.weight, module.bias
+def _is_projection(module: Any) -> bool:
+    """A plain linear layer, or one quantized to int8 by `quantize_dynamic` (`specwire.models.quantize_int8`)."""
+    if isinstance(module, torch.nn.Linear):
+        return True
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    return isinstance(module, DynamicLinear) and module._packed_params.dtype == torch.qint8
+
+
+def _projection(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A projection's forward as one call: `F.linear` on a linear layer's weight and bias, or the int8 kernel
+    with the packed weights as a dynamically quantized layer's `forward` calls it (its float32 output's `.to`
+    is the same tensor)."""
+    if isinstance(module, torch.nn.Linear):
+        weight, bias = module.weight, module.bias
+        return lambda hidden: F.linear(hidden, weight, bias)
+    packed = module._packed_params._packed_params
+    reduce_range = module.version is not None and module.version >= 4
+    return lambda hidden: torch.ops.quantized.linear_dynamic(hidden, packed, reduce_range=reduce_range)
 
 
 def _rms_parts(module: Any) -> tuple[torch.Tensor, float]:
@@ -96,14 +113,19 @@ def _activation(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _Head:
-    """The LM head, with the chunked product for the row counts where it is bitwise the plain one."""
+    """The LM head, with the chunked product for the row counts where it is bitwise the plain one (an int8 head:
+    its kernel, unchunked)."""
 
     def __init__(self, module: Any):
+        self.project = None if isinstance(module, torch.nn.Linear) else _projection(module)
+        if self.project is not None:
+            self.chunked_rows: frozenset[int] = frozenset()
+            return
         self.weight, self.bias = module.weight, module.bias
         weights = self.weight.split(_HEAD_CHUNK)
         biases = [None] * len(weights) if self.bias is None else self.bias.split(_HEAD_CHUNK)
         self.chunks = list(zip(weights, biases, strict=True))
-        self.chunked_rows: frozenset[int] = frozenset()
+        self.chunked_rows = frozenset()
         if self.weight.device.type == "cpu" and len(self.chunks) > 1:
             generator = torch.Generator().manual_seed(0)
             with torch.no_grad():
@@ -120,6 +142,8 @@ class _Head:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden` `[1, rows, hidden_size]` -> logits `[1, rows, vocab]`."""
+        if self.project is not None:
+            return self.project(hidden)
         if hidden.shape[1] in self.chunked_rows:
             return self._chunked(hidden)
         return F.linear(hidden, self.weight, self.bias)
@@ -131,8 +155,8 @@ class _Layer:
         self.attention = attention  # `PackedStep.attend` reads `layer_idx` and sdpa's module attributes
         self.input_norm = _rms_parts(layer.input_layernorm)
         self.post_norm = _rms_parts(layer.post_attention_layernorm)
-        self.q, self.k, self.v, self.o = (_linear_parts(getattr(attention, n)) for n in _ATTENTION_PROJECTIONS)
-        self.gate, self.up, self.down = (_linear_parts(getattr(mlp, n)) for n in _MLP_PROJECTIONS)
+        self.q, self.k, self.v, self.o = (_projection(getattr(attention, n)) for n in _ATTENTION_PROJECTIONS)
+        self.gate, self.up, self.down = (_projection(getattr(mlp, n)) for n in _MLP_PROJECTIONS)
         self.act = _activation(mlp.act_fn)
         self.head_dim = attention.head_dim
         self.scaling = attention.scaling
@@ -164,8 +188,8 @@ class LeanDecoder:
         base = getattr(model, "model", None)
         if base is None or not all(hasattr(base, n) for n in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return "no Llama-style base model"
-        if not hasattr(model, "lm_head"):
-            return "no lm_head"
+        if not _is_projection(getattr(model, "lm_head", None)):
+            return "no lm_head, or one that is not a linear layer"
         for layer in base.layers:
             attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if attention is None or mlp is None or not hasattr(mlp, "act_fn"):
@@ -173,8 +197,8 @@ class LeanDecoder:
             if any(hasattr(attention, n) for n in ("q_norm", "k_norm")):
                 return "attention with q/k norms"
             for module, names in ((attention, _ATTENTION_PROJECTIONS), (mlp, _MLP_PROJECTIONS)):
-                if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in names):
-                    return "projections that are not plain linear layers"
+                if not all(_is_projection(getattr(module, n, None)) for n in names):
+                    return "projections that are neither linear layers nor int8 dynamic ones"
             norms = [getattr(layer, n, None) for n in _NORM_ATTRIBUTES]
             if not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms):
                 return "layer norms that are not RMSNorm"
@@ -201,17 +225,17 @@ class LeanDecoder:
             shape = (batch, length, -1, layer.head_dim)
             residual = hidden
             hidden = _rms_norm(hidden, *layer.input_norm)
-            query = F.linear(hidden, *layer.q).view(shape).transpose(1, 2)
-            key = F.linear(hidden, *layer.k).view(shape).transpose(1, 2)
-            value = F.linear(hidden, *layer.v).view(shape).transpose(1, 2)
+            query = layer.q(hidden).view(shape).transpose(1, 2)
+            key = layer.k(hidden).view(shape).transpose(1, 2)
+            value = layer.v(hidden).view(shape).transpose(1, 2)
             query = _rotate(query, cos, signed_sin)
             key = _rotate(key, cos, signed_sin)
             attended = step.attend(layer.attention, query, key, value, layer.scaling)
             attended = attended.reshape(batch, length, -1).contiguous()
-            hidden = residual + F.linear(attended, *layer.o)
+            hidden = residual + layer.o(attended)
             residual = hidden
             hidden = _rms_norm(hidden, *layer.post_norm)
-            hidden = F.linear(layer.act(F.linear(hidden, *layer.gate)) * F.linear(hidden, *layer.up), *layer.down)
+            hidden = layer.down(layer.act(layer.gate(hidden)) * layer.up(hidden))
             hidden = residual + hidden
         hidden = _rms_norm(hidden, *self.norm)
         return self.head(hidden[:, keep, :])

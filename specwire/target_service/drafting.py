@@ -46,6 +46,7 @@ from specwire.generation.speculation.mtp import bind_hidden_states, mtp_layer_co
 from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models.mtp_layers import mtp_model_for
 from specwire.models.tokenizer_digest import tokenizer_digest
+from specwire.runtime.lean_draft import lean_draft_forward
 from specwire.target_service.remote_drafter import DraftChannel, RemoteDrafter
 from specwire.target_service.speculation_type import dflash_proposer
 from specwire.vocabulary import (
@@ -259,7 +260,9 @@ class DraftPolicy:
         """A drafter over a model in this process: the co-located draft model, or the target's early-exit view
         (which shares the target's weights). Its forwards run where `propose` is called: the request's own
         thread (the batched scheduler) or the model thread (sequential), never the event loop."""
-        drafter = open_model_drafter(model, rows, config, vocab_size, self._wants_probs(config))
+        drafter = open_model_drafter(
+            model, rows, config, vocab_size, self._wants_probs(config), forward=lean_draft_forward
+        )
         return self._counted(drafter)
 
     @staticmethod
@@ -320,6 +323,7 @@ class DraftPolicy:
         named_fields: tuple[str, ...],
         load: Callable[[], float] | None,
         greedy: bool = True,
+        draft_load: Callable[[], float] | None = None,
     ) -> SpeculationController | None:
         """The adaptive controller of a request, or None when its draft lengths are decided otherwise.
 
@@ -330,14 +334,23 @@ class DraftPolicy:
             load (`Callable[[], float]`, *optional*): other requests waiting on this one's forwards now.
             greedy (`bool`, *optional*, defaults to `True`): the request decodes greedily, so a draft model's
                 guesses of the target's tokens are the drafts it would have had kept (`look_back`).
+            draft_load (`Callable[[], float]`, *optional*): other requests drafting with the same proposer now;
+                read for a remote draft service only (a co-located draft counts every request, `load`).
         """
         # MTP drafts all its layers' tokens every round (transformers' MTPCandidateGenerator), DFlash a whole
         # denoised block: no length to adapt.
         if not self.adaptive or proposer in (PROPOSER_NONE, PROPOSER_MTP, PROPOSER_DFLASH) or named_fields:
             return None
         look_back = proposer == PROPOSER_DRAFT_MODEL and greedy
+        colocated = self.colocated(proposer)
+        remote = proposer == PROPOSER_DRAFT_MODEL and not colocated
         return SpeculationController(
-            self.costs, proposer, load=load, shares_device=self.colocated(proposer), look_back=look_back
+            self.costs,
+            proposer,
+            load=load,
+            shares_device=colocated,
+            draft_load=draft_load if remote else None,
+            look_back=look_back,
         )
 
     def colocated(self, proposer: str) -> bool:

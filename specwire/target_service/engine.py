@@ -116,6 +116,9 @@ class Engine:
         # id(job) -> the drafters it opened: closed when its RPC ends, so that a cancelled request's
         # thread stops waiting on its draft service at once (not after the round's timeout).
         self._drafters: dict[int, list[Drafter]] = {}
+        # id(job) -> its proposer, while it runs: requests drafting with the same draft service wait for each
+        # other's drafts (the controller's `draft_load`).
+        self._proposers: dict[int, str] = {}
         self.loaded = loaded
         self.drafting = drafting or DraftPolicy()
         self.active = 0  # requests between their first and last step
@@ -232,6 +235,8 @@ class Engine:
             return self._method_steps(job, plan, generator, lane=model is not self.loaded.model)
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer
+        with self._lock:
+            self._proposers[id(job)] = proposer
         if proposer != PROPOSER_NONE and plan.num_beams == 1 and uses_static_cache(job.config):
             # Rejected drafts are cropped from the cache, which a StaticCache cannot do.
             raise InvalidArgument.for_field(
@@ -295,7 +300,11 @@ class Engine:
         )
         open_drafter = _opener(opener, drafting, opened)
         controller = self.drafting.controller(
-            proposer, job.draft_fields, self._others_waiting, greedy=not job.config.do_sample
+            proposer,
+            job.draft_fields,
+            self._others_waiting,
+            greedy=not job.config.do_sample,
+            draft_load=lambda: self._others_drafting(proposer),
         )
         return speculate_from_plan(
             model,
@@ -352,6 +361,11 @@ class Engine:
         those sharing the batched scheduler's packed forwards, or taking turns on the model thread."""
         return max(self.load().running - 1, 0)
 
+    def _others_drafting(self, proposer: str) -> float:
+        """Other running requests with `proposer`: for a remote draft, those its draft service serves in turn."""
+        with self._lock:
+            return max(sum(1 for name in self._proposers.values() if name == proposer) - 1, 0)
+
     def _step(self, steps, watched: bool):
         with self._lock:
             self._lane_steps += 1
@@ -385,6 +399,7 @@ class Engine:
         finally:
             with self._lock:
                 self._drafters.pop(id(job), None)
+                self._proposers.pop(id(job), None)
             for drafter in opened:  # the loop closes them too when it ends; closing twice is harmless
                 try:
                     drafter.close()

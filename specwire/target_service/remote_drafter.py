@@ -274,8 +274,8 @@ class RemoteDrafter:
                     raise DraftFailure(
                         f"draft probabilities of shape {tuple(row_probs.shape)}, not {(len(ids), self.vocab_size)}"
                     )
-            seen = Hindsight(row.hindsight_checked, row.hindsight_agreed, row.hindsight_confident)
-            if min(seen) < 0 or max(seen.agreed, seen.confident) > seen.checked:
+            seen = Hindsight(row.hindsight_checked, row.hindsight_kept, row.hindsight_confident)
+            if min(seen) < 0 or not seen.kept <= seen.confident <= seen.checked:
                 raise DraftFailure(f"the draft service's hindsight does not add up: {seen}")
             tokens.append(ids)
             probs.append(row_probs)

@@ -148,19 +148,14 @@ def test_drafts_run_off_the_event_loop(targets, scheduler, thread):
     thread) or the model thread (sequential), never on the event loop."""
     target = targets(scheduler)
     names: list[str] = []
-    model = target.policy.draft_model.model
-    original = model.forward
-
-    def forward(*args, **kwargs):
-        names.append(threading.current_thread().name)
-        return original(*args, **kwargs)
-
-    model.forward = forward
+    # Every draft forward embeds its tokens first: the model's own and the lean one (`runtime.lean_draft`).
+    embed = target.policy.draft_model.model.get_input_embeddings()
+    hook = embed.register_forward_pre_hook(lambda *_: names.append(threading.current_thread().name))
     try:
         with TargetClient(target.address) as client:
             client.generate(BATCH[:1], max_new_tokens=70 if scheduler == "lane" else 8, **DRAFT)
     finally:
-        del model.forward
+        hook.remove()
     assert names and all(n.startswith(thread) for n in names), set(names)
 
 
@@ -169,6 +164,19 @@ def test_another_vocabulary_is_refused(loaded, tiny_draft):
     other = types.SimpleNamespace(tokenizer=build_tokenizer(vocab_size=300), model_id="other-draft")
     with pytest.raises(ValueError, match="another vocabulary"):
         check_draft_model(loaded, other)
+
+
+def test_the_controller_counts_who_shares_the_draft(tiny_draft):
+    """A co-located draft shares the target's device with every request (`load`); a remote draft service's model
+    thread only with the requests drafting with it (`draft_load`), so only a remote controller reads that."""
+    remote = DraftPolicy("127.0.0.1:1").controller("draft_model", (), lambda: 7, draft_load=lambda: 3)
+    assert remote is not None and not remote.shares_device and remote.draft_load is not None
+    assert remote._sharers() == 4
+    colocated = DraftPolicy(draft_model=tiny_draft).controller("draft_model", (), lambda: 7, draft_load=lambda: 3)
+    assert colocated is not None and colocated.shares_device and colocated.draft_load is None
+    assert colocated._sharers() == 8
+    lookup = DraftPolicy().controller("prompt_lookup", (), lambda: 7, draft_load=lambda: 3)
+    assert lookup is not None and lookup._sharers() == 1
 
 
 def test_start_up_refuses_a_bad_draft_model_with_the_reason(tiny_model_dir, tmp_path, capsys):

@@ -313,3 +313,34 @@ def _folder_with_tokenizer(loaded, tokenizer):
 def test_no_draft_overlap_flag():
     assert build_parser().parse_args([]).draft_overlap is True
     assert build_parser().parse_args(["--no-draft-overlap"]).draft_overlap is False
+
+
+def test_requests_drafting_with_one_draft_service_count_each_other(stack, monkeypatch):
+    """A remote draft's controller reads how many other requests draft with the same draft service now
+    (`draft_load`, what its look-backs make wait): concurrent requests see each other, none counts itself."""
+    address, policy, _ = stack["other", False]
+    seen: list[float] = []
+    make = policy.controller
+
+    def recording(*args, **kwargs):
+        controller = make(*args, **kwargs)
+        if controller is not None and controller.draft_load is not None:
+            draft_load = controller.draft_load
+            controller.draft_load = lambda: seen.append(draft_load()) or seen[-1]
+        return controller
+
+    monkeypatch.setattr(policy, "controller", recording)
+    together = threading.Barrier(3)
+
+    def one(row):
+        together.wait()
+        _generate(address, [row], max_new_tokens=40, min_new_tokens=40, proposer="draft_model")
+
+    threads = [threading.Thread(target=one, args=(row,)) for row in BATCH]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen and 1 <= max(seen) <= 2, seen
+    _generate(address, BATCH[:1], max_new_tokens=40, min_new_tokens=40, proposer="draft_model")
+    assert seen[-1] == 0  # alone again: the finished requests are not counted

@@ -20,6 +20,7 @@ from specwire.client import TargetClient
 from specwire.client.cli.generate import draft_lengths_line
 from specwire.draft_service.__main__ import build_server as build_draft_server
 from specwire.generation.config import GenerationConfig
+from specwire.generation.speculation.controller import ControllerOptions
 from specwire.generation.speculation.costs import SharedCosts
 from specwire.models import load_model
 from specwire.target.v1 import target_service_pb2 as pb
@@ -103,12 +104,13 @@ def test_controller_greedy_equals_plain_greedy(targets, scheduler, kwargs):
     target = targets(scheduler)
     # The tiny draft costs what the target does per token, so on this CPU it never pays and the controller
     # would rightly not draft: the target starts from fresh costs (the other tests measured them) and is told
-    # the draft costs next to nothing (as a draft on its own GPU would), so that always-accepted drafts pay
-    # and the output is checked over blocks of the controller's lengths.
+    # the draft and its catch-up cost next to nothing (as a draft on its own GPU would), so that always-accepted
+    # drafts pay and the output is checked over blocks of the controller's lengths.
     target.policy.costs = SharedCosts()
     for k in range(1, 21):
         for _ in range(5):
             target.policy.costs.observe_draft("draft_model", k, 1e-6 * k)
+            target.policy.costs.observe_catch_up("draft_model", k, 1e-6 * k)
     with TargetClient(target.address) as client:
         plain = client.generate(BATCH, max_new_tokens=40, proposer="none")
         for i in range(2):  # the second request starts from the costs the first one measured
@@ -117,7 +119,7 @@ def test_controller_greedy_equals_plain_greedy(targets, scheduler, kwargs):
             s = _controlled(spec)
             # Never longer than the controller's bound; the first request drafted (cheap, always-accepted
             # drafts pay). The second one may not: by then the draft's real cost was measured.
-            assert max(length for length, _ in s.draft_lengths) <= 20
+            assert max(length for length, _ in s.draft_lengths) <= ControllerOptions().max_length
             assert s.drafted_tokens > 0 or i == 1
     assert s.proposer == kwargs["proposer"]
 

@@ -436,9 +436,10 @@ def test_a_look_back_is_skipped_when_the_rest_cannot_repay_the_catch_up_and_a_si
     assert controller.next_length(remaining=1000) == options.probe_length and controller.probing
 
 
-def test_a_co_located_look_back_under_load_counts_the_wait_of_the_others():
-    """A co-located draft's catch-up takes the device from every request waiting: a look-back affordable alone is
-    skipped under load, where a remote draft's (on its own device) is not."""
+def test_a_look_back_under_load_counts_the_wait_of_those_sharing_the_draft():
+    """A co-located draft's catch-up takes the device from every request waiting, a remote draft service's from
+    every request drafting with it (one model thread serves them in turn): a look-back affordable alone is skipped
+    when they wait, not for requests that only share the target's forwards."""
     costs = _curve_costs(draft_per_token=0.005)
     costs.observe_catch_up("draft_model", 400, 0.4)  # 1 ms a token
     options = ControllerOptions(off_rounds=2)
@@ -452,6 +453,26 @@ def test_a_co_located_look_back_under_load_counts_the_wait_of_the_others():
     assert look_back_made(shares_device=True)
     assert look_back_made(load=lambda: 7)
     assert not look_back_made(shares_device=True, load=lambda: 7)
+    assert look_back_made(load=lambda: 7, draft_load=lambda: 0)  # the others decode plainly
+    assert not look_back_made(load=lambda: 7, draft_load=lambda: 7)
+
+
+def test_an_unmeasured_catch_up_is_free_alone_and_priced_as_the_targets_own_forward_when_shared():
+    """A catch-up nobody measured (or measured too long ago, `stale_after_requests`) is free to a request alone,
+    which then measures it, and priced by the target's plain line where others share the draft: a wave of
+    requests sharing a draft service does not all look back on the prompt to find out its cost."""
+    costs = _curve_costs(draft_per_token=0.005)
+    assert costs.catch_up_line("draft_model") is None
+    options = ControllerOptions(off_rounds=2)
+
+    def look_back_made(**kwargs) -> bool:
+        controller = SpeculationController(costs, "draft_model", options=options, look_back=True, **kwargs)
+        _plain_rounds(controller, 2)
+        controller.next_length(remaining=40, behind=60)
+        return controller.looking_back
+
+    assert look_back_made()  # alone: taken, to measure it
+    assert not look_back_made(draft_load=lambda: 7)  # 8 of them would wait for each other's
 
 
 def test_the_time_off_after_a_look_back_is_priced_by_the_next_one_not_by_the_prompt_the_first_caught_up_on():
@@ -494,3 +515,43 @@ def test_a_cost_not_measured_again_over_16_requests_is_forgotten():
     for k in (1, 2, 3):
         costs.observe_draft("draft_model", k, 0.012 * k)  # alone again: 12 ms a token, not mixed with the burst
     assert costs.draft("draft_model", 0.03)[1] == pytest.approx(0.012, rel=0.01)
+
+
+def test_a_look_back_reads_acceptance_among_the_guesses_the_draft_was_sure_of():
+    """A draft stops where it is unsure, so its blocks see the acceptance of its sure guesses (`Hindsight.kept /
+    confident`): sure of 9 of 14 tokens and right on all 9, drafting pays (9 right of 14 would not); right on 7 of
+    the 9, it does not."""
+    options = ControllerOptions(off_rounds=3, max_off_rounds=64)
+
+    def resumed(kept: int) -> bool:
+        costs = _curve_costs(draft_per_token=0.005)
+        controller = SpeculationController(costs, "draft_model", options=options, look_back=True)
+        _plain_rounds(controller, 3)
+        assert controller.next_length(remaining=500) == 0 and controller.looking_back
+        controller.observe(0, [0], [0], [0], 0.02, 0.036, 1, behind=14, hindsight=(14, kept, 9))
+        return not controller.off
+
+    assert resumed(9)
+    assert not resumed(7)
+
+
+def test_a_draft_model_always_proposes_its_first_token_and_goes_on_after_sure_ones():
+    """Asked for `k`, a draft model drafts its first token whatever its confidence and goes on after each sure one
+    (`c`): a draft that is never sure still makes every round a block of one draft, kept with the acceptance."""
+    costs = _curve_costs(draft_per_token=0.001)
+    never_sure = AcceptanceEstimate(prior_mean=0.001, prior_strength=1e6)
+    right = AcceptanceEstimate(prior_mean=0.999, prior_strength=1e6)
+    controller = SpeculationController(costs, "draft_model", acceptance=right, continuation=never_sure)
+    prices = costs.prices("draft_model")
+    d0, d1 = prices.draft
+    one_draft = 2 * 0.999 / (d0 + d1 + prices.verify(2))  # the draft and the target's token, a block of 2
+    assert controller.rate(1, prices) == pytest.approx(one_draft, rel=0.01)
+    assert controller.rate(5, prices) == pytest.approx(one_draft, rel=0.01)
+    # Its blocks are evidence on going on after the first draft only: asked 5, proposing 1 is one stop.
+    fresh = SpeculationController(costs, "draft_model")
+    before = fresh.continuation.mean
+    fresh.observe(1, [1], [1], [1], 0.01, 0.07, 2)  # asked 1: nothing to go on after
+    assert fresh.continuation.mean == before
+    for _ in range(5):
+        fresh.observe(5, [5], [1], [1], 0.01, 0.07, 2)
+    assert fresh.continuation.mean < 0.5 * before

@@ -27,17 +27,17 @@ from specwire.common.v1 import common_pb2 as specwire_dot_common_dot_v1_dot_comm
 from specwire.config.v1 import generation_config_pb2 as specwire_dot_config_dot_v1_dot_generation__config__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%specwire/draft/v1/draft_service.proto\x12\x11specwire.draft.v1\x1a\x1fspecwire/common/v1/common.proto\x1a*specwire/config/v1/generation_config.proto\"\xa4\x02\n\nDraftStart\x12/\n\x04rows\x18\x01 \x03(\x0b\x32!.specwire.common.v1.TokenSequence\x12.\n\x06method\x18\x02 \x01(\x0e\x32\x1e.specwire.draft.v1.DraftMethod\x12\x34\n\x06\x63onfig\x18\x03 \x01(\x0b\x32$.specwire.config.v1.GenerationConfig\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x14\n\x0creturn_probs\x18\x05 \x01(\x08\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x0f\n\x07overlap\x18\x07 \x01(\x08\x12\x16\n\x0etokenizer_size\x18\x08 \x01(\x05\x12\x18\n\x10tokenizer_digest\x18\t \x01(\x0c\"K\n\x0bRowFeedback\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x14\n\x0c\x61ppended_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"Q\n\rDraftFeedback\x12,\n\x04rows\x18\x01 \x03(\x0b\x32\x1e.specwire.draft.v1.RowFeedback\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"\x7f\n\x0c\x44raftRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.specwire.draft.v1.DraftStartH\x00\x12\x34\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x02 \x01(\x0b\x32 .specwire.draft.v1.DraftFeedbackH\x00\x42\t\n\x07message\"\xcd\x01\n\x08RowDraft\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12.\n\x05probs\x18\x02 \x01(\x0b\x32\x1f.specwire.common.v1.DenseTensor\x12,\n\x05\x61head\x18\x03 \x01(\x0e\x32\x1d.specwire.draft.v1.DraftAhead\x12\x19\n\x11hindsight_checked\x18\x04 \x01(\x05\x12\x18\n\x10hindsight_agreed\x18\x05 \x01(\x05\x12\x1b\n\x13hindsight_confident\x18\x06 \x01(\x05\":\n\rDraftResponse\x12)\n\x04rows\x18\x01 \x03(\x0b\x32\x1b.specwire.draft.v1.RowDraft*c\n\x0b\x44raftMethod\x12\x1c\n\x18\x44RAFT_METHOD_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x44RAFT_METHOD_PROMPT_LOOKUP\x10\x01\x12\x16\n\x12\x44RAFT_METHOD_MODEL\x10\x02*T\n\nDraftAhead\x12\x1b\n\x17\x44RAFT_AHEAD_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44RAFT_AHEAD_HIT\x10\x01\x12\x14\n\x10\x44RAFT_AHEAD_MISS\x10\x02\x32^\n\x0c\x44raftService\x12N\n\x05\x44raft\x12\x1f.specwire.draft.v1.DraftRequest\x1a .specwire.draft.v1.DraftResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%specwire/draft/v1/draft_service.proto\x12\x11specwire.draft.v1\x1a\x1fspecwire/common/v1/common.proto\x1a*specwire/config/v1/generation_config.proto\"\xa4\x02\n\nDraftStart\x12/\n\x04rows\x18\x01 \x03(\x0b\x32!.specwire.common.v1.TokenSequence\x12.\n\x06method\x18\x02 \x01(\x0e\x32\x1e.specwire.draft.v1.DraftMethod\x12\x34\n\x06\x63onfig\x18\x03 \x01(\x0b\x32$.specwire.config.v1.GenerationConfig\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x14\n\x0creturn_probs\x18\x05 \x01(\x08\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x0f\n\x07overlap\x18\x07 \x01(\x08\x12\x16\n\x0etokenizer_size\x18\x08 \x01(\x05\x12\x18\n\x10tokenizer_digest\x18\t \x01(\x0c\"K\n\x0bRowFeedback\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x14\n\x0c\x61ppended_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"Q\n\rDraftFeedback\x12,\n\x04rows\x18\x01 \x03(\x0b\x32\x1e.specwire.draft.v1.RowFeedback\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"\x7f\n\x0c\x44raftRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.specwire.draft.v1.DraftStartH\x00\x12\x34\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x02 \x01(\x0b\x32 .specwire.draft.v1.DraftFeedbackH\x00\x42\t\n\x07message\"\xcb\x01\n\x08RowDraft\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12.\n\x05probs\x18\x02 \x01(\x0b\x32\x1f.specwire.common.v1.DenseTensor\x12,\n\x05\x61head\x18\x03 \x01(\x0e\x32\x1d.specwire.draft.v1.DraftAhead\x12\x19\n\x11hindsight_checked\x18\x04 \x01(\x05\x12\x16\n\x0ehindsight_kept\x18\x05 \x01(\x05\x12\x1b\n\x13hindsight_confident\x18\x06 \x01(\x05\":\n\rDraftResponse\x12)\n\x04rows\x18\x01 \x03(\x0b\x32\x1b.specwire.draft.v1.RowDraft*c\n\x0b\x44raftMethod\x12\x1c\n\x18\x44RAFT_METHOD_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x44RAFT_METHOD_PROMPT_LOOKUP\x10\x01\x12\x16\n\x12\x44RAFT_METHOD_MODEL\x10\x02*T\n\nDraftAhead\x12\x1b\n\x17\x44RAFT_AHEAD_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44RAFT_AHEAD_HIT\x10\x01\x12\x14\n\x10\x44RAFT_AHEAD_MISS\x10\x02\x32^\n\x0c\x44raftService\x12N\n\x05\x44raft\x12\x1f.specwire.draft.v1.DraftRequest\x1a .specwire.draft.v1.DraftResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specwire.draft.v1.draft_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTMETHOD']._serialized_start=989
-  _globals['_DRAFTMETHOD']._serialized_end=1088
-  _globals['_DRAFTAHEAD']._serialized_start=1090
-  _globals['_DRAFTAHEAD']._serialized_end=1174
+  _globals['_DRAFTMETHOD']._serialized_start=987
+  _globals['_DRAFTMETHOD']._serialized_end=1086
+  _globals['_DRAFTAHEAD']._serialized_start=1088
+  _globals['_DRAFTAHEAD']._serialized_end=1172
   _globals['_DRAFTSTART']._serialized_start=138
   _globals['_DRAFTSTART']._serialized_end=430
   _globals['_ROWFEEDBACK']._serialized_start=432
@@ -47,9 +47,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTREQUEST']._serialized_start=592
   _globals['_DRAFTREQUEST']._serialized_end=719
   _globals['_ROWDRAFT']._serialized_start=722
-  _globals['_ROWDRAFT']._serialized_end=927
-  _globals['_DRAFTRESPONSE']._serialized_start=929
-  _globals['_DRAFTRESPONSE']._serialized_end=987
-  _globals['_DRAFTSERVICE']._serialized_start=1176
-  _globals['_DRAFTSERVICE']._serialized_end=1270
+  _globals['_ROWDRAFT']._serialized_end=925
+  _globals['_DRAFTRESPONSE']._serialized_start=927
+  _globals['_DRAFTRESPONSE']._serialized_end=985
+  _globals['_DRAFTSERVICE']._serialized_start=1174
+  _globals['_DRAFTSERVICE']._serialized_end=1268
 # @@protoc_insertion_point(module_scope)

@@ -77,20 +77,20 @@ class DraftRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DraftStart, _Mapping]] = ..., feedback: _Optional[_Union[DraftFeedback, _Mapping]] = ...) -> None: ...
 
 class RowDraft(_message.Message):
-    __slots__ = ("token_ids", "probs", "ahead", "hindsight_checked", "hindsight_agreed", "hindsight_confident")
+    __slots__ = ("token_ids", "probs", "ahead", "hindsight_checked", "hindsight_kept", "hindsight_confident")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     HINDSIGHT_CHECKED_FIELD_NUMBER: _ClassVar[int]
-    HINDSIGHT_AGREED_FIELD_NUMBER: _ClassVar[int]
+    HINDSIGHT_KEPT_FIELD_NUMBER: _ClassVar[int]
     HINDSIGHT_CONFIDENT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _common_pb2.DenseTensor
     ahead: DraftAhead
     hindsight_checked: int
-    hindsight_agreed: int
+    hindsight_kept: int
     hindsight_confident: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., ahead: _Optional[_Union[DraftAhead, str]] = ..., hindsight_checked: _Optional[int] = ..., hindsight_agreed: _Optional[int] = ..., hindsight_confident: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[_common_pb2.DenseTensor, _Mapping]] = ..., ahead: _Optional[_Union[DraftAhead, str]] = ..., hindsight_checked: _Optional[int] = ..., hindsight_kept: _Optional[int] = ..., hindsight_confident: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("rows",)

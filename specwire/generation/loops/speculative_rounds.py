@@ -428,6 +428,8 @@ class SpeculativeRun:
         deciding = [r for r, row in enumerate(self.state) if not row.finished or self.pad is None]
         if not deciding:
             return _Outcome(emitted, accepted, codes)
+        if not self.plan.do_sample and not any(block.blocks) and not any(row.finished for row in self.state):
+            return self._plain_outcome(scores)
         result = accept_blocks(
             self.plan.do_sample,
             [block.blocks[r] for r in deciding],
@@ -448,6 +450,17 @@ class SpeculativeRun:
             accepted[r] = min(n_accepted, len(block.drafts[r]))
             codes[r] = code
         return _Outcome(emitted, accepted, codes)
+
+    def _plain_outcome(self, scores: list[torch.Tensor]) -> _Outcome:
+        """A greedy round in which no row drafted (time off): each row's argmax and its criteria after it, what
+        `accept_blocks` and `crop_at_stops` give for empty blocks without their batching (a request in time off
+        pays them every round, and under load its round's Python holds the model thread's forwards up)."""
+        emitted, codes = [], []
+        for r, row in enumerate(self.state):
+            token = int(scores[r][0].argmax())
+            emitted.append([token])
+            codes.append(int(row.criteria(row.ids([token]), scores[r][0:1])[0]))
+        return _Outcome(emitted, [0] * len(self.state), codes)
 
     def _stop_fn(
         self, deciding: list[int], tokens: list[list[int]], scores: list[torch.Tensor]

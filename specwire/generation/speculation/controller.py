@@ -4,23 +4,26 @@ A request that names no draft schedule (no `num_assistant_tokens`, no `num_assis
 no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each round it picks `k` in
 `0..max_length` maximizing the expected tokens per second of the round. Per row, asked for `k`:
 
-- the drafter proposes: a draft model token after token, going on with probability `c` (it may stop at
-  its EOS or its confidence threshold); prompt lookup all or nothing (`ALL_OR_NOTHING`): a block of `k`
-  with probability `c` (a match), else nothing, and a round without a block is a plain round. `c` is an
-  `AcceptanceEstimate` (a Beta posterior over the request's own rounds, forgetting old ones);
-- the target keeps draft `j` with probability `h_j` when it kept drafts `1..j-1` (`RunLengths`: per
-  position, from the request's own blocks, shrunk towards its overall acceptance `a`, an
-  `AcceptanceEstimate`), so drafts `1..j` are all kept with probability `S(j) = h_1 .. h_j`. One `a`
-  for every position would be a geometric run, which fits a draft model; a copy from the prompt is
-  either wrong at once or goes on to the end of the block;
-- so a round emits `E(k) = 1 + sum_j c^j S(j)` tokens (draft model; prompt lookup:
+- the drafter proposes: a draft model its first token always, then token after token, going on after each
+  with probability `c` (it stops after a token it is unsure of, its confidence threshold, or its EOS);
+  prompt lookup all or nothing (`ALL_OR_NOTHING`): a block of `k` with probability `c` (a match), else
+  nothing, and a round without a block is a plain round. `c` is an `AcceptanceEstimate` (a Beta posterior
+  over the request's own rounds, forgetting old ones);
+- drafts `1..j` are all kept with probability `S(j) = h_1 .. h_j`, `h_j` per position from the request's
+  own blocks (`RunLengths`), shrunk towards a geometric run. A draft model's positions count drafts
+  proposed and kept, shrunk towards `a` for the first and `c a` for each next one (`a`, the acceptance of
+  a proposed draft, an `AcceptanceEstimate`): that fits a draft model. Prompt lookup's count its proposed
+  drafts, shrunk towards `a`: a copy from the prompt is either wrong at once or goes on to the end of the
+  block;
+- so a round emits `E(k) = 1 + sum_j S(j)` tokens (draft model; prompt lookup:
   `c (1 + sum_j S(j)) + (1 - c)`): the accepted drafts plus the target's recovered or bonus token;
-- it costs `D + c * V(rows * (1 + block)) + (1 - c) * P(rows) + L`: `D = d0 + d1 * rows * N(k)` is the
+- it costs `D + V(rows * (1 + N(k))) + L` (draft model; prompt lookup: `D + c * V(rows * (1 + k)) +
+  (1 - c) * P(rows) + L`): `D = d0 + d1 * rows * N(k)` is the
   wall time of `drafter.propose(k)` for `N(k)` expected drafts per row, as the target sees it (a
   remote, overlapped or co-located draft is measured the same way; a `LinearCost` per proposer);
   `V(n)` a round with drafts verifying `n` tokens (the verify forward and its bookkeeping: each
-  position's processors, the acceptance, the cache crop) and `P(n)` a round without, `block` the
-  drafts per row given a block. `V` and `P` are `SizedCost`s: each size's measured mean, shrunk
+  position's processors, the acceptance, the cache crop) and `P(n)` a round without. `V` and `P` are
+  `SizedCost`s: each size's measured mean, shrunk
   towards a line through all sizes, because a verify forward's cost is not a line in its tokens: on a
   2-core CPU with SmolLM2-135M (batched scheduler) a plain round takes ~36 ms and rounds verifying 2,
   3, 4 and 11 tokens ~72, 97, 76 and 105 ms (the matrix products change kernels with the row count),
@@ -111,8 +114,10 @@ class ControllerOptions:
     """Bounds of the controller.
 
     Args:
-        max_length (`int`, *optional*, defaults to 20): the longest block (transformers' default
-            `num_assistant_tokens`).
+        max_length (`int`, *optional*, defaults to 32): the longest block. Longer than transformers' default
+            `num_assistant_tokens` (20), which its heuristic schedule grows past while blocks are kept whole: on
+            the low-acceptance prompt's answer, all kept after its first 20 tokens, blocks up to 32 made the
+            co-located draft ~7% faster than blocks up to 20.
         probe_length (`int`, *optional*, defaults to 3): the block drafted after time off (3, not 2: on a
             CPU a verify forward of 4 tokens can cost less than one of 3, see `SizedCost`).
         off_rounds (`int`, *optional*, defaults to 4): rounds of plain decoding before the first probe.
@@ -126,11 +131,12 @@ class ControllerOptions:
             extra seconds / (budget x a plain round)); 0 only doubles. A draft model's probe pays its
             catch-up on every token since it last drafted (and the first one the draft's prefill of
             the prompt): on a CPU that is several plain rounds, which probing every few rounds repeats.
-            A co-located draft's probe or look-back delays every request waiting for the device: its
-            extra cost counts once per request (`shares_device`).
+            A co-located draft's probe or look-back delays every request waiting for the device, a remote
+            one every request drafting with the same draft service: its extra cost counts once per request
+            (`shares_device`, `draft_load`).
     """
 
-    max_length: int = 20
+    max_length: int = 32
     probe_length: int = 5
     off_rounds: int = 4
     max_off_rounds: int = 256
@@ -148,6 +154,11 @@ class ControllerOptions:
             raise ValueError(f"max_off_rounds ({self.max_off_rounds}) must be >= off_rounds ({self.off_rounds}).")
 
 
+def _count(requests: Callable[[], float] | None) -> float:
+    """How many other requests a callable the target passed in says there are now (0 without one)."""
+    return max(float(requests()), 0.0) if requests is not None else 0.0
+
+
 @dataclass
 class SpeculationController:
     """One request's draft-length decisions (see the module docstring).
@@ -162,6 +173,9 @@ class SpeculationController:
         shares_device (`bool`, *optional*, defaults to `False`): the drafter computes on the target's device (a
             co-located draft model): its forwards take the device from the other requests too, so the load term
             charges them its draft time as well.
+        draft_load (`Callable[[], float]`, *optional*): how many other requests draft with the same remote draft
+            service now. It serves them in turn on one model thread, so a look-back or probe makes each of them
+            wait for it, as a co-located one makes every request wait for the device (`_sharers`).
         options (`ControllerOptions`, *optional*): bounds.
         acceptance (`AcceptanceEstimate`, *optional*): the request's acceptance of proposed tokens (a fresh
             prior by default, `PRIORS`).
@@ -179,6 +193,7 @@ class SpeculationController:
     rows: int = 1
     load: Callable[[], float] | None = None
     shares_device: bool = False
+    draft_load: Callable[[], float] | None = None
     options: ControllerOptions = field(default_factory=ControllerOptions)
     acceptance: AcceptanceEstimate | None = None
     continuation: AcceptanceEstimate | None = None
@@ -221,18 +236,18 @@ class SpeculationController:
         if self.all_or_nothing:  # a block of k with probability c, else a plain round
             drafted, block = c * k, float(k)
             tokens = c * (1.0 + sum(self.runs.survival(a, k))) + (1.0 - c)  # S(j): drafts 1..j all kept
-        else:  # the drafter goes on token after token with probability c
-            drafted = sum(c**i for i in range(1, k + 1))  # N(k): expected drafts per row
-            block = drafted / c
-            # S(j): drafts 1..j all proposed and kept. Counted together: a draft that stops itself when
-            # unsure (the confidence threshold) is kept more often where it goes on than c * a says.
-            tokens = 1.0 + sum(self.runs.survival(c * a, k))
+        else:  # the first draft always, then token after token with probability c: always a block
+            drafted = block = sum(c**i for i in range(k))  # N(k): expected drafts per row
+            # S(j): drafts 1..j all proposed and kept: the first kept with probability a, each next one proposed
+            # after a sure guess and kept (c * a, which look-backs measure as such: `drafters.Hindsight`).
+            tokens = 1.0 + sum(self.runs.survival(c * a, k, first=a))
         d0, d1 = prices.draft
         draft_s = d0 + d1 * rows * drafted
+        with_block = 1.0 if not self.all_or_nothing else c
         seconds = (
             draft_s
-            + c * prices.verify(rows * (1.0 + block))
-            + (1.0 - c) * plain_s
+            + with_block * prices.verify(rows * (1.0 + block))
+            + (1.0 - with_block) * plain_s
             + others * (prices.slope * rows * drafted + (draft_s if self.shares_device else 0.0))
         )
         return rows * tokens / max(seconds, 1e-9)
@@ -334,20 +349,31 @@ class SpeculationController:
         plain_s = prices.plain(self.rows)
         d0, d1 = prices.draft
         if self.look_back:  # its whole cost: the catch-up forward
-            line = self.costs.catch_up_line(self.proposer)
+            line = self._catch_up_line()
             extra = line[0] + line[1] * behind if line is not None else 0.0
         else:
             extra = prices.catch_up * behind + d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s
         return extra * self._sharers() <= self.options.probe_budget * remaining * plain_s
 
+    def _catch_up_line(self) -> tuple[float, float] | None:
+        """The drafter's catch-up, `(fixed, per token)` seconds; None (free) until measured, so that a request
+        measures it. Not when others share the draft (`_sharers`): they would all measure it at once (a wave of
+        requests on a cold or stale target), so it is priced as the target's own plain line until then (a draft
+        model is smaller than its target)."""
+        line = self.costs.catch_up_line(self.proposer)
+        if line is None and self._sharers() > 1:
+            return self.costs.plain()
+        return line
+
     def _sharers(self) -> float:
-        """How many requests a probe's extra time delays: this one, and for a draft on the target's device
-        (`shares_device`) every other one waiting for the device while it drafts or catches up."""
-        return 1.0 + self._others() if self.shares_device else 1.0
+        """How many requests a probe's extra time delays: this one, and every other one waiting for the device
+        while it drafts or catches up: for a draft on the target's device (`shares_device`) every request on
+        the target, for a remote draft service those drafting with it (`draft_load`)."""
+        return 1.0 + (self._others() if self.shares_device else _count(self.draft_load))
 
     def _others(self) -> float:
         """Other requests waiting on this one's forwards now (the target's `load`)."""
-        return max(float(self.load()), 0.0) if self.load is not None else 0.0
+        return _count(self.load)
 
     @property
     def off(self) -> bool:
@@ -376,28 +402,31 @@ class SpeculationController:
             verify_s (`float`): wall time of the verify forward and its acceptance.
             verify_tokens (`int`): tokens the verify forward ran for this request.
             behind (`int`, *optional*, defaults to 0): tokens the drafter had not seen before this round.
-            hindsight (`tuple[int, int, int]`, *optional*): `(checked, agreed, confident)` over the request's
+            hindsight (`tuple[int, int, int]`, *optional*): `(checked, kept, confident)` over the request's
                 rows (`drafters.Hindsight`): evidence from the tokens the drafter caught up on.
         """
         assert self.acceptance is not None and self.continuation is not None  # set by __post_init__
-        checked, agreed, confident = hindsight or (0, 0, 0)
+        checked, kept, confident = hindsight or (0, 0, 0)
         if checked:
-            # Each of the target's tokens the draft guessed is a draft it would have had kept or not, and after
-            # which it would have gone on or stopped: one token's acceptance and continuation.
-            self.acceptance.observe_counts(agreed, checked - agreed, per_token=True)
+            # Each of the target's tokens the draft guessed is one after which it would have gone on or stopped
+            # (continuation), and each sure guess a draft it would have gone on after and had kept or not
+            # (acceptance: the rate counts a draft kept and gone on after as c * a, see `Hindsight`).
+            self.acceptance.observe_counts(kept, confident - kept, per_token=True)
             self.continuation.observe_counts(confident, checked - confident, per_token=True)
             # Where in a block the drafts stop being kept is learned from blocks only: those before the checked
             # tokens are that much older (forgotten as if each token had been a block).
             self.runs.forget(self.runs.decay**checked)
-            self.costs.observe_hindsight(self.proposer, checked, agreed, confident)
+            self.costs.observe_hindsight(self.proposer, checked, kept, confident)
         for k, n, m in zip(wanted, drafted, accepted, strict=True):
             if self.all_or_nothing:
                 self.continuation.observe(1 if asked and k else 0, 1 if n else 0)
             else:
-                self.continuation.observe(k if asked else 0, n)
+                # The first draft is always proposed: going on after each of the others is the evidence.
+                could, went_on = (k - 1, n - 1) if asked and n else (0, 0)
+                self.continuation.observe(could, went_on)
                 # Not prompt lookup's: whether a prompt repeats itself is a property of that prompt, not of the
                 # deployment, so its requests start from `PRIORS`.
-                self.costs.observe_acceptance(self.proposer, n, min(m, n), k if asked else 0, n)
+                self.costs.observe_acceptance(self.proposer, n, min(m, n), could, went_on)
             self.acceptance.observe(n, min(m, n))
             # Prompt lookup's runs count its proposed drafts (a block or none is `c`); a draft model's
             # count every draft asked, proposed and kept (a draft it did not propose ends the run).
@@ -433,7 +462,7 @@ class SpeculationController:
         """Plain rounds after which the next look-back (a catch-up forward's fixed cost, and the catch-up of those
         rounds' tokens) costs at most `probe_budget` of them. Not the last look-back's cost: the first one also
         caught up on the prompt, which is not done again."""
-        plain, line = self.costs.plain(), self.costs.catch_up_line(self.proposer)
+        plain, line = self.costs.plain(), self._catch_up_line()
         if not self.options.probe_budget or plain is None or line is None:
             return 0
         sharers = self._sharers()

@@ -178,19 +178,19 @@ class SharedCosts:
             return PRIORS.get(proposer, DEFAULT_PRIORS) if measured is None else (measured[0].mean, measured[1].mean)
 
     def observe_acceptance(self, proposer: str, drafted: int, kept: int, asked: int, proposed: int) -> None:
-        """One row-round of a request: the target kept the first `kept` of `drafted` drafts; the drafter proposed
-        `proposed` of the `asked` tokens."""
+        """One row-round of a request: the target kept the first `kept` of `drafted` drafts; asked for `asked` more
+        after its first (which it always proposes), the drafter proposed `proposed` of them."""
         with self._lock:
             measured_acceptance, measured_continuation = self._measured_of(proposer)
             measured_acceptance.observe(drafted, kept)
             measured_continuation.observe(asked, proposed)
 
-    def observe_hindsight(self, proposer: str, checked: int, agreed: int, confident: int) -> None:
+    def observe_hindsight(self, proposer: str, checked: int, kept: int, confident: int) -> None:
         """A request's look-back (`drafters.Hindsight`). Blocks are drafted only where the controller expects
         them to pay, so their acceptance alone overstates the pair's: the tokens of the time off count too."""
         with self._lock:
             measured_acceptance, measured_continuation = self._measured_of(proposer)
-            measured_acceptance.observe_counts(agreed, checked - agreed)
+            measured_acceptance.observe_counts(kept, confident - kept)
             measured_continuation.observe_counts(confident, checked - confident)
 
     def _measured_of(self, proposer: str) -> tuple[AcceptanceEstimate, AcceptanceEstimate]:

@@ -198,14 +198,16 @@ class RunLengths:
         self.tried = [t * factor for t in self.tried]
         self.kept = [k * factor for k in self.kept]
 
-    def survival(self, overall: float, k: int) -> list[float]:
-        """`[S(1), .., S(k)]`, `S(j)` the chance that drafts `1..j` are all kept, given `overall` acceptance."""
+    def survival(self, overall: float, k: int, first: float | None = None) -> list[float]:
+        """`[S(1), .., S(k)]`, `S(j)` the chance that drafts `1..j` are all kept, given `overall` acceptance (and
+        `first`, that of the first draft, when it differs: a draft model always proposes its first token)."""
         out, alive, hazard = [], 1.0, overall
         for j in range(k):
             tried, kept = (self.tried[j], self.kept[j]) if j < len(self.tried) else (0.0, 0.0)
             # Chained: shrunk towards the position before (the first towards `overall`): where the request's
             # blocks never reached, a copy that kept going is assumed to keep going, so longer blocks get tried.
-            hazard = (kept + self.shrink * (hazard if self.chained else overall)) / (tried + self.shrink)
+            target = first if j == 0 and first is not None else (hazard if self.chained else overall)
+            hazard = (kept + self.shrink * target) / (tried + self.shrink)
             alive *= hazard
             out.append(alive)
         return out
