@@ -555,3 +555,17 @@ def test_a_draft_model_always_proposes_its_first_token_and_goes_on_after_sure_on
     for _ in range(5):
         fresh.observe(5, [5], [1], [1], 0.01, 0.07, 2)
     assert fresh.continuation.mean < 0.5 * before
+
+
+def test_an_unmeasured_draft_costs_at_least_the_forward_its_catch_up_measured():
+    """Before any block, a look-back has measured the draft's forward (its catch-up): each drafted token is such a
+    forward, so a draft 10x slower than the target is not taken for the prior's fraction of a verify forward."""
+    costs = SharedCosts()
+    for _ in range(3):
+        costs.observe_verify(1, 0.002, drafted=False)  # a ~2 ms target
+    assert costs.draft("draft_model", 0.002) == pytest.approx((0.0, 0.2 * 0.002))  # nothing measured: the prior
+    costs.observe_catch_up("draft_model", 20, 0.024)  # a 20 ms forward over the prompt
+    assert costs.draft("draft_model", 0.002)[1] == pytest.approx(0.024 / 20, rel=0.01)
+    controller = SpeculationController(costs, "draft_model", acceptance=AcceptanceEstimate(prior_mean=0.35))
+    assert controller.best_length(remaining=70) == 0
+    assert costs.draft("prompt_lookup", 0.002) == (0.0, 0.0)  # prompt lookup: free until measured

@@ -161,14 +161,24 @@ class SharedCosts:
         return cost
 
     def draft(self, proposer: str, verify_intercept: float) -> tuple[float, float]:
-        """`(d0, d1)`: draft seconds = `d0 + d1 * k`, from the prior until `proposer` was measured."""
+        """`(d0, d1)`: draft seconds = `d0 + d1 * k`, from the prior until `proposer` was measured.
+
+        The prior of a draft model's `d1` is `draft_slope_prior` of the verify forward's fixed cost, or, once its
+        catch-up was measured (a look-back measures it before any block), what that forward cost for one token,
+        if more: each drafted token is a forward of the draft. A slow draft (20 ms a forward against a ~2 ms
+        target) otherwise looked cheap after its first look-back, and drafted a block it could never repay."""
         with self._lock:
             cost = self._current(self._drafts, "draft", proposer)
             fitted = cost.fit(None) if cost is not None else None
+            catch_up = self._current(self._catch_up, "catch_up", proposer)
+            forward = catch_up.fit(None) if catch_up is not None else None
         if fitted is not None:
             return fitted
         # Prompt lookup searches the text it has: free until measured (a remote one's round trip then is).
-        return (0.0, 0.0 if proposer in ALL_OR_NOTHING else self.draft_slope_prior * verify_intercept)
+        if proposer in ALL_OR_NOTHING:
+            return (0.0, 0.0)
+        one_token = forward[0] + forward[1] if forward is not None else 0.0
+        return (0.0, max(self.draft_slope_prior * verify_intercept, one_token))
 
     def priors(self, proposer: str) -> tuple[float, float]:
         """`(acceptance, continuation)` a new request of `proposer` starts from: what this target's earlier requests
