@@ -76,9 +76,10 @@ lookup always, the constant `PRIORS`: a draft model acceptance 0.7, continuation
 0.8 (its copies are kept at 0.8-0.85 per token on the benchmark's prompts, counted as runs), a match half the
 time (whether a prompt repeats itself is a property of the prompt); its drafts cost nothing measurable, so it
 drafts from the first round. Until a cost has been measured it is taken relative to the plain round's cost
-(`v1 = verify_slope_prior * v0`, `d1 = draft_slope_prior * p0`, `d0 = 0`; a drafting round is first assumed to
-cost what a plain one does). Draft times are learned only from rounds whose previous round also drafted: the
-first block of a request and a probe after time off include the catch-up, learned apart.
+(`v1 = verify_slope_prior * v0`, `d1 = draft_slope_prior * p0`, or a one-token forward of the draft once a
+catch-up measured it, if more; `d0 = 0`; a drafting round is first assumed to cost what a plain one does).
+Draft times are learned only from rounds whose previous round also drafted: the first block of a request and a
+probe after time off include the catch-up, learned apart.
 
 Pure Python, thread-safe where shared (`SharedCosts`); no services. Output never depends on it: the
 draft length changes how many tokens a round verifies, not which tokens are emitted.

@@ -65,7 +65,8 @@ class SharedCosts:
         verify_slope_prior (`float`, *optional*, defaults to 0.05): verify seconds per extra token as a
             fraction of the forward's fixed cost, until block sizes vary.
         draft_slope_prior (`float`, *optional*, defaults to 0.2): draft seconds per proposed token as a
-            fraction of the verify forward's fixed cost, until the draft was measured (prompt lookup: 0).
+            fraction of the verify forward's fixed cost, until the draft was measured (prompt lookup: 0; at
+            least a one-token forward of the draft once its catch-up was measured, `draft`).
         stale_after_requests (`int`, *optional*, defaults to `STALE_AFTER_REQUESTS`): a draft, catch-up or
             verify cost not measured again over this many requests (`new_request`) is forgotten.
     """
