@@ -116,8 +116,8 @@ class Engine:
         # id(job) -> the drafters it opened: closed when its RPC ends, so that a cancelled request's
         # thread stops waiting on its draft service at once (not after the round's timeout).
         self._drafters: dict[int, list[Drafter]] = {}
-        # id(job) -> its proposer, while it runs: requests drafting with the same draft service wait for each
-        # other's drafts (the controller's `draft_load`).
+        # id(job) -> its proposer, while it runs (only beside its `_drafters` entry, popped with it): requests
+        # drafting with the same draft service wait for each other's drafts (the controller's `draft_load`).
         self._proposers: dict[int, str] = {}
         self.loaded = loaded
         self.drafting = drafting or DraftPolicy()
@@ -236,7 +236,8 @@ class Engine:
         proposer = self.drafting.proposer(job.proposer, job.config)
         job.speculation.proposer = proposer
         with self._lock:
-            self._proposers[id(job)] = proposer
+            if id(job) in self._drafters:  # `run` has not ended: a cancelled request's thread may start late
+                self._proposers[id(job)] = proposer
         if proposer != PROPOSER_NONE and plan.num_beams == 1 and uses_static_cache(job.config):
             # Rejected drafts are cropped from the cache, which a StaticCache cannot do.
             raise InvalidArgument.for_field(

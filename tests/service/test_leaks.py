@@ -6,8 +6,8 @@ both schedulers, requests end by finishing, by the client closing the stream mid
 deadline, by an error inside the decoding loop (a device fault injected into the model's forward),
 and by the draft service dying or stopping mid-stream. After they settle, the process has as many
 threads as before (Python's and native ones, gRPC's included but for its elastic EventEngine pool),
-the target no draft stream (or co-located drafter) open, the batched scheduler all its KV slots
-free, and the draft service no session open.
+the target no draft stream (or co-located drafter) open and no request counted as drafting, the
+batched scheduler all its KV slots free, and the draft service no session open.
 
 The target model's forward takes a few milliseconds more than it needs (`Faults.delay_s`), so that a
 request is still running when its client cancels it or its deadline passes.
@@ -101,8 +101,12 @@ class Target:
         return self.server.address
 
     @property
+    def engine(self):
+        return self.server.server.bindings[0].servicer.engine
+
+    @property
     def batcher(self):
-        return self.server.server.bindings[0].servicer.engine.batcher
+        return self.engine.batcher
 
 
 # gRPC's EventEngine pool grows by a thread while its work queues back up and lets an extra thread go
@@ -137,6 +141,7 @@ def snapshot(target: Target, draft_server=None) -> dict[str, int]:
         "python_threads": threading.active_count(),
         "native_threads": native_threads(),
         "draft_streams": target.policy.open_streams,
+        "running_proposers": len(target.engine._proposers),
     }
     if target.batcher is not None and target.batcher.enabled:
         now["free_slots"] = target.batcher.free_slots
@@ -171,6 +176,7 @@ def reference(target: Target, draft_server=None) -> dict[str, int]:
     """What the process holds with nothing running (slots all free, no stream or session open)."""
     now = snapshot(target, draft_server)
     now["draft_streams"] = 0
+    now["running_proposers"] = 0
     if "free_slots" in now:
         now["free_slots"] = target.batcher.cache.num_slots
     if draft_server is not None:
