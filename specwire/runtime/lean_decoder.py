@@ -18,14 +18,16 @@ projection, the gated MLP with the model's own activation, the final norm and th
 kept positions only. The logits are therefore bitwise those of `model(...)`; the batched scheduler
 checks that with a probe at start-up and falls back to `model(...)` otherwise.
 
-LM head. On CPU, MKL's matrix product for 4-15 rows against the tall `[vocab, hidden]` head weight is
-slow: SmolLM2's head takes ~18 ms for 11 rows against ~9 ms for 16 (2 cores). Computed in chunks of
-1024 vocabulary rows it takes ~8 ms, and every output is the same dot product with the same kernel,
-so the logits are bitwise those of one product. `_Head` checks that at construction for each row
-count it would chunk, and chunks only the counts where it holds. Measured after a 406-token prompt: a
-forward keeping 11 positions (a `prompt_lookup_num_tokens=10` verify block) takes ~67 ms instead of
-~75 ms, 8 positions ~58 instead of ~65 ms (verify blocks, or decode rows of several requests packed
-into one forward).
+LM head. On CPU, MKL's matrix product for a few rows against the tall `[vocab, hidden]` head weight is
+slow: SmolLM2's head takes ~18 ms for 11 rows against ~9 ms for 16 on a 2-core Xeon, and on a 2-core
+EPYC ~22 ms for 2 rows and ~33 ms for 3 against ~10 ms for 1 (a verify block of 1 or 2 drafts). Computed
+in chunks of 1024 vocabulary rows it takes ~8 ms for 11 rows (Xeon), ~15 and ~17 ms for 2 and 3 (EPYC),
+and every output is the same dot product with the same kernel, so the logits are bitwise those of one
+product. `_Head` checks that for each row count from 2 to 33 (a verify block of up to 32 drafts, or
+decode rows of several requests packed into one forward) the first time it sees that count, on that
+call's own hidden states, and chunks only the counts where it holds. Measured after a 406-token
+prompt (Xeon): a forward keeping 11 positions (a `prompt_lookup_num_tokens=10` verify block) takes
+~67 ms instead of ~75 ms, 8 positions ~58 instead of ~65 ms.
 
 Supported: decoder-only models whose layers have the Llama layout (`input_layernorm`, `self_attn`
 with `q/k/v/o_proj` and no q/k norms, `post_attention_layernorm`, `mlp` with `gate/up/down_proj`)
@@ -47,8 +49,8 @@ _MODEL_TYPES = ("llama", "mistral", "qwen2")
 _NORM_ATTRIBUTES = ("input_layernorm", "post_attention_layernorm")
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# Row counts whose LM head runs in vocabulary chunks on CPU, and the chunk size (module docstring).
-_CHUNKED_HEAD_ROWS = range(4, 16)
+# Row counts whose LM head may run in vocabulary chunks on CPU, and the chunk size (module docstring).
+_CHUNKED_HEAD_ROWS = range(2, 34)
 _HEAD_CHUNK = 1024
 
 
@@ -114,28 +116,20 @@ def _activation(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 class _Head:
     """The LM head, with the chunked product for the row counts where it is bitwise the plain one (an int8 head:
-    its kernel, unchunked)."""
+    its kernel, unchunked). Each candidate row count is checked the first time it is seen: the plain product
+    is returned, and compared with the chunked one of the same hidden states."""
 
     def __init__(self, module: Any):
         self.project = None if isinstance(module, torch.nn.Linear) else _projection(module)
+        # Row count -> whether its chunked product is bitwise the plain one (absent: not checked yet).
+        self.chunked_rows: dict[int, bool] = {}
         if self.project is not None:
-            self.chunked_rows: frozenset[int] = frozenset()
             return
         self.weight, self.bias = module.weight, module.bias
         weights = self.weight.split(_HEAD_CHUNK)
         biases = [None] * len(weights) if self.bias is None else self.bias.split(_HEAD_CHUNK)
         self.chunks = list(zip(weights, biases, strict=True))
-        self.chunked_rows = frozenset()
-        if self.weight.device.type == "cpu" and len(self.chunks) > 1:
-            generator = torch.Generator().manual_seed(0)
-            with torch.no_grad():
-                self.chunked_rows = frozenset(
-                    rows for rows in _CHUNKED_HEAD_ROWS if self._same_when_chunked(rows, generator)
-                )
-
-    def _same_when_chunked(self, rows: int, generator: torch.Generator) -> bool:
-        hidden = torch.randn((1, rows, self.weight.shape[1]), generator=generator).to(self.weight.dtype)
-        return torch.equal(F.linear(hidden, self.weight, self.bias), self._chunked(hidden))
+        self.may_chunk = self.weight.device.type == "cpu" and len(self.chunks) > 1
 
     def _chunked(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([F.linear(hidden, weight, bias) for weight, bias in self.chunks], dim=-1)
@@ -144,9 +138,14 @@ class _Head:
         """`hidden` `[1, rows, hidden_size]` -> logits `[1, rows, vocab]`."""
         if self.project is not None:
             return self.project(hidden)
-        if hidden.shape[1] in self.chunked_rows:
+        rows = hidden.shape[1]
+        chunked = self.chunked_rows.get(rows)
+        if chunked:
             return self._chunked(hidden)
-        return F.linear(hidden, self.weight, self.bias)
+        logits = F.linear(hidden, self.weight, self.bias)
+        if chunked is None and self.may_chunk and rows in _CHUNKED_HEAD_ROWS:
+            self.chunked_rows[rows] = torch.equal(logits, self._chunked(hidden))
+        return logits
 
 
 class _Layer:
