@@ -35,7 +35,7 @@ from specwire.generation.speculation.drafters import Drafter, PromptLookupDrafte
 from specwire.model_thread import model_executor
 from specwire.models import LoadedModel
 from specwire.models.tokenizer_digest import tokenizer_digest
-from specwire.runtime.lean_draft import lean_draft_forward
+from specwire.runtime.lean_draft import draft_decoder, lean_draft_forward
 from specwire.serving import handles_errors
 from specwire.wire.generation_config import WireFormatError, config_from_proto
 from specwire.wire.tensors import tensor_to_proto
@@ -190,6 +190,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self.max_sessions = max_sessions
         self.session_idle_timeout_s = session_idle_timeout_s
         self.executor = model_executor("specwire-draft")
+        if draft_model is not None:  # the lean forward's one-time check, before the first request times it
+            self.executor.submit(draft_decoder, draft_model.model)
         # Sessions opened and not yet closed (their KV caches are held); written on the event loop
         # only, read by tests and observability.
         self.open_sessions = 0

@@ -15,6 +15,7 @@ from specwire.generation.speculation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
 from specwire.models import ModelLoadError, load_model
 from specwire.models.dflash_assistant import load_dflash_assistant
+from specwire.runtime.lean_draft import prepare_draft_decoder
 from specwire.security.access import (
     ALLOW_INSECURE_TOKEN_ENV,
     AccessPolicy,
@@ -421,6 +422,7 @@ def load_draft_model(args: argparse.Namespace, target):
         check_draft_model(target, draft)
     except (ModelLoadError, ValueError) as error:
         raise SystemExit(f"target-service: --draft-model {args.draft_model}: {error}") from None
+    prepare_draft_decoder(draft.model)
     return draft
 
 
