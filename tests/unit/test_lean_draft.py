@@ -89,16 +89,16 @@ def test_a_decoder_whose_logits_differ_is_not_used(tiny_model_dir, monkeypatch):
     assert draft_decoder(model) is None
 
 
-def test_the_services_check_a_draft_before_their_first_request(tiny_draft_dir):
+def test_the_services_check_a_draft_before_their_first_request(tiny_model_dir, tiny_draft_dir):
     """The check runs forwards (~150 ms for SmolLM2's int8 draft): made at start, so no request's catch-up times it
     (the speculation controller's catch-up line kept such a one-off for good). The target's co-located draft is
     checked in a thread of its own, the draft service's on its model thread."""
     from specwire.draft_service.service import DraftServicer
     from specwire.models import load_model
+    from specwire.target_service.__main__ import build_parser, load_draft_model
 
-    colocated = load_model(str(tiny_draft_dir), progress=False)
-    assert colocated.model not in lean_draft._decoders
-    lean_draft.prepare_draft_decoder(colocated.model)
+    target = load_model(str(tiny_model_dir), progress=False)
+    colocated = load_draft_model(build_parser().parse_args(["--draft-model", str(tiny_draft_dir)]), target)
     assert lean_draft._decoders[colocated.model] is not None
 
     remote = load_model(str(tiny_draft_dir), progress=False)
