@@ -28,7 +28,7 @@ import torch
 
 from specwire.runtime.lean_decoder import LeanDecoder
 
-__all__ = ["CacheStep", "draft_decoder", "lean_draft_forward", "lean_logits", "prepare_draft_decoder"]
+__all__ = ["CacheStep", "draft_decoder", "lean_draft_forward", "lean_logits"]
 
 log = logging.getLogger(__name__)
 
@@ -102,21 +102,6 @@ def draft_decoder(model: Any) -> LeanDecoder | None:
     with _lock:
         _decoders[model] = decoder
     return decoder
-
-
-def prepare_draft_decoder(model: Any) -> None:
-    """Make `draft_decoder(model)`'s one-time check now (a service starting), not in its first request.
-
-    The check runs three forwards of the model and three of the lean decoder (~150 ms for SmolLM2's int8 draft on
-    2 CPU cores). Inside a request it was timed as part of the draft's first catch-up, and the speculation
-    controller's catch-up line, fitted by least squares and rarely measured, kept that one-off for the rest of the
-    target's life: it priced every later look-back high and spaced them 50+ rounds apart. Run in a short-lived
-    thread, as a request's own thread runs a co-located draft, so the caller's thread opens no OpenMP pool
-    (`model_thread.without_thread_pool`); the draft service checks on its model thread instead.
-    """
-    thread = threading.Thread(target=draft_decoder, args=(model,), name="specwire-draft-check", daemon=True)
-    thread.start()
-    thread.join()
 
 
 @torch.inference_mode()

@@ -92,7 +92,7 @@ def test_a_decoder_whose_logits_differ_is_not_used(tiny_model_dir, monkeypatch):
 def test_the_services_check_a_draft_before_their_first_request(tiny_model_dir, tiny_draft_dir):
     """The check runs forwards (~150 ms for SmolLM2's int8 draft): made at start, so no request's catch-up times it
     (the speculation controller's catch-up line kept such a one-off for good). The target's co-located draft is
-    checked in a thread of its own, the draft service's on its model thread."""
+    checked on the starting thread without an OpenMP pool, the draft service's on its model thread."""
     from specwire.draft_service.service import DraftServicer
     from specwire.models import load_model
     from specwire.target_service.__main__ import build_parser, load_draft_model
