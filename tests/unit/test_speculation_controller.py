@@ -569,3 +569,39 @@ def test_an_unmeasured_draft_costs_at_least_the_forward_its_catch_up_measured():
     controller = SpeculationController(costs, "draft_model", acceptance=AcceptanceEstimate(prior_mean=0.35))
     assert controller.best_length(remaining=70) == 0
     assert costs.draft("prompt_lookup", 0.002) == (0.0, 0.0)  # prompt lookup: free until measured
+
+
+def test_drafts_kept_beyond_the_models_prediction_raise_its_factor_which_never_drops_below_one():
+    """The model multiplies per-token rates as if each token were a coin of its own; a draft model's long runs are
+    kept more often than that. The target measures kept over predicted drafts and scales the model by it: a pair
+    the model priced at break-even drafts once its blocks kept twice what it predicted. Blocks that keep less
+    leave the factor at 1 (their acceptance already says so), so one rejected block cannot price drafting out."""
+    costs = _costs(draft=(0.0, 0.016))
+    assert costs.kept_factor("draft_model") == 1.0
+    controller = _controller(costs, 0.5)
+    assert controller.best_length() == 0  # the product of its rates: drafting does not pay
+    assert controller._kept(8) < 1.0
+    for _ in range(4):  # the blocks it drafts keep all 8 drafts
+        controller.observe(8, [8], [8], [8], 0.1, 0.05, 9)
+    assert costs.kept_factor("draft_model") == pytest.approx(2.0)  # the upper bound
+    assert costs.prices("draft_model").kept_factor == pytest.approx(2.0)
+    assert controller.best_length() > 0
+    other = SharedCosts()
+    other.observe_kept("draft_model", 1.5, 0)  # a first block rejected
+    assert other.kept_factor("draft_model") == 1.0
+
+
+def test_the_first_block_after_a_look_back_measures_the_draft():
+    """A look-back caught the draft up, so the block after it costs what drafting costs: it is learned as a draft
+    price (before, only a block after a block was, and a request that looked back between single blocks never
+    measured the draft and kept an inflated prior)."""
+    costs = _curve_costs(draft_per_token=0.005)
+    controller = SpeculationController(costs, "draft_model", options=ControllerOptions(off_rounds=1), look_back=True)
+    _plain_rounds(controller, 1)
+    assert controller.next_length(remaining=500) == 0 and controller.looking_back
+    controller.observe(0, [0], [0], [0], 0.02, 0.036, 1, behind=40, hindsight=(3, 3, 3))
+    before = costs._drafts["draft_model"].observations
+    k = controller.next_length(remaining=500)
+    assert k > 0
+    controller.observe(k, [k], [k], [k], 0.005 * k, 0.05, k + 1, behind=2)
+    assert costs._drafts["draft_model"].observations == before + 1

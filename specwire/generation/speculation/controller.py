@@ -15,8 +15,11 @@ no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each rou
   a proposed draft, an `AcceptanceEstimate`): that fits a draft model. Prompt lookup's count its proposed
   drafts, shrunk towards `a`: a copy from the prompt is either wrong at once or goes on to the end of the
   block;
-- so a round emits `E(k) = 1 + sum_j S(j)` tokens (draft model; prompt lookup:
-  `c (1 + sum_j S(j)) + (1 - c)`): the accepted drafts plus the target's recovered or bonus token;
+- so a round emits `E(k) = 1 + f sum_j S(j)` tokens (draft model, at most `1 + N(k)`; prompt lookup:
+  `c (1 + sum_j S(j)) + (1 - c)`): the accepted drafts plus the target's recovered or bonus token. `f >= 1`
+  is the target's measured ratio of a draft model's kept drafts to the kept drafts this model predicted for
+  the same blocks (`SharedCosts.kept_factor`): a draft model sure of many tokens in a row is mostly right, so
+  its long runs are kept more often than the product of per-token rates says;
 - it costs `D + V(rows * (1 + N(k))) + L` (draft model; prompt lookup: `D + c * V(rows * (1 + k)) +
   (1 - c) * P(rows) + L`): `D = d0 + d1 * rows * N(k)` is the
   wall time of `drafter.propose(k)` for `N(k)` expected drafts per row, as the target sees it (a
@@ -78,8 +81,8 @@ time (whether a prompt repeats itself is a property of the prompt); its drafts c
 drafts from the first round. Until a cost has been measured it is taken relative to the plain round's cost
 (`v1 = verify_slope_prior * v0`, `d1 = draft_slope_prior * p0`, or a one-token forward of the draft once a
 catch-up measured it, if more; `d0 = 0`; a drafting round is first assumed to cost what a plain one does).
-Draft times are learned only from rounds whose previous round also drafted: the first block of a request and a
-probe after time off include the catch-up, learned apart.
+Draft times are learned only from rounds whose previous round drafted or looked back (the drafter lacked only that
+round's tokens): the first block of a request and a probe after time off include the catch-up, learned apart.
 
 Pure Python, thread-safe where shared (`SharedCosts`); no services. Output never depends on it: the
 draft length changes how many tokens a round verifies, not which tokens are emitted.
@@ -204,7 +207,7 @@ class SpeculationController:
     look_back: bool = False
     probing: bool = False  # the last length handed out was a probe
     looking_back: bool = False  # the last round was a look-back (no drafts, the drafter caught up)
-    drafted_last_round: bool = False
+    caught_up: bool = False  # the last round drafted or looked back: the drafter lacks only its tokens
 
     def __post_init__(self) -> None:
         self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
@@ -240,8 +243,9 @@ class SpeculationController:
         else:  # the first draft always, then token after token with probability c: always a block
             drafted = block = sum(c**i for i in range(k))  # N(k): expected drafts per row
             # S(j): drafts 1..j all proposed and kept: the first kept with probability a, each next one proposed
-            # after a sure guess and kept (c * a, which look-backs measure as such: `drafters.Hindsight`).
-            tokens = 1.0 + sum(self.runs.survival(c * a, k, first=a))
+            # after a sure guess and kept (c * a, which look-backs measure as such: `drafters.Hindsight`), times
+            # what the target measured of such predictions (`SharedCosts.kept_factor`).
+            tokens = 1.0 + min(prices.kept_factor * self._kept(k), drafted)
         d0, d1 = prices.draft
         draft_s = d0 + d1 * rows * drafted
         with_block = 1.0 if not self.all_or_nothing else c
@@ -252,6 +256,11 @@ class SpeculationController:
             + others * (prices.slope * rows * drafted + (draft_s if self.shares_device else 0.0))
         )
         return rows * tokens / max(seconds, 1e-9)
+
+    def _kept(self, k: int) -> float:
+        """A draft model's expected drafts kept per row when asked for `k`, as the model predicts them (`sum S(j)`)."""
+        a, c = self._means()
+        return sum(self.runs.survival(c * a, k, first=a))
 
     def best_length(self, remaining: int | None = None, behind: int = 0) -> int:
         """The `k` in `0..max_length` with the highest expected rate; 0 unless drafting beats plain by the margin.
@@ -293,7 +302,7 @@ class SpeculationController:
         d0, d1 = prices.draft
         log.debug(
             "%s: k=%d (acceptance %.2f, continuation %.2f, plain %.1f tok/s, best %.1f tok/s, others %.0f, "
-            "remaining %s, behind %d, catch-up %.2f ms/token, draft %.2f + %.2f ms/token)",
+            "remaining %s, behind %d, catch-up %.2f ms/token, draft %.2f + %.2f ms/token, kept x%.2f)",
             self.proposer,
             k,
             a,
@@ -306,6 +315,7 @@ class SpeculationController:
             prices.catch_up * 1e3,
             d0 * 1e3,
             d1 * 1e3,
+            prices.kept_factor,
         )
 
     def next_length(self, remaining: int | None = None, behind: int = 0) -> int:
@@ -407,6 +417,10 @@ class SpeculationController:
                 rows (`drafters.Hindsight`): evidence from the tokens the drafter caught up on.
         """
         assert self.acceptance is not None and self.continuation is not None  # set by __post_init__
+        if asked and not self.all_or_nothing:  # what the model predicted of the blocks, before it learns from them
+            for k, n, m in zip(wanted, drafted, accepted, strict=True):
+                if k and n:
+                    self.costs.observe_kept(self.proposer, self._kept(k), min(m, n))
         checked, kept, confident = hindsight or (0, 0, 0)
         if checked:
             # Each of the target's tokens the draft guessed is one after which it would have gone on or stopped
@@ -433,12 +447,12 @@ class SpeculationController:
             # count every draft asked, proposed and kept (a draft it did not propose ends the run).
             self.runs.observe(n if self.all_or_nothing else (k if asked else 0), min(m, n))
         self.costs.observe_verify(verify_tokens, verify_s, drafted=any(drafted))
-        if asked and self.drafted_last_round and not self.probing:
+        if asked and self.caught_up and not self.probing:
             self.costs.observe_draft(self.proposer, sum(drafted), draft_s)
         elif (asked or self.looking_back) and behind > 1:  # the drafter caught up: what drafting does not explain
             d0, d1 = self.costs.prices(self.proposer).draft
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
-        self.drafted_last_round = asked > 0
+        self.caught_up = asked > 0 or self.looking_back
         if self.looking_back:
             if not checked:
                 self.look_back = False  # the drafter reports no hindsight: the next round probes instead
