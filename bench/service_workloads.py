@@ -18,8 +18,11 @@ from bench.workload_context import PROMPT_LOOKUP_TOKENS, Context, run_series
 # 6: concurrency
 
 
-def _wave(address: str, prompt: list[int], clients: int, args: dict) -> tuple[float, list[float], int]:
-    """`clients` concurrent Generate calls, one channel each; returns wall time, latencies and tokens."""
+def _wave(
+    address: str, prompt: list[int], clients: int, args: dict, outputs: list | None = None
+) -> tuple[float, list[float], int]:
+    """`clients` concurrent Generate calls, one channel each; returns wall time, latencies and tokens (and
+    appends each call's `GenerateOutput` to `outputs` when given)."""
     from specwire.client import TargetClient
 
     channels = [TargetClient(address) for _ in range(clients)]
@@ -36,6 +39,8 @@ def _wave(address: str, prompt: list[int], clients: int, args: dict) -> tuple[fl
             output = channels[i].generate(input_ids=[prompt], **args)
             latencies[i] = time.perf_counter() - started
             tokens[i] = output.sequences.shape[1] - len(prompt)
+            if outputs is not None:
+                outputs.append(output)
         except BaseException as error:  # noqa: BLE001 - reported by the caller
             errors.append(error)
             barrier.abort()
