@@ -18,7 +18,7 @@ from bench.workload_context import PROMPT_LOOKUP_TOKENS, Context, run_series
 # 6: concurrency
 
 
-def _wave(
+def client_wave(
     address: str, prompt: list[int], clients: int, args: dict, outputs: list | None = None
 ) -> tuple[float, list[float], int]:
     """`clients` concurrent Generate calls, one channel each; returns wall time, latencies and tokens (and
@@ -72,7 +72,7 @@ def concurrency(ctx: Context) -> dict:
     for repeat in range(ctx.repeats):
         levels = ctx.concurrency_levels if repeat % 2 == 0 else ctx.concurrency_levels[::-1]
         for n in levels:
-            wall, latencies, tokens = _wave(address, prompt, n, args)
+            wall, latencies, tokens = client_wave(address, prompt, n, args)
             per_level[n]["throughput"].append(tokens / wall)
             per_level[n]["latencies"].extend(latencies)
             per_level[n]["wall"].append(wall)

@@ -25,6 +25,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def service_env() -> dict[str, str]:
+    """The environment of a benchmarked service: nothing in a benchmark may reach the network (these also make a
+    missing model fail fast), and its log lines come as they are written."""
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
 def read_memory_kib(pid: int) -> dict[str, int]:
     """`VmHWM` (peak resident) and `VmRSS` (current resident) of a live process, in KiB."""
     values: dict[str, int] = {}
@@ -139,14 +151,7 @@ class ServiceStack:
     draft_model_error: str | None = None
 
     def _env(self) -> dict[str, str]:
-        # Nothing in a benchmark may reach the network; these also make a missing model fail fast.
-        return {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
+        return service_env()
 
     def start(self) -> None:
         """Start every service (without waiting); call `wait()` next."""

@@ -25,8 +25,8 @@ import os
 from typing import Any
 
 from bench.progress import log
-from bench.service_workloads import _wave
-from bench.services import Service, free_port, wait_healthy
+from bench.service_workloads import client_wave
+from bench.services import Service, free_port, service_env, wait_healthy
 from bench.stats import ratio, summarize
 from bench.target import Specwire, speculation_unavailable
 from bench.workload_context import (
@@ -120,15 +120,14 @@ class MatrixServices:
         )
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         for service in self.services.values():
-            service_env = dict(env)
+            env = service_env()
             if service.cpus:  # one torch thread per pinned core: more would only contend
-                service_env["OMP_NUM_THREADS"] = str(len(service.cpus.split(",")))
+                env["OMP_NUM_THREADS"] = str(len(service.cpus.split(",")))
             log(
                 f"starting {service.name} on {service.address} ({' '.join(service.args)}; cpus {service.cpus or 'all'})"
             )
-            service.start(service_env)
+            service.start(env)
         for name, service in self.services.items():
             wait_healthy(service, 900.0)
             if name != "pinned_draft":
@@ -252,7 +251,7 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
     for repeat in range(ctx.repeats):
         for label in cases if repeat % 2 == 0 else list(cases)[::-1]:
             target, args = cases[label]
-            wall, _, tokens = _wave(services.sides[target].address, prompt, clients, args)
+            wall, _, tokens = client_wave(services.sides[target].address, prompt, clients, args)
             throughput[label].append(tokens / wall)
             log(f"  matrix {clients} clients [{repeat + 1}/{ctx.repeats}] {label}: {tokens / wall:.1f} tok/s aggregate")
     summaries = {label: summarize(values) for label, values in throughput.items()}

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
 
 from bench.machine import describe
 from bench.prompts import CHAT_PROMPT
-from bench.service_workloads import _wave
-from bench.services import Service, free_port, wait_healthy
+from bench.service_workloads import client_wave
+from bench.services import Service, free_port, service_env, wait_healthy
 
 
 def _services(args, log_dir: Path) -> list[Service]:
@@ -44,11 +43,10 @@ def run(args) -> dict:
     """Start the services, run the pairs, stop them; the figures."""
     from specwire.client import TargetClient
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     services = _services(args, Path(tempfile.mkdtemp(prefix="specwire-waves-")))
     try:
         for service in services:
-            service.start(env)
+            service.start(service_env())
         for service in services:
             wait_healthy(service, 900.0)
         address = services[-1].address
@@ -57,14 +55,14 @@ def run(args) -> dict:
         plain = {"do_sample": False, "max_new_tokens": args.max_new_tokens}
         cases = {"plain": plain, "speculative": {**plain, "proposer": args.proposer}}
         for kwargs in cases.values():  # warm both paths (and the draft) before the clock
-            _wave(address, prompt, 2, {**kwargs, "max_new_tokens": 8})
+            client_wave(address, prompt, 2, {**kwargs, "max_new_tokens": 8})
         pairs: list[dict[str, float]] = []
         outputs: list = []
         for i in range(args.pairs):
             order = list(cases) if i % 2 == 0 else list(cases)[::-1]
             rates: dict[str, float] = {}
             for label in order:
-                wall, _, tokens = _wave(
+                wall, _, tokens = client_wave(
                     address, prompt, args.clients, cases[label], outputs if label == "speculative" else None
                 )
                 rates[label] = tokens / wall
