@@ -162,12 +162,14 @@ def test_cancel_while_drafting_ahead_frees_the_session(tiny_model_dir):
     at its next forward, the session closes, and the process keeps no thread."""
     draft = load_model(str(tiny_model_dir), progress=False)
     forwards = threading.Semaphore(0)
+    ahead = threading.Event()  # set once the block asked for is answered: the forwards drafting ahead are slow
     original = draft.model.forward
 
     @functools.wraps(original)
     def slow_forward(*args, **kwargs):
         forwards.release()
-        time.sleep(0.1)  # a block of 40 drafted ahead takes 4 s: the stream ends mid-way
+        if ahead.is_set():
+            time.sleep(0.1)  # a block of 40 drafted ahead takes 4 s: the stream ends mid-way
         return original(*args, **kwargs)
 
     draft.model.forward = slow_forward
@@ -183,7 +185,9 @@ def test_cancel_while_drafting_ahead_frees_the_session(tiny_model_dir):
             stream = Stream(running.address)
             start_message = start([[5, 6, 7, 8]], pb.DRAFT_METHOD_MODEL, config, num_tokens=40)
             start_message.start.overlap = True
+            ahead.clear()
             stream.send(start_message)
+            ahead.set()
             while forwards.acquire(blocking=False):
                 pass
             assert forwards.acquire(timeout=10)  # drafting ahead has begun

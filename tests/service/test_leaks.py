@@ -344,7 +344,13 @@ def _stream_to_the_end(address: str, kwargs: dict, started: threading.Barrier, o
         outputs.append([first, *stream][-1])
 
 
-@pytest.mark.parametrize("scheduler, kwargs, remote", _params(REMOTE))
+# The draft service's process killed (a connection reset) on each scheduler, with the proposer that holds a
+# model session there; both remote proposers meet a draft service that stops serving in the test after this
+# one (a threaded server, cheaper than a process: what the target sees differs only by how the stream ends).
+KILLED = [p for p in REMOTE if p[0] == "draft_model-service"]
+
+
+@pytest.mark.parametrize("scheduler, kwargs, remote", _params(KILLED))
 def test_draft_service_killed_mid_stream_releases_everything(tiny_draft_dir, tiny_model_dir, scheduler, kwargs, remote):
     port = free_port()
     args = ["specwire.draft_service", "--port", str(port), "--model", str(tiny_draft_dir)]

@@ -267,12 +267,15 @@ def test_keepalive_finds_a_hung_server(tmp_path):
         wait_healthy(f"127.0.0.1:{port}", timeout=60, process=process)
         # No pings while idle: one that timed out between the two calls would close the connection
         # before the second call is sent, and that call would wait on a reconnect (the stopped
-        # process's kernel still accepts TCP). Only the in-flight call is pinged.
+        # process's kernel still accepts TCP). Only the in-flight call is pinged. No read retry: it would
+        # resend the call on a new connection to the stopped process, which waits out gRPC's 20 s connect
+        # timeout (the keepalive had already failed the first attempt within ~2 s).
         fast = [
             ("grpc.keepalive_time_ms", 1000),
             ("grpc.keepalive_timeout_ms", 1000),
             ("grpc.http2.ping_timeout_ms", 1000),
             ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.enable_retries", 0),
         ]
         channel = secure_channel(f"127.0.0.1:{port}", fast)
         client = ConfigClient(channel=channel, timeout=60)
