@@ -8,9 +8,10 @@ the speculation matrix's three waves per case cannot (their ranges span 15-20% o
 
 Starts one target service (`--draft-model` co-located, or `--draft-address` of a draft service it also
 starts), warms it, then runs `--pairs` pairs of waves: `--clients` concurrent greedy requests on the
-chat prompt, plain and with `proposer` (no draft length named: the controller decides), in alternating
-order. Prints each pair, the median of the pair ratios with its range, and what the controller chose
-(rounds with drafts, tokens decoded without, probes) over every speculative request.
+chat prompt (in the model's chat template, as the matrix sends it), plain and with `proposer` (no draft
+length named: the controller decides), in alternating order. Prints each pair, the median of the pair
+ratios with its range, and what the controller chose (rounds with drafts, tokens decoded without,
+probes) over every speculative request.
 """
 
 from __future__ import annotations
@@ -39,10 +40,25 @@ def _services(args, log_dir: Path) -> list[Service]:
     return [draft, Service("target-service", "specwire.target_service", target, free_port(), log_dir / "target.log")]
 
 
+def _chat_prompt(address: str) -> list[int]:
+    """The chat prompt's token ids as the matrix sends them: in the model's chat template when its tokenizer has
+    one (a small test model's may not: plain text then)."""
+    import grpc
+
+    from specwire.client import SpecwireRpcError, TargetClient
+
+    with TargetClient(address) as client:
+        try:
+            out = client.generate(text=CHAT_PROMPT, apply_chat_template=True, max_new_tokens=1)
+        except SpecwireRpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            out = client.generate(text=CHAT_PROMPT, max_new_tokens=1)
+    return out.sequences[0, :-1].tolist()
+
+
 def run(args) -> dict:
     """Start the services, run the pairs, stop them; the figures."""
-    from specwire.client import TargetClient
-
     services = _services(args, Path(tempfile.mkdtemp(prefix="specwire-waves-")))
     try:
         for service in services:
@@ -50,8 +66,7 @@ def run(args) -> dict:
         for service in services:
             wait_healthy(service, 900.0)
         address = services[-1].address
-        with TargetClient(address) as client:  # the chat prompt as the service templates it
-            prompt = client.generate(text=CHAT_PROMPT, max_new_tokens=1).sequences[0, :-1].tolist()
+        prompt = _chat_prompt(address)
         plain = {"do_sample": False, "max_new_tokens": args.max_new_tokens}
         cases = {"plain": plain, "speculative": {**plain, "proposer": args.proposer}}
         for kwargs in cases.values():  # warm both paths (and the draft) before the clock
