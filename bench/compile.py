@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row["ratio_to_specwire_dynamic"] = ratio(row["tokens_per_second"], base)
     report = {
         "meta": {
-            **describe(),
+            **describe("bench.compile"),
             "model": args.model,
             "prompt_tokens": ids.shape[1],
             "max_new_tokens": args.max_new_tokens,

@@ -49,8 +49,9 @@ def _git(*args: str) -> str | None:
         return None
 
 
-def describe() -> dict:
-    """Machine, software versions, git commit and the UTC date, for the results' header."""
+def describe(module: str = "bench") -> dict:
+    """Machine, software versions, git commit and the UTC date, for the results' header; `module` is the
+    `python -m` module the command ran."""
     import torch
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -76,5 +77,5 @@ def describe() -> dict:
             "specwire": _version("specwire"),
         },
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "command": " ".join([Path(sys.executable).name, "-m", "bench", *sys.argv[1:]]),
+        "command": " ".join([Path(sys.executable).name, "-m", module, *sys.argv[1:]]),
     }

@@ -93,7 +93,7 @@ def run(args) -> dict:
     ratios = [p["speculative"] / p["plain"] for p in pairs]
     stats = [o.speculation for o in outputs]
     return {
-        "meta": describe(),
+        "meta": describe("bench.speculation_waves"),
         "placement": args.placement,
         "proposer": args.proposer,
         "clients": args.clients,

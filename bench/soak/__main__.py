@@ -117,8 +117,7 @@ def run(args: argparse.Namespace, skip: set[str], out: Path) -> int:
 
     draft_name = args.draft_model or ("default-int8" if args.model == "default" else args.model)
     duration = args.minutes * 60.0
-    meta = describe()
-    meta["command"] = " ".join([Path(sys.executable).name, "-m", "bench.soak", *sys.argv[1:]])
+    meta = describe("bench.soak")
     stack = ServiceStack(
         args.model,
         draft_name,
