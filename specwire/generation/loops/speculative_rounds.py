@@ -50,10 +50,32 @@ class _Row:
     finish_length: int | None = None
     scores: list[torch.Tensor] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    # `ids()` as a tensor, kept between calls. The row's processors and criteria read it at every position of
+    # every round; rebuilt from the list each time, it was the costliest Python of a round without drafts, and
+    # under load every request's round holds up the next packed forward. `generated` only grows; when it grew
+    # by the `extra` of the last call (a plain round's criteria check the token it then emits), that call's
+    # tensor is reused.
+    _ids: torch.Tensor | None = field(default=None, repr=False)
+    _ids_length: int = 0  # the generated tokens in `_ids`
+    _last: tuple[list[int], torch.Tensor] | None = field(default=None, repr=False)  # extra on `_ids`, its ids
 
     def ids(self, extra: list[int] | None = None) -> torch.Tensor:
-        tail = self.generated + (extra or [])
-        return torch.cat([self.prompt, self.prompt.new_tensor(tail)])[None]  # [1, len]
+        """The prompt, the generated tokens and `extra`, `[1, len]` (not to be written to: it may be shared)."""
+        if self._ids is None or self._ids_length > len(self.generated):
+            self._ids = torch.cat([self.prompt, self.prompt.new_tensor(self.generated)])[None]
+            self._ids_length, self._last = len(self.generated), None
+        elif self._ids_length != len(self.generated):
+            new = self.generated[self._ids_length :]
+            if self._last is not None and self._last[0] == new:
+                self._ids = self._last[1]
+            else:
+                self._ids = torch.cat([self._ids, self.prompt.new_tensor(new)[None]], dim=1)
+            self._ids_length, self._last = len(self.generated), None
+        if not extra:
+            return self._ids
+        ids = torch.cat([self._ids, self.prompt.new_tensor(extra)[None]], dim=1)  # [1, len + extra]
+        self._last = (list(extra), ids)
+        return ids
 
 
 @dataclass
@@ -389,13 +411,10 @@ class SpeculativeRun:
 
     def _candidates(self, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
         """`[last token, block...]` per row `[rows, k + 1]`, and which of those slots are real tokens."""
-        k, pad = block.k, self.pad
-        candidates = torch.full((len(self.state), k + 1), pad if pad is not None else 0, dtype=torch.long)
-        valid = torch.zeros((len(self.state), k + 1), dtype=torch.long)
-        for r, row in enumerate(self.state):
-            tokens = [row.generated[-1], *block.blocks[r]]
-            candidates[r, : len(tokens)] = torch.tensor(tokens)
-            valid[r, : len(tokens)] = 1
+        width, fill = block.k + 1, self.pad if self.pad is not None else 0
+        rows = [[row.generated[-1], *block.blocks[r]] for r, row in enumerate(self.state)]
+        candidates = torch.tensor([tokens + [fill] * (width - len(tokens)) for tokens in rows], dtype=torch.long)
+        valid = torch.tensor([[1] * len(tokens) + [0] * (width - len(tokens)) for tokens in rows], dtype=torch.long)
         return candidates, valid
 
     def _process(self, block: _Block, logits: torch.Tensor) -> list[torch.Tensor]:
@@ -410,7 +429,8 @@ class SpeculativeRun:
         )
         scores, offset = [], 0
         for r in range(len(self.state)):
-            scores.append(torch.cat(processed[offset : offset + len(blocks[r]) + 1]))
+            pieces = processed[offset : offset + len(blocks[r]) + 1]
+            scores.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))  # one position: no copy
             offset += len(blocks[r]) + 1
         return scores
 
@@ -508,10 +528,10 @@ class SpeculativeRun:
         """Forget what was not kept: slots after the accepted drafts (the last emitted token is the next
         round's input, not yet in the cache)."""
         kept = [len(e) for e in outcome.emitted]
-        self.rows.discard(
-            torch.tensor([block.k + 1 - n for n in kept]),
-            torch.tensor([len(block.blocks[r]) + 1 - kept[r] for r in range(len(self.state))]),
-        )
+        physical = [block.k + 1 - n for n in kept]
+        real = [len(block.blocks[r]) + 1 - kept[r] for r in range(len(self.state))]
+        if any(physical) or any(real):  # a round whose every row kept its whole block (time off) has none
+            self.rows.discard(torch.tensor(physical), torch.tensor(real))
 
     def _feedback(self, outcome: _Outcome) -> None:
         """Tells the drafter, per row, how many drafts were accepted and which tokens came after them."""
