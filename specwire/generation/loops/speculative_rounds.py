@@ -52,25 +52,24 @@ class _Row:
     logits: list[torch.Tensor] = field(default_factory=list)
     # `ids()` as a tensor, kept between calls. The row's processors and criteria read it at every position of
     # every round; rebuilt from the list each time, it was the costliest Python of a round without drafts, and
-    # under load every request's round holds up the next packed forward. `generated` only grows; when it grew
-    # by the `extra` of the last call (a plain round's criteria check the token it then emits), that call's
-    # tensor is reused.
+    # under load every request's round holds up the next packed forward. `generated` only grows (appended to,
+    # never cut); when it grew by the `extra` of the last call (a plain round's criteria check the token it
+    # then emits), that call's tensor is reused.
     _ids: torch.Tensor | None = field(default=None, repr=False)
-    _ids_length: int = 0  # the generated tokens in `_ids`
     _last: tuple[list[int], torch.Tensor] | None = field(default=None, repr=False)  # extra on `_ids`, its ids
 
     def ids(self, extra: list[int] | None = None) -> torch.Tensor:
         """The prompt, the generated tokens and `extra`, `[1, len]` (not to be written to: it may be shared)."""
-        if self._ids is None or self._ids_length > len(self.generated):
+        if self._ids is None:
             self._ids = torch.cat([self.prompt, self.prompt.new_tensor(self.generated)])[None]
-            self._ids_length, self._last = len(self.generated), None
-        elif self._ids_length != len(self.generated):
-            new = self.generated[self._ids_length :]
-            if self._last is not None and self._last[0] == new:
-                self._ids = self._last[1]
-            else:
-                self._ids = torch.cat([self._ids, self.prompt.new_tensor(new)[None]], dim=1)
-            self._ids_length, self._last = len(self.generated), None
+        else:
+            new = self.generated[self._ids.shape[1] - self.prompt.shape[0] :]
+            if new:
+                last, self._last = self._last, None
+                if last is not None and last[0] == new:
+                    self._ids = last[1]
+                else:
+                    self._ids = torch.cat([self._ids, self.prompt.new_tensor(new)[None]], dim=1)
         if not extra:
             return self._ids
         ids = torch.cat([self._ids, self.prompt.new_tensor(extra)[None]], dim=1)  # [1, len + extra]
