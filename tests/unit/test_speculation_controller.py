@@ -605,3 +605,50 @@ def test_the_first_block_after_a_look_back_measures_the_draft():
     assert k > 0
     controller.observe(k, [k], [k], [k], 0.005 * k, 0.05, k + 1, behind=2)
     assert costs._drafts["draft_model"].observations == before + 1
+
+
+def _slow_first_blocks(blocks: int) -> SharedCosts:
+    """A target whose draft's forward (its catch-ups) costs 5 ms a token, and whose first `blocks` blocks cost 40 ms
+    a drafted token (a cold draft)."""
+    costs = SharedCosts()
+    for _ in range(10):
+        for tokens, seconds in _CPU_CURVE.items():
+            costs.observe_verify(tokens, seconds, drafted=tokens > 1)
+    costs.observe_catch_up("draft_model", 40, 0.2)
+    for _ in range(blocks):
+        costs.observe_draft("draft_model", 3, 0.120)
+    return costs
+
+
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_a_draft_price_from_too_few_blocks_is_measured_again_where_it_alone_keeps_drafting_out(blocks):
+    """Look-backs and probes do not measure the draft's price (their drafter catches up first): a price from one
+    slow block would keep a request off drafting for good. Where the draft's forward says drafting pays, the block
+    after the look-back measures the price again; a price measured from `SURE_DRAFT_BLOCKS` blocks stands."""
+    costs = _slow_first_blocks(blocks)
+    assert costs.forward_price("draft_model") == pytest.approx(0.005) and costs.draft_blocks("draft_model") == blocks
+    controller = SpeculationController(costs, "draft_model", options=ControllerOptions(off_rounds=1), look_back=True)
+    _plain_rounds(controller, 1)
+    assert controller.next_length(remaining=500) == 0 and controller.looking_back
+    controller.observe(0, [0], [0], [0], 0.2, 0.036, 1, behind=40, hindsight=(20, 20, 20))  # every guess kept
+    assert controller.best_length(remaining=500) == 0  # at the measured price drafting does not pay
+    if blocks >= 4:  # SURE_DRAFT_BLOCKS: the price stands
+        assert controller.off and controller.next_length(remaining=500) == 0
+        return
+    assert not controller.off
+    k = controller.next_length(remaining=500)
+    assert k > 0
+    controller.observe(k, [k], [k], [k], 0.005 * k, _CPU_CURVE.get(k + 1, 0.15), k + 1)
+    assert costs.draft_blocks("draft_model") == blocks + 1
+
+
+def test_a_probe_re_measures_a_doubtful_draft_price_too():
+    """A sampling request probes instead of looking back; a probe's block pays a catch-up, so it measures no price
+    either: where the forward says drafting pays, drafting resumes after it."""
+    costs = _slow_first_blocks(1)
+    options = ControllerOptions(off_rounds=1, probe_length=3)
+    controller = _controller(costs, 0.95, options=options)
+    assert controller.next_length(remaining=500) == 0 and controller.off  # the measured price: plain decoding
+    assert controller.next_length(remaining=500) == 3 and controller.probing
+    controller.observe(3, [3], [3], [3], 0.025, 0.097, 4, behind=2)  # 5 ms a token: the price was wrong
+    assert not controller.off and controller.next_length(remaining=500) > 0

@@ -82,7 +82,10 @@ drafts from the first round. Until a cost has been measured it is taken relative
 (`v1 = verify_slope_prior * v0`, `d1 = draft_slope_prior * p0`, or a one-token forward of the draft once a
 catch-up measured it, if more; `d0 = 0`; a drafting round is first assumed to cost what a plain one does).
 Draft times are learned only from rounds whose previous round drafted or looked back (the drafter lacked only that
-round's tokens): the first block of a request and a probe after time off include the catch-up, learned apart.
+round's tokens): the first block of a request and a probe after time off include the catch-up, learned apart. So
+look-backs and probes never measure the draft's price: where a price from fewer than `SURE_DRAFT_BLOCKS` blocks is
+all that keeps drafting out after one, and the draft's forward (its catch-up) says drafting would pay, the next
+round drafts a block to measure it again (`_price_in_doubt`).
 
 Pure Python, thread-safe where shared (`SharedCosts`); no services. Output never depends on it: the
 draft length changes how many tokens a round verifies, not which tokens are emitted.
@@ -93,7 +96,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specwire.generation.speculation.costs import ALL_OR_NOTHING, Prices, SharedCosts
 from specwire.generation.speculation.estimates import AcceptanceEstimate, RunLengths
@@ -111,6 +114,9 @@ __all__ = [
 # What decided a request's draft lengths (`SpeculationStats.decided_by`).
 DECIDED_BY_CONTROLLER = DRAFT_LENGTH_CONTROLLER
 DECIDED_BY_SCHEDULE = DRAFT_LENGTH_SCHEDULE
+# A draft price measured from fewer blocks than this is measured again by a block where it alone keeps a request
+# off drafting (`SpeculationController._price_in_doubt`).
+SURE_DRAFT_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -208,6 +214,7 @@ class SpeculationController:
     probing: bool = False  # the last length handed out was a probe
     looking_back: bool = False  # the last round was a look-back (no drafts, the drafter caught up)
     caught_up: bool = False  # the last round drafted or looked back: the drafter lacks only its tokens
+    recheck: int = 0  # the block that measures a doubtful draft price again (`_price_in_doubt`), to draft next
 
     def __post_init__(self) -> None:
         self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
@@ -262,15 +269,16 @@ class SpeculationController:
         a, c = self._means()
         return sum(self.runs.survival(c * a, k, first=a))
 
-    def best_length(self, remaining: int | None = None, behind: int = 0) -> int:
+    def best_length(self, remaining: int | None = None, behind: int = 0, prices: Prices | None = None) -> int:
         """The `k` in `0..max_length` with the highest expected rate; 0 unless drafting beats plain by the margin.
 
         Args:
             remaining (`int`, *optional*): tokens the request may still generate per row.
             behind (`int`, *optional*, defaults to 0): tokens the drafter has not seen yet (its prefill, a
                 one-off cost): drafting starts only when the remaining tokens repay it.
+            prices (`Prices`, *optional*): the costs to decide by (the target's measured ones by default).
         """
-        prices = self.costs.prices(self.proposer)
+        prices = prices if prices is not None else self.costs.prices(self.proposer)
         others = self._others()
         plain_rate = self.rate(0, prices, others)
         best, best_rate = 0, plain_rate * (1.0 + self.options.margin)
@@ -344,6 +352,9 @@ class SpeculationController:
             return length if remaining is None else max(min(length, remaining - 1), 0)
         if self.costs.plain_due(self.options.plain_every):
             return 0  # a round to measure plain decoding by, not time off
+        if self.recheck:  # drafted whatever the measured price says: it measures that price again
+            k, self.recheck = self.recheck, 0
+            return k if remaining is None else max(min(k, remaining - 1), 0)
         k = self.best_length(remaining, behind)
         if k == 0:  # this round is the first of the time off
             self.off_period = self.options.off_rounds
@@ -456,22 +467,40 @@ class SpeculationController:
         if self.looking_back:
             if not checked:
                 self.look_back = False  # the drafter reports no hindsight: the next round probes instead
-            elif self.best_length() > 0:
-                self.off_period = 0  # drafting would have paid over the time off
+            elif self.best_length() > 0 or self._price_in_doubt():
+                self.off_period = 0  # drafting would have paid over the time off (or its price is in doubt)
             else:
                 self.off_period = min(
                     max(self.options.off_rounds, self._look_back_interval()), self.options.max_off_rounds
                 )
                 self.off_left = self.off_period
         elif self.probing:
-            if self.best_length() > 0:
-                self.off_period = 0  # drafting pays again
+            if self.best_length() > 0 or self._price_in_doubt():
+                self.off_period = 0  # drafting pays again (or its price is in doubt)
             else:
                 self.off_period = min(
                     max(self.off_period * 2, self._budgeted_off_rounds(draft_s + verify_s)),
                     self.options.max_off_rounds,
                 )
                 self.off_left = self.off_period
+
+    def _price_in_doubt(self) -> bool:
+        """Whether only a draft price measured from fewer than `SURE_DRAFT_BLOCKS` blocks rules drafting out, where
+        drafting would pay at the price of the draft's forward (`SharedCosts.forward_price`, which every catch-up
+        measures again): the next block then measures the draft's price once more.
+
+        Look-backs and probes do not measure that price (their drafter catches up first), so a price from one slow
+        block stood for as long as it kept the request off drafting: on a cold co-located target one early block
+        priced the draft at 26 ms a token (17-19 ms once warm), and the request decoded 79 tokens without drafts."""
+        if self.all_or_nothing or self.costs.draft_blocks(self.proposer) >= SURE_DRAFT_BLOCKS:
+            return False
+        forward = self.costs.forward_price(self.proposer)
+        prices = self.costs.prices(self.proposer)
+        d0, d1 = prices.draft
+        if forward is None or d1 <= forward:  # a drafted token no dearer than a forward: nothing to doubt
+            return False
+        self.recheck = self.best_length(prices=replace(prices, draft=(d0, forward)))
+        return self.recheck > 0
 
     def _look_back_interval(self) -> int:
         """Plain rounds after which the next look-back (a catch-up forward's fixed cost, and the catch-up of those

@@ -180,15 +180,24 @@ class SharedCosts:
         with self._lock:
             cost = self._current(self._drafts, "draft", proposer)
             fitted = cost.fit(None) if cost is not None else None
-            catch_up = self._current(self._catch_up, "catch_up", proposer)
-            forward = catch_up.fit(None) if catch_up is not None else None
         if fitted is not None:
             return fitted
         # Prompt lookup searches the text it has: free until measured (a remote one's round trip then is).
         if proposer in ALL_OR_NOTHING:
             return (0.0, 0.0)
-        one_token = forward[0] + forward[1] if forward is not None else 0.0
-        return (0.0, max(self.draft_slope_prior * verify_intercept, one_token))
+        return (0.0, max(self.draft_slope_prior * verify_intercept, self.forward_price(proposer) or 0.0))
+
+    def forward_price(self, proposer: str) -> float | None:
+        """Seconds of one forward of the drafter over one token, from its catch-up line (what a drafted token costs
+        at least); None until a catch-up was measured."""
+        line = self.catch_up_line(proposer)
+        return line[0] + line[1] if line is not None else None
+
+    def draft_blocks(self, proposer: str) -> int:
+        """How many blocks `proposer`'s current draft price was measured from (0: the prior's)."""
+        with self._lock:
+            cost = self._current(self._drafts, "draft", proposer)
+            return cost.observations if cost is not None else 0
 
     def priors(self, proposer: str) -> tuple[float, float]:
         """`(acceptance, continuation)` a new request of `proposer` starts from: what this target's earlier requests
