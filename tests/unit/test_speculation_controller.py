@@ -130,7 +130,8 @@ def test_draft_cost_is_not_learned_from_cold_or_probe_rounds():
     assert costs._drafts == {}
     controller.next_length()
     controller.observe(3, [3], [3], [3], 0.03, 0.03, 4)
-    assert costs.draft("draft_model", 0.03) == pytest.approx((0.0, 0.01), abs=1e-6)
+    # 30 ms for 3 drafts, with a block's fixed part priced as one drafted token (`DRAFT_FIXED_RATIO`).
+    assert costs.draft("draft_model", 0.03) == pytest.approx((0.0075, 0.0075), abs=1e-6)
 
 
 def test_options_are_checked():
@@ -502,11 +503,11 @@ def test_a_cost_not_measured_again_over_16_requests_is_forgotten():
         costs.observe_verify(1 + k, 0.3, drafted=True)  # each verify waits for 7 others' in the packed forward
         costs.observe_verify(1, 0.036, drafted=False)
     assert costs.prices("draft_model").verify(3) == pytest.approx(0.3, rel=0.05)
-    assert costs.draft("draft_model", 0.03)[1] == pytest.approx(0.2, rel=0.01)
+    assert _draft_block(costs, 3) == pytest.approx(0.6, rel=0.05)
     assert costs.catch_up("draft_model") > 0
     for _ in range(16):
         SpeculationController(costs, "draft_model")  # requests that measured nothing
-    assert costs.draft("draft_model", 0.03)[1] == pytest.approx(0.2, rel=0.01)  # still known
+    assert _draft_block(costs, 3) == pytest.approx(0.6, rel=0.05)  # still known
     SpeculationController(costs, "draft_model")
     assert costs.draft("draft_model", 0.03) == pytest.approx((0.0, 0.2 * 0.03))  # the prior again
     assert costs.catch_up_line("draft_model") is None and costs.catch_up("draft_model") == 0.0
@@ -514,7 +515,12 @@ def test_a_cost_not_measured_again_over_16_requests_is_forgotten():
     assert costs.verify() is None and prices.verify(3) == prices.plain(3)  # priced as plain until measured
     for k in (1, 2, 3):
         costs.observe_draft("draft_model", k, 0.012 * k)  # alone again: 12 ms a token, not mixed with the burst
-    assert costs.draft("draft_model", 0.03)[1] == pytest.approx(0.012, rel=0.01)
+    assert _draft_block(costs, 2) == pytest.approx(0.024, rel=0.05)  # the line through their mean
+
+
+def _draft_block(costs: SharedCosts, k: int) -> float:
+    d0, d1 = costs.draft("draft_model", 0.03)
+    return d0 + d1 * k
 
 
 def test_a_look_back_reads_acceptance_among_the_guesses_the_draft_was_sure_of():

@@ -36,6 +36,12 @@ SHARED_DECAY = 0.99
 KEPT_PRIOR_DRAFTS = 4.0
 KEPT_FACTOR_BOUNDS = (1.0, 2.0)
 
+# The prior line of a draft's price (`SharedCosts.draft`, `LinearCost.fit`): a block's fixed part as a fraction of a
+# drafted token's. A block's first forward also catches the draft up on the last round's tokens, so a block of k
+# drafts costs about k + 1 single-token forwards; a line through the origin charged that to the few drafts of the
+# first (short) blocks: 2 drafts in 58 ms priced a drafted token at 29 ms where it costs ~17 (SmolLM2's int8 draft,
+# co-located on 2 cores), and kept the first request off drafting for most of its answer.
+DRAFT_FIXED_RATIO = 1.0
 # How many requests a draft, catch-up or verify cost stays known for without being measured again
 # (`SharedCosts._current`).
 STALE_AFTER_REQUESTS = 16
@@ -179,7 +185,7 @@ class SharedCosts:
         target) otherwise looked cheap after its first look-back, and drafted a block it could never repay."""
         with self._lock:
             cost = self._current(self._drafts, "draft", proposer)
-            fitted = cost.fit(None) if cost is not None else None
+            fitted = cost.fit(DRAFT_FIXED_RATIO) if cost is not None else None
         if fitted is not None:
             return fitted
         # Prompt lookup searches the text it has: free until measured (a remote one's round trip then is).
