@@ -206,6 +206,15 @@ def _matrix_tables(m: dict) -> list[str]:
     lines += ["", "| ratio (medians) | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name in next(iter(prompts.values()))["ratios"]:
         lines.append(f"| {name} | " + " | ".join(_num(prompts[k]["ratios"].get(name), 2, "x") for k in keys) + " |")
+    first = m.get("first_requests")
+    if first:
+        names = dict(MATRIX_ROWS)
+        lines += [
+            "",
+            "First request on each fresh target (chat, before the timed runs, not in the medians): "
+            + ", ".join(f"{names.get(label, label)} {value:.1f} tok/s" for label, value in first.items())
+            + ".",
+        ]
     c = m.get("concurrency")
     if c:
         lines += ["", f"{c['clients']} concurrent clients, chat prompt, speculation on:", ""]

@@ -17,6 +17,12 @@ Controller "off" requests name transformers' defaults explicitly (`num_assistant
 controller leaves alone; "on" requests name none. Every speculative output is checked token for token
 against plain greedy on the same service. Last, `clients` concurrent clients (8; 2 in quick mode)
 with speculation on, against the same clients decoding plainly.
+
+First requests. Before the timed runs, every speculative row sends one request with the chat prompt
+(`_first_requests`), so each target's first speculative request is not one of the repeats: a fresh target's
+controller has measured nothing yet (the verify and draft prices, how many drafts the pair keeps are
+learned from requests), and with 3 repeats that one request would be a third of a row's samples. Its speed
+is reported apart, as what the first request after a deploy gets.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ PROMPTS = ("chat", "code", "low")
 OFF_DRAFT = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant"}
 OFF_LOOKUP = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
 # (label, target, request arguments beyond greedy decoding)
-SPECULATIVE = [
+SPECULATIVE: list[tuple[str, str, dict[str, Any]]] = [
     ("prompt_lookup_on", "main", {"proposer": "prompt_lookup"}),
     ("prompt_lookup_off", "main", {"proposer": "prompt_lookup", **OFF_LOOKUP}),
     ("colocated_on", "colocated", {"proposer": "draft_model"}),
@@ -268,6 +274,21 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
     }
 
 
+def _first_requests(ctx: Context, services: MatrixServices) -> dict[str, float]:
+    """Tokens/s of one request per speculative row on the chat prompt, before the timed runs (module docstring).
+    The rows go in `SPECULATIVE`'s order, so each target's first request is a controller-on one."""
+    prompt = ctx.prompt("chat")
+    base = {"do_sample": False, "max_new_tokens": ctx.max_new_tokens}
+    first: dict[str, float] = {}
+    for label, target, extra in SPECULATIVE:
+        run, output = services.sides[target].generate(prompt, **base, **extra)
+        if speculation_unavailable(output):
+            continue  # the timed rows say why
+        first[label] = run.tokens_per_second
+        log(f"  matrix first request, chat, {label}: {run.tokens_per_second:.1f} tok/s (not in the medians)")
+    return first
+
+
 def speculation_matrix(ctx: Context) -> dict:
     """11. The speculation matrix: proposers x placements x controller on/off x prompts, and concurrency."""
     if ctx.stack.draft_model_error:
@@ -280,6 +301,7 @@ def speculation_matrix(ctx: Context) -> dict:
     services = MatrixServices(ctx)
     try:
         services.start()
+        first = _first_requests(ctx, services)
         prompts = {key: _prompt_rows(ctx, services, key) for key in PROMPTS}
         concurrency = _concurrency(ctx, services, 2 if ctx.quick else 8)
     finally:
@@ -297,6 +319,7 @@ def speculation_matrix(ctx: Context) -> dict:
         },
         "pinning": services.note,
         "prompts": prompts,
+        "first_requests": first,
         "concurrency": concurrency,
         "checks": [c for p in prompts.values() for c in p["checks"]],
         "notes": [services.note],

@@ -32,6 +32,8 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
     checks = matrix["checks"]
     assert checks and not [c for c in checks if c["passed"] is False], [c for c in checks if c["passed"] is False]
     assert sum(1 for c in checks if c["passed"]) >= len(PROMPTS) * 6
+    first = matrix["first_requests"]  # each target's first speculative request, apart from the repeats
+    assert first and set(first) <= {row[0] for row in SPECULATIVE} and all(v > 0 for v in first.values())
     concurrency = matrix["concurrency"]
     assert concurrency["clients"] == 2 and all(v is not None for v in concurrency["ratios"].values())
     names = {t["name"] for t in results["targets"]}
@@ -41,6 +43,7 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
     assert equal["met"] is True
     markdown = (out / "results.md").read_text()
     assert "### 11. Speculation matrix" in markdown and "draft remote overlapped (pinned)" in markdown
+    assert "First request on each fresh target" in markdown
     assert "speculation_matrix.png" in results["plots"]
     assert "controller_draft_length.png" in results["plots"]
     assert (out / "controller_draft_length.png").read_bytes()[:4] == b"\x89PNG"
