@@ -40,7 +40,7 @@ KEPT_FACTOR_BOUNDS = (1.0, 2.0)
 # drafted token's. A block's first forward also catches the draft up on the last round's tokens, so a block of k
 # drafts costs about k + 1 single-token forwards; a line through the origin charged that to the few drafts of the
 # first (short) blocks: 2 drafts in 58 ms priced a drafted token at 29 ms where it costs ~17 (SmolLM2's int8 draft,
-# co-located on 2 cores), and kept the first request off drafting for most of its answer.
+# co-located on 2 cores, the first block on a fresh target).
 DRAFT_FIXED_RATIO = 1.0
 # How many requests a draft, catch-up or verify cost stays known for without being measured again
 # (`SharedCosts._current`).
@@ -194,8 +194,10 @@ class SharedCosts:
         return (0.0, max(self.draft_slope_prior * verify_intercept, self.forward_price(proposer) or 0.0))
 
     def forward_price(self, proposer: str) -> float | None:
-        """Seconds of one forward of the drafter over one token, from its catch-up line (what a drafted token costs
-        at least); None until a catch-up was measured."""
+        """Seconds of one forward of the drafter over one token, from its catch-up line (its fixed part and one
+        token's); None until a catch-up was measured. Each drafted token is such a forward. The line is fitted to
+        catch-ups over several tokens, which cost more than a drafting step (SmolLM2's int8 draft on 2 cores: ~28
+        ms against ~17), so this errs high."""
         line = self.catch_up_line(proposer)
         return line[0] + line[1] if line is not None else None
 
