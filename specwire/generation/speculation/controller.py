@@ -85,7 +85,7 @@ Draft times are learned only from rounds whose previous round drafted or looked 
 round's tokens): the first block of a request and a probe after time off include the catch-up, learned apart. So
 look-backs and probes never measure the draft's price: where a price from fewer than `SURE_DRAFT_BLOCKS` blocks is
 all that keeps drafting out after one, and the draft's forward (its catch-up) says drafting would pay, the next
-round drafts a block to measure it again (`_price_in_doubt`).
+round drafts a block to measure it again (`_doubted_length`).
 
 Pure Python, thread-safe where shared (`SharedCosts`); no services. Output never depends on it: the
 draft length changes how many tokens a round verifies, not which tokens are emitted.
@@ -115,7 +115,7 @@ __all__ = [
 DECIDED_BY_CONTROLLER = DRAFT_LENGTH_CONTROLLER
 DECIDED_BY_SCHEDULE = DRAFT_LENGTH_SCHEDULE
 # A draft price measured from fewer blocks than this is measured again by a block where it alone keeps a request
-# off drafting (`SpeculationController._price_in_doubt`).
+# off drafting (`SpeculationController._doubted_length`).
 SURE_DRAFT_BLOCKS = 4
 
 
@@ -162,6 +162,11 @@ class ControllerOptions:
             )
         if self.max_off_rounds < self.off_rounds:
             raise ValueError(f"max_off_rounds ({self.max_off_rounds}) must be >= off_rounds ({self.off_rounds}).")
+
+
+def _within(k: int, remaining: int | None) -> int:
+    """A block of `k`, no longer than the rest of the request leaves room for (the target's token fills the last)."""
+    return k if remaining is None else max(min(k, remaining - 1), 0)
 
 
 def _count(requests: Callable[[], float] | None) -> float:
@@ -214,7 +219,7 @@ class SpeculationController:
     probing: bool = False  # the last length handed out was a probe
     looking_back: bool = False  # the last round was a look-back (no drafts, the drafter caught up)
     caught_up: bool = False  # the last round drafted or looked back: the drafter lacks only its tokens
-    recheck: int = 0  # the block that measures a doubtful draft price again (`_price_in_doubt`), to draft next
+    recheck: int = 0  # the block that measures a doubtful draft price again (`_doubted_length`), to draft next
 
     def __post_init__(self) -> None:
         self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
@@ -348,13 +353,12 @@ class SpeculationController:
                 return 0
             self.probing = True
             self.probes += 1
-            length = min(self.options.probe_length, self.options.max_length)
-            return length if remaining is None else max(min(length, remaining - 1), 0)
+            return _within(min(self.options.probe_length, self.options.max_length), remaining)
         if self.costs.plain_due(self.options.plain_every):
             return 0  # a round to measure plain decoding by, not time off
         if self.recheck:  # drafted whatever the measured price says: it measures that price again
             k, self.recheck = self.recheck, 0
-            return k if remaining is None else max(min(k, remaining - 1), 0)
+            return _within(k, remaining)
         k = self.best_length(remaining, behind)
         if k == 0:  # this round is the first of the time off
             self.off_period = self.options.off_rounds
@@ -467,7 +471,7 @@ class SpeculationController:
         if self.looking_back:
             if not checked:
                 self.look_back = False  # the drafter reports no hindsight: the next round probes instead
-            elif self.best_length() > 0 or self._price_in_doubt():
+            elif self._resumes():
                 self.off_period = 0  # drafting would have paid over the time off (or its price is in doubt)
             else:
                 self.off_period = min(
@@ -475,7 +479,7 @@ class SpeculationController:
                 )
                 self.off_left = self.off_period
         elif self.probing:
-            if self.best_length() > 0 or self._price_in_doubt():
+            if self._resumes():
                 self.off_period = 0  # drafting pays again (or its price is in doubt)
             else:
                 self.off_period = min(
@@ -484,23 +488,30 @@ class SpeculationController:
                 )
                 self.off_left = self.off_period
 
-    def _price_in_doubt(self) -> bool:
-        """Whether only a draft price measured from fewer than `SURE_DRAFT_BLOCKS` blocks rules drafting out, where
-        drafting would pay at the price of the draft's forward (`SharedCosts.forward_price`, which every catch-up
-        measures again): the next block then measures the draft's price once more.
+    def _resumes(self) -> bool:
+        """Whether drafting resumes after a look-back or probe: it pays, or only a doubtful price keeps it out
+        (`_doubted_length`), and then the next round drafts the block that measures that price (`recheck`)."""
+        if self.best_length() > 0:
+            return True
+        self.recheck = self._doubted_length()
+        return self.recheck > 0
+
+    def _doubted_length(self) -> int:
+        """The block to draft where only a draft price measured from fewer than `SURE_DRAFT_BLOCKS` blocks rules
+        drafting out, and drafting would pay at the price of the draft's forward (`SharedCosts.forward_price`,
+        which every catch-up measures again); 0 otherwise. That block measures the draft's price once more.
 
         Look-backs and probes do not measure that price (their drafter catches up first), so a price from one slow
         block stood for as long as it kept the request off drafting: on a cold co-located target one early block
         priced the draft at 26 ms a token (17-19 ms once warm), and the request decoded 79 tokens without drafts."""
         if self.all_or_nothing or self.costs.draft_blocks(self.proposer) >= SURE_DRAFT_BLOCKS:
-            return False
+            return 0
         forward = self.costs.forward_price(self.proposer)
         prices = self.costs.prices(self.proposer)
         d0, d1 = prices.draft
         if forward is None or d1 <= forward:  # a drafted token no dearer than a forward: nothing to doubt
-            return False
-        self.recheck = self.best_length(prices=replace(prices, draft=(d0, forward)))
-        return self.recheck > 0
+            return 0
+        return self.best_length(prices=replace(prices, draft=(d0, forward)))
 
     def _look_back_interval(self) -> int:
         """Plain rounds after which the next look-back (a catch-up forward's fixed cost, and the catch-up of those
