@@ -8,9 +8,10 @@ Rows, per prompt (chat, code edit, and a low-acceptance one):
 - prompt lookup (the main target) and transformers' prompt lookup;
 - draft model co-located (a target started with `--draft-model`) and transformers' assisted generation
   with the same draft;
-- draft model remote, overlapped and serial: two targets that differ only by `--no-draft-overlap`,
+- draft model remote, overlapped and serial: two targets that differ only by `--draft-overlap on`/`off`,
   pinned to one core while their draft service is pinned to another (`taskset`, same pinning for
-  both), with plain greedy on the same pinned target as their baseline.
+  both; `on` explicitly: the target cannot see the pinning, and its `auto` does not overlap with a draft
+  service on loopback), with plain greedy on the same pinned target as their baseline.
 
 Controller "off" requests name transformers' defaults explicitly (`num_assistant_tokens=20`,
 `num_assistant_tokens_schedule="constant"`; prompt lookup: `prompt_lookup_num_tokens=10`), which the
@@ -109,8 +110,8 @@ class MatrixServices:
                 self.log_dir / "matrix-draft.log",
                 cpus=self.draft_cpus,
             ),
-            "overlapped": self._target("overlapped", remote, self.target_cpus),
-            "serial": self._target("serial", [*remote, "--no-draft-overlap"], self.target_cpus),
+            "overlapped": self._target("overlapped", [*remote, "--draft-overlap", "on"], self.target_cpus),
+            "serial": self._target("serial", [*remote, "--draft-overlap", "off"], self.target_cpus),
             "colocated": self._target("colocated", [*model_args, "--draft-model", ctx.draft_name], None),
         }
         self.sides: dict[str, Specwire] = {"main": ctx.specwire}

@@ -7,6 +7,7 @@ Usage: target-service --host 127.0.0.1 --port 50052 --model default [--config-ad
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -38,7 +39,7 @@ from specwire.serving import (
 from specwire.target.v1 import target_service_pb2_grpc as pb_grpc
 from specwire.target_service.admission import DEFAULT_MAX_PREPARING, DEFAULT_PREPARE_WORKERS, PreparationPool
 from specwire.target_service.config_resolver import DEFAULT_STALE_MAX_S, ConfigResolver
-from specwire.target_service.drafting import DraftPolicy, check_draft_model
+from specwire.target_service.drafting import DraftPolicy, check_draft_model, draft_overlap_choice
 from specwire.target_service.limits import RequestLimits, default_output_bytes
 from specwire.target_service.scheduler.options import SchedulerKind, SchedulerOptions
 from specwire.target_service.service import TargetServicer
@@ -165,11 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
         "start",
     )
     parser.add_argument(
+        "--draft-overlap",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="with --draft-address: let the draft service draft the next block ahead while this target verifies "
+        "(on), or wait for each block (off); auto: on, unless this target runs on CPU and the draft service is "
+        "on this machine (loopback or a Unix socket), where both would compute on the same cores: say on when "
+        "they are pinned to separate ones (outputs are the same either way; default auto)",
+    )
+    parser.add_argument(
         "--no-draft-overlap",
         dest="draft_overlap",
-        action="store_false",
-        help="with --draft-address: wait for each draft block instead of letting the draft service draft the "
-        "next block ahead while this target verifies (overlap is on by default; outputs are the same)",
+        action="store_const",
+        const="off",
+        help="the same as --draft-overlap off",
     )
     parser.add_argument(
         "--draft-timeout",
@@ -501,13 +511,16 @@ def main(argv: list[str] | None = None) -> None:
     loaded = target.loaded
     draft_model = load_draft_model(args, loaded)
     dflash_model = load_dflash_model(args, loaded)
+    overlap, why = draft_overlap_choice(args.draft_overlap, args.draft_address, loaded.device)
+    if args.draft_address:
+        logging.getLogger("specwire.target_service").info("draft overlap %s (%s)", "on" if overlap else "off", why)
     drafting = DraftPolicy(
         args.draft_address,
         args.default_proposer,
         args.draft_timeout,
         prompt_lookup_rule=args.prompt_lookup_rule,
         draft_model=draft_model,
-        draft_overlap=args.draft_overlap,
+        draft_overlap=overlap,
         adaptive=args.adaptive_speculation,
         dflash_model=dflash_model,
     )

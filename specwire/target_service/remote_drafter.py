@@ -14,9 +14,10 @@ blocked on the request iterator, and reading its answers with a deadline costs a
 threads per stream, which leaked whenever a stream was not closed.) `close()` ends the call on every
 exit path of the decoding loop (`speculative_loop` closes its drafter in a `finally`).
 
-Overlap (`DraftPolicy.draft_overlap`, on unless `--no-draft-overlap`): draft-model streams ask the draft
-service to draft the next block ahead while this target verifies (`DraftStart.overlap`); the proposals
-are the ones serial drafting makes, so nothing here changes but the wait. Each answer says per row
+Overlap (`DraftPolicy.draft_overlap`, `--draft-overlap`, `drafting.draft_overlap_choice`): draft-model
+streams ask the draft service to draft the next block ahead while this target verifies
+(`DraftStart.overlap`); the proposals are the ones serial drafting makes, so nothing here changes but
+the wait. Each answer says per row
 whether it came from the block drafted ahead, counted in the request's `speculation` stats
 (`draft_ahead_hits`/`draft_ahead_misses`). Every draft-model stream also sends the target tokenizer's
 digest, so a draft service whose model has another vocabulary refuses the stream (and the request

@@ -22,7 +22,7 @@ from specwire.models import load_model
 from specwire.models.tokenizer_digest import tokenizer_digest
 from specwire.target_service.__main__ import build_parser
 from specwire.target_service.__main__ import build_server as build_target_server
-from specwire.target_service.drafting import DraftPolicy
+from specwire.target_service.drafting import DraftPolicy, draft_overlap_choice
 from tests.servers import threaded_server
 from tests.service.test_draft_service import Stream, feedback, servicer_of, start
 from tests.tiny_models import build_tokenizer
@@ -314,9 +314,40 @@ def _folder_with_tokenizer(loaded, tokenizer):
     return folder
 
 
-def test_no_draft_overlap_flag():
-    assert build_parser().parse_args([]).draft_overlap is True
-    assert build_parser().parse_args(["--no-draft-overlap"]).draft_overlap is False
+def test_draft_overlap_flag():
+    parse = build_parser().parse_args
+    assert parse([]).draft_overlap == "auto"
+    assert parse(["--no-draft-overlap"]).draft_overlap == "off"
+    assert parse(["--draft-overlap", "on"]).draft_overlap == "on"
+    with pytest.raises(SystemExit):
+        parse(["--draft-overlap", "yes"])
+
+
+@pytest.mark.parametrize(
+    "mode, address, device, overlap",
+    [
+        # auto: a draft service on this machine shares a CPU target's cores (drafting ahead slows verification).
+        ("auto", "127.0.0.1:50053", "cpu", False),
+        ("auto", "localhost:50053", "cpu", False),
+        ("auto", "[::1]:50053", "cpu", False),
+        ("auto", "unix:/tmp/draft.sock", "cpu", False),
+        ("auto", "ipv4:127.0.0.1:1,127.0.0.2:2", "cpu", False),
+        # ... and not where it computes apart: another host, or a target on an accelerator.
+        ("auto", "draft.specwire.svc:50053", "cpu", True),
+        ("auto", "dns:///draft:50053", "cpu", True),
+        ("auto", "ipv4:127.0.0.1:1,10.0.0.2:2", "cpu", True),
+        ("auto", "127.0.0.1:50053", "cuda:0", True),
+        # on and off are what they say (pinned cores: on).
+        ("on", "127.0.0.1:50053", "cpu", True),
+        ("off", "draft:50053", "cuda", False),
+    ],
+)
+def test_draft_overlap_choice(mode, address, device, overlap):
+    chosen, why = draft_overlap_choice(mode, address, device)
+    assert chosen is overlap
+    assert why.startswith("auto:") if mode == "auto" else why == f"--draft-overlap {mode}"
+    if mode == "auto" and not overlap:
+        assert address in why and "--draft-overlap on" in why
 
 
 def test_requests_drafting_with_one_draft_service_count_each_other(stack, monkeypatch):

@@ -341,8 +341,11 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_model_dir):
             assert "draft" in final.speculation.fallback_reason
             assert first.token_ids == final.sequences[0, len(PROMPT) : len(PROMPT) + 1].tolist()
             code = process.wait(30 + 15)
-            assert code == 0, process.stdout.read()
+            output = process.stdout.read()
+            assert code == 0, output
             assert time.monotonic() - signalled < 30 + 15
+            # The start said how it drafts: a CPU target with its draft service on loopback does not overlap.
+            assert "draft overlap off (auto: the draft service" in output
         finally:
             if process.poll() is None:
                 process.kill()
