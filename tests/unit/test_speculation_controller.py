@@ -658,3 +658,38 @@ def test_a_probe_re_measures_a_doubtful_draft_price_too():
     assert controller.next_length(remaining=500) == 3 and controller.probing
     controller.observe(3, [3], [3], [3], 0.025, 0.097, 4, behind=2)  # 5 ms a token: the price was wrong
     assert not controller.off and controller.next_length(remaining=500) > 0
+
+
+def test_drafting_goes_on_near_break_even_where_it_would_not_start():
+    """Hysteresis: a block needs `margin` over plain decoding to start drafting and only `keep_margin` to go on, so
+    estimates hovering at the break-even point do not stop and resume drafting (each stop a time off) every block."""
+    costs = _costs()
+
+    def edge(controller: SpeculationController) -> float:  # the best block's expected rate over plain decoding's
+        prices = costs.prices("draft_model")
+        return max(controller.rate(k, prices) for k in range(1, 33)) / controller.rate(0, prices)
+
+    def pinned(controller: SpeculationController, ratio: float) -> SpeculationController:
+        """The controller with the acceptance at which its best block is expected `ratio` of plain's rate."""
+        low, high = 0.05, 0.99
+        for _ in range(40):
+            mid = (low + high) / 2
+            controller.acceptance = AcceptanceEstimate(prior_mean=mid, prior_strength=1e6)
+            low, high = (mid, high) if edge(controller) < ratio else (low, mid)
+        controller.acceptance = AcceptanceEstimate(prior_mean=high, prior_strength=1e6)
+        assert edge(controller) == pytest.approx(ratio, abs=1e-3)
+        return controller
+
+    def after_a_block(**kwargs) -> SpeculationController:
+        controller = _controller(costs, 0.5, **kwargs)
+        controller.observe(2, [2], [2], [1], 0.010 * 2, 0.030 + 0.002 * 3, 3)  # on the measured lines
+        return controller
+
+    fresh = pinned(_controller(costs, 0.5), 1.01)  # 1% faster than plain decoding: within the 2% margin
+    assert fresh.next_length() == 0 and fresh.off  # does not start
+    going = pinned(after_a_block(), 1.01)
+    assert going.next_length() > 0 and not going.off  # goes on
+    slower = pinned(after_a_block(), 0.99)
+    assert slower.next_length() == 0 and slower.off  # stops where plain decoding is expected faster
+    strict = pinned(after_a_block(options=ControllerOptions(keep_margin=0.02)), 1.01)
+    assert strict.next_length() == 0  # without the hysteresis it would stop

@@ -40,11 +40,13 @@ no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each rou
 
 `k = 0` is plain decoding (one target forward per round, no draft). Plain rounds are measured now and
 then even where drafting pays (`SharedCosts.plain_due`), so the choice compares against what plain
-decoding costs. A drafting choice must beat plain decoding by `ControllerOptions.margin`. When plain
-decoding wins, the controller stops drafting for `off_rounds` rounds ("time off"), then drafts a probe
-block to learn whether the acceptance changed; each probe after which drafting still does not pay at
-least doubles the time off (up to `max_off_rounds`), and makes it long enough that the probe's extra
-cost stays within `probe_budget` of it; a probe that pays resumes drafting and resets it.
+decoding costs. Drafting starts where it beats plain decoding by `ControllerOptions.margin` and, once started,
+goes on while it does not lose to it (`keep_margin`: a hysteresis, so that estimates near the break-even point do
+not stop it after every block that kept a little less). When plain decoding wins, the controller stops drafting
+for `off_rounds` rounds ("time off"), then drafts a probe block to learn whether the acceptance changed; each
+probe after which drafting still does not pay at least doubles the time off (up to `max_off_rounds`), and makes
+it long enough that the probe's extra cost stays within `probe_budget` of it; a probe that pays resumes drafting
+and resets it.
 
 Look-backs. A greedy draft model's request (`look_back`) ends its time off with a look-back instead: the drafter
 only catches up on the target's tokens and reports how many of them it would have drafted itself, and whether it
@@ -133,7 +135,12 @@ class ControllerOptions:
         off_rounds (`int`, *optional*, defaults to 4): rounds of plain decoding before the first probe.
         max_off_rounds (`int`, *optional*, defaults to 256): the longest time off, after failed probes.
         margin (`float`, *optional*, defaults to 0.02): how much faster than plain decoding drafting must
-            be expected to be (drafting on a tie only risks the cost estimates' errors).
+            be expected to be to start (drafting on a tie only risks the cost estimates' errors).
+        keep_margin (`float`, *optional*, defaults to 0.0): how much faster drafting must be expected to be to go
+            on after a block. Below `margin` on purpose (hysteresis): a request whose estimates hover near the
+            break-even point stopped after any block that kept a little less, and each stop costs a time off of
+            `off_rounds` plain rounds and a look-back where drafting went on paying (co-located chat: blocks of
+            32 kept whole, one rejected early, then 4 plain rounds at 0.97 of drafting's expected rate).
         plain_every (`int`, *optional*, defaults to 32): rounds with drafts (on this target) after which a
             round without is measured (`SharedCosts.plain_due`).
         probe_budget (`float`, *optional*, defaults to 0.05): the most a failed probe's extra cost may
@@ -151,6 +158,7 @@ class ControllerOptions:
     off_rounds: int = 4
     max_off_rounds: int = 256
     margin: float = 0.02
+    keep_margin: float = 0.0
     probe_budget: float = 0.05
     plain_every: int = 32
 
@@ -219,6 +227,7 @@ class SpeculationController:
     probing: bool = False  # the last length handed out was a probe
     looking_back: bool = False  # the last round was a look-back (no drafts, the drafter caught up)
     caught_up: bool = False  # the last round drafted or looked back: the drafter lacks only its tokens
+    drafting: bool = False  # drafting goes on (the next block needs only `keep_margin`), no time off since
     recheck: int = 0  # the block that measures a doubtful draft price again (`_doubted_length`), to draft next
 
     def __post_init__(self) -> None:
@@ -274,7 +283,13 @@ class SpeculationController:
         a, c = self._means()
         return sum(self.runs.survival(c * a, k, first=a))
 
-    def best_length(self, remaining: int | None = None, behind: int = 0, prices: Prices | None = None) -> int:
+    def best_length(
+        self,
+        remaining: int | None = None,
+        behind: int = 0,
+        prices: Prices | None = None,
+        margin: float | None = None,
+    ) -> int:
         """The `k` in `0..max_length` with the highest expected rate; 0 unless drafting beats plain by the margin.
 
         Args:
@@ -282,11 +297,14 @@ class SpeculationController:
             behind (`int`, *optional*, defaults to 0): tokens the drafter has not seen yet (its prefill, a
                 one-off cost): drafting starts only when the remaining tokens repay it.
             prices (`Prices`, *optional*): the costs to decide by (the target's measured ones by default).
+            margin (`float`, *optional*): how much faster than plain decoding drafting must be (`options.margin`
+                by default).
         """
         prices = prices if prices is not None else self.costs.prices(self.proposer)
+        margin = self.options.margin if margin is None else margin
         others = self._others()
         plain_rate = self.rate(0, prices, others)
-        best, best_rate = 0, plain_rate * (1.0 + self.options.margin)
+        best, best_rate = 0, plain_rate * (1.0 + margin)
         longest = self.options.max_length if remaining is None else min(self.options.max_length, remaining - 1)
         for k in range(1, longest + 1):
             rate = self.rate(k, prices, others)
@@ -359,7 +377,7 @@ class SpeculationController:
         if self.recheck:  # drafted whatever the measured price says: it measures that price again
             k, self.recheck = self.recheck, 0
             return _within(k, remaining)
-        k = self.best_length(remaining, behind)
+        k = self.best_length(remaining, behind, margin=self.options.keep_margin if self.drafting else None)
         if k == 0:  # this round is the first of the time off
             self.off_period = self.options.off_rounds
             self.off_left = self.off_period - 1
@@ -487,6 +505,8 @@ class SpeculationController:
                     self.options.max_off_rounds,
                 )
                 self.off_left = self.off_period
+        if asked or self.off_period:  # a round measuring plain decoding (`plain_due`) leaves it as it was
+            self.drafting = asked > 0 and not self.off_period
 
     def _resumes(self) -> bool:
         """Whether drafting resumes after a look-back or probe: it pays, or only a doubtful price keeps it out
