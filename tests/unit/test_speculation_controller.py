@@ -493,6 +493,34 @@ def test_the_time_off_after_a_look_back_is_priced_by_the_next_one_not_by_the_pro
     assert abs(controller.off_period - expected) <= 1 and expected < 30  # ~59 priced by this look-back's cost
 
 
+def test_look_backs_are_spaced_by_what_look_backs_cost_not_by_the_catch_up_line():
+    """A look-back pays the fixed part of a call and a forward, which the catch-up line leaves to a block's `d0`:
+    once two look-backs measured their own cost, the time off after one keeps the next within the budget of it."""
+    costs = _curve_costs(draft_per_token=0.005)
+    for k in range(1, 7):  # blocks: a fixed part of 40 ms (a remote draft's call and first forward)
+        costs.observe_draft("draft_model", k, 0.040 + 0.030 * k)
+    per_token, fixed = 0.001, 0.040
+    options = ControllerOptions(off_rounds=4, max_off_rounds=256)
+
+    def gap_after_look_back(behind: int) -> int:
+        controller = SpeculationController(costs, "draft_model", options=options, look_back=True)
+        _plain_rounds(controller, 4)
+        assert controller.next_length(remaining=500, behind=behind) == 0 and controller.looking_back
+        seconds = fixed + per_token * behind
+        controller.observe(0, [0], [0], [0], seconds, 0.036, 1, behind=behind, hindsight=(4, 0, 4))
+        return controller.off_period
+
+    # The catch-up line alone: what the look-backs took beyond the block's fixed part, nearly nothing fixed.
+    assert gap_after_look_back(50) == options.off_rounds
+    assert costs.look_back_line("draft_model") is None  # one look-back cannot tell its fixed part
+    second = gap_after_look_back(5)
+    line = costs.look_back_line("draft_model")
+    assert line is not None and line[0] == pytest.approx(fixed, rel=0.1)
+    p0, p1 = costs.plain()
+    expected = math.ceil(line[0] / (options.probe_budget * (p0 + p1) - line[1]))
+    assert second == expected > 4 * options.off_rounds
+
+
 def test_a_cost_not_measured_again_over_16_requests_is_forgotten():
     """A cost measured under a burst stops every request from drafting, so nothing would measure it again: after
     `stale_after_requests` requests without a measurement it is forgotten, and the next one starts a fresh line."""

@@ -57,12 +57,12 @@ answer's first 60 tokens and ~0.98 after; on a fifth of the low-acceptance promp
 after), and a probe every 4, 8, 16.. rounds saw too few tokens to notice: the request's estimates weigh the
 look-back's tokens as the most recent evidence (`AcceptanceEstimate.observe_counts(per_token=True)`). A
 look-back after which drafting would not pay is followed by the time off after which the next one costs at most
-`probe_budget` of it (`_look_back_interval`: a catch-up forward's fixed cost and that time off's tokens; no
-doubling: the next one may see a later part of the answer), one that would pay resumes drafting. Such a request
-also starts with time off: its first look-back checks the draft on the answer's first tokens, where a first
-block mostly cost, and is skipped, like any look-back, where the rest of the request cannot repay the draft's
-prefill of the prompt (a long prompt, a short answer). A look-back that reports nothing (a draft service without
-hindsight) turns the request to probes.
+`probe_budget` of it (`_look_back_interval`: a look-back's fixed cost and that time off's tokens, as look-backs
+measured them, `SharedCosts.look_back_line`; no doubling: the next one may see a later part of the answer), one
+that would pay resumes drafting. Such a request also starts with time off: its first look-back checks the draft
+on the answer's first tokens, where a first block mostly cost, and is skipped, like any look-back, where the rest
+of the request cannot repay the draft's prefill of the prompt (a long prompt, a short answer). A look-back that
+reports nothing (a draft service without hindsight) turns the request to probes.
 
 The rest of the request. The loop tells the controller how many tokens the request may still generate
 and how many tokens the drafter has not seen yet (`behind`: the whole context before its first block,
@@ -393,18 +393,25 @@ class SpeculationController:
         plain_s = prices.plain(self.rows)
         d0, d1 = prices.draft
         if self.look_back:  # its whole cost: the catch-up forward
-            line = self._catch_up_line()
+            line = self._look_back_line()
             extra = line[0] + line[1] * behind if line is not None else 0.0
         else:
             extra = prices.catch_up * behind + d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s
         return extra * self._sharers() <= self.options.probe_budget * remaining * plain_s
 
-    def _catch_up_line(self) -> tuple[float, float] | None:
-        """The drafter's catch-up, `(fixed, per token)` seconds; None (free) until measured, so that a request
-        measures it. Not when others share the draft (`_sharers`): they would all measure it at once (a wave of
-        requests on a cold or stale target), so it is priced as the target's own plain line until then (a draft
-        model is smaller than its target)."""
-        line = self.costs.catch_up_line(self.proposer)
+    def _look_back_line(self) -> tuple[float, float] | None:
+        """A look-back's cost, `(fixed, per token)` seconds: as look-backs measured it (`SharedCosts.look_back_line`),
+        else the drafter's catch-up line; None (free) until measured, so that a request measures it. Not when
+        others share the draft (`_sharers`): they would all measure it at once (a wave of requests on a cold or
+        stale target), so it is priced as the target's own plain line until then (a draft model is smaller than
+        its target).
+
+        Not the catch-up line alone: that line leaves out what a block's fixed part explains, which a look-back
+        pays as well (the call, a forward's fixed cost). Priced without it, a remote draft's look-backs, each
+        about one plain round, came every `off_rounds` rounds: 8 in the demo's 54 tokens, 12% of its time."""
+        line = self.costs.look_back_line(self.proposer)
+        if line is None:
+            line = self.costs.catch_up_line(self.proposer)
         if line is None and self._sharers() > 1:
             return self.costs.plain()
         return line
@@ -485,6 +492,8 @@ class SpeculationController:
         elif (asked or self.looking_back) and behind > 1:  # the drafter caught up: what drafting does not explain
             d0, d1 = self.costs.prices(self.proposer).draft
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
+        if self.looking_back and behind:
+            self.costs.observe_look_back(self.proposer, behind, draft_s)
         self.caught_up = asked > 0 or self.looking_back
         if self.looking_back:
             if not checked:
@@ -534,10 +543,10 @@ class SpeculationController:
         return self.best_length(prices=replace(prices, draft=(d0, forward)))
 
     def _look_back_interval(self) -> int:
-        """Plain rounds after which the next look-back (a catch-up forward's fixed cost, and the catch-up of those
-        rounds' tokens) costs at most `probe_budget` of them. Not the last look-back's cost: the first one also
+        """Plain rounds after which the next look-back (its fixed cost, and the catch-up of those rounds' tokens,
+        `_look_back_line`) costs at most `probe_budget` of them. Not the last look-back's cost: the first one also
         caught up on the prompt, which is not done again."""
-        plain, line = self.costs.plain(), self._catch_up_line()
+        plain, line = self.costs.plain(), self._look_back_line()
         if not self.options.probe_budget or plain is None or line is None:
             return 0
         sharers = self._sharers()

@@ -95,12 +95,14 @@ class SharedCosts:
         self.draft_slope_prior = draft_slope_prior
         self.stale_after_requests = stale_after_requests
         self._requests = 0  # controllers made on this target (`new_request`)
-        self._measured_at: dict[tuple[str, str], int] = {}  # (draft | catch_up | verify, proposer) -> `_requests`
+        # (draft | catch_up | look_back | verify, proposer) -> `_requests` when last measured
+        self._measured_at: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._verify = SizedCost()  # rounds with drafts
         self._plain = SizedCost()  # rounds without
         self._drafts: dict[str, LinearCost] = {}
         self._catch_up: dict[str, LinearCost] = {}
+        self._look_backs: dict[str, LinearCost] = {}
         self._measured: dict[str, tuple[AcceptanceEstimate, AcceptanceEstimate]] = {}  # acceptance, continuation
         self._since_plain = 0  # rounds with drafts since the last round without
         self._kept: dict[str, tuple[float, float]] = {}  # proposer -> (predicted, kept) drafts, forgotten
@@ -161,6 +163,21 @@ class SharedCosts:
             self._current(self._catch_up, "catch_up", proposer)
             self._catch_up.setdefault(proposer, LinearCost()).observe(tokens, max(seconds, 0.0))
             self._measured_at[("catch_up", proposer)] = self._requests
+
+    def observe_look_back(self, proposer: str, tokens: int, seconds: float) -> None:
+        """A look-back caught the drafter up on `tokens` in `seconds`: its whole wall time, the call and a forward's
+        fixed cost included (the catch-up line leaves out what a block's fixed part, `d0`, explains)."""
+        with self._lock:
+            self._current(self._look_backs, "look_back", proposer)
+            self._look_backs.setdefault(proposer, LinearCost()).observe(tokens, seconds)
+            self._measured_at[("look_back", proposer)] = self._requests
+
+    def look_back_line(self, proposer: str) -> tuple[float, float] | None:
+        """`(fixed, per token)` seconds of a look-back over that many tokens; None until two were measured (one,
+        a request's first over its prompt, cannot tell its fixed part from its tokens)."""
+        with self._lock:
+            cost = self._current(self._look_backs, "look_back", proposer)
+            return cost.fit(None) if cost is not None and cost.observations >= 2 else None
 
     def _current(self, table: dict[str, LinearCost], kind: str, proposer: str) -> LinearCost | None:
         """`table`'s cost of `proposer`, forgotten once not measured over `stale_after_requests` (under the lock).
