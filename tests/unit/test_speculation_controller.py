@@ -411,11 +411,14 @@ def test_look_backs_end_the_time_off_and_resume_drafting_where_it_would_have_pai
     assert controller.next_length(remaining=500) == 0 and controller.looking_back and controller.probes == 1
     controller.observe(0, [0], [0], [0], 0.02, 0.036, 1, behind=4, hindsight=(3, 0, 3))  # none would have been kept
     assert controller.off and controller.off_left >= options.off_rounds
-    gap = controller.off_left
-    _plain_rounds(controller, gap)
-    assert controller.next_length(remaining=500) == 0 and controller.looking_back and controller.probes == 2
-    controller.observe(0, [0], [0], [0], 0.02, 0.036, 1, behind=gap + 1, hindsight=(gap, gap, gap))  # all of them
-    assert not controller.off
+    gaps = []
+    while controller.off:  # the draft would have had all of the time off's tokens: a few look-backs resume
+        gaps.append(controller.off_left)
+        _plain_rounds(controller, controller.off_left)
+        assert controller.next_length(remaining=500) == 0 and controller.looking_back
+        checked = gaps[-1] + 1
+        controller.observe(0, [0], [0], [0], 0.02, 0.036, 1, behind=checked, hindsight=(checked, checked, checked))
+    assert len(gaps) <= 3 and controller.probes == 1 + len(gaps)
     assert controller.next_length(remaining=500) > 0
     # What the look-backs saw is the pair's evidence too: the next request starts from it.
     assert costs.priors("draft_model")[0] != SpeculationController(SharedCosts(), "draft_model").acceptance.mean
@@ -483,9 +486,9 @@ def test_the_time_off_after_a_look_back_is_priced_by_the_next_one_not_by_the_pro
     fixed, per_token = 0.017, 0.0008
     for tokens in (4, 16, 70, 400) * 3:
         costs.observe_catch_up("draft_model", tokens, fixed + per_token * tokens)
-    options = ControllerOptions(off_rounds=3)
+    options = ControllerOptions(off_rounds=10)  # twice it is above the budgeted interval (which then decides)
     controller = SpeculationController(costs, "draft_model", options=options, look_back=True)
-    _plain_rounds(controller, 3)
+    _plain_rounds(controller, 10)
     assert controller.next_length(remaining=500, behind=72) == 0 and controller.looking_back
     controller.observe(0, [0], [0], [0], fixed + per_token * 72, 0.036, 1, behind=72, hindsight=(3, 0, 3))
     p0, p1 = costs.plain()
@@ -495,30 +498,43 @@ def test_the_time_off_after_a_look_back_is_priced_by_the_next_one_not_by_the_pro
 
 def test_look_backs_are_spaced_by_what_look_backs_cost_not_by_the_catch_up_line():
     """A look-back pays the fixed part of a call and a forward, which the catch-up line leaves to a block's `d0`:
-    once two look-backs measured their own cost, the time off after one keeps the next within the budget of it."""
+    once two look-backs measured their own cost, look-backs that keep saying no come at twice the last time off,
+    up to the interval that keeps each within the budget of the time off before it."""
     costs = _curve_costs(draft_per_token=0.005)
     for k in range(1, 7):  # blocks: a fixed part of 40 ms (a remote draft's call and first forward)
         costs.observe_draft("draft_model", k, 0.040 + 0.030 * k)
     per_token, fixed = 0.001, 0.040
     options = ControllerOptions(off_rounds=4, max_off_rounds=256)
 
-    def gap_after_look_back(behind: int) -> int:
-        controller = SpeculationController(costs, "draft_model", options=options, look_back=True)
-        _plain_rounds(controller, 4)
+    def look_back(controller: SpeculationController, behind: int) -> int:
+        """A look-back over `behind` tokens after which drafting does not pay; the time off after it."""
         assert controller.next_length(remaining=500, behind=behind) == 0 and controller.looking_back
         seconds = fixed + per_token * behind
-        controller.observe(0, [0], [0], [0], seconds, 0.036, 1, behind=behind, hindsight=(4, 0, 4))
+        controller.observe(0, [0], [0], [0], seconds, 0.036, 1, behind=behind, hindsight=(behind, 0, behind))
         return controller.off_period
 
-    # The catch-up line alone: what the look-backs took beyond the block's fixed part, nearly nothing fixed.
-    assert gap_after_look_back(50) == options.off_rounds
+    def first_look_back(behind: int) -> int:
+        controller = SpeculationController(costs, "draft_model", options=options, look_back=True)
+        _plain_rounds(controller, options.off_rounds)
+        return look_back(controller, behind)
+
+    # Priced by the catch-up line alone (what the look-back took beyond a block's fixed part: nearly nothing
+    # fixed), the next look-back would come after `off_rounds`.
+    assert first_look_back(50) == options.off_rounds
     assert costs.look_back_line("draft_model") is None  # one look-back cannot tell its fixed part
-    second = gap_after_look_back(5)
+    first_look_back(5)
     line = costs.look_back_line("draft_model")
     assert line is not None and line[0] == pytest.approx(fixed, rel=0.1)
     p0, p1 = costs.plain()
-    expected = math.ceil(line[0] / (options.probe_budget * (p0 + p1) - line[1]))
-    assert second == expected > 4 * options.off_rounds
+    budgeted = math.ceil(line[0] / (options.probe_budget * (p0 + p1) - line[1]))
+    assert budgeted > 32
+    controller = SpeculationController(costs, "draft_model", options=options, look_back=True)
+    _plain_rounds(controller, options.off_rounds)
+    gaps = [look_back(controller, options.off_rounds + 1)]
+    for _ in range(5):
+        _plain_rounds(controller, gaps[-1])
+        gaps.append(look_back(controller, gaps[-1] + 1))
+    assert gaps[:3] == [8, 16, 32] and all(abs(gap - budgeted) <= 1 for gap in gaps[3:])
 
 
 def test_a_cost_not_measured_again_over_16_requests_is_forgotten():
