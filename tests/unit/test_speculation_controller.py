@@ -499,7 +499,7 @@ def test_the_time_off_after_a_look_back_is_priced_by_the_next_one_not_by_the_pro
 def test_look_backs_are_spaced_by_what_look_backs_cost_not_by_the_catch_up_line():
     """A look-back pays the fixed part of a call and a forward, which the catch-up line leaves to a block's `d0`:
     once two look-backs measured their own cost, look-backs that keep saying no come at twice the last time off,
-    up to the interval that keeps each within the budget of the time off before it."""
+    from a quarter of the interval that keeps each within the budget of the time off before it up to it."""
     costs = _curve_costs(draft_per_token=0.005)
     for k in range(1, 7):  # blocks: a fixed part of 40 ms (a remote draft's call and first forward)
         costs.observe_draft("draft_model", k, 0.040 + 0.030 * k)
@@ -534,7 +534,11 @@ def test_look_backs_are_spaced_by_what_look_backs_cost_not_by_the_catch_up_line(
     for _ in range(5):
         _plain_rounds(controller, gaps[-1])
         gaps.append(look_back(controller, gaps[-1] + 1))
-    assert gaps[:3] == [8, 16, 32] and all(abs(gap - budgeted) <= 1 for gap in gaps[3:])
+    # From a quarter of the budgeted interval (above twice `off_rounds` here), doubling, up to that interval (each
+    # look-back also refits the line a little).
+    quarter = math.ceil(budgeted / 4)
+    assert quarter > 2 * options.off_rounds and 2 * quarter < budgeted
+    assert abs(gaps[0] - quarter) <= 1 and gaps[1] == 2 * gaps[0] and all(abs(g - budgeted) <= 1 for g in gaps[2:])
 
 
 def test_a_cost_not_measured_again_over_16_requests_is_forgotten():

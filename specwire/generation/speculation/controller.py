@@ -58,8 +58,9 @@ after), and a probe every 4, 8, 16.. rounds saw too few tokens to notice: the re
 look-back's tokens as the most recent evidence (`AcceptanceEstimate.observe_counts(per_token=True)`). A
 look-back after which drafting would not pay is followed by the time off after which the next one costs at most
 `probe_budget` of it (`_look_back_interval`: a look-back's fixed cost and that time off's tokens, as look-backs
-measured them, `SharedCosts.look_back_line`), or after twice the last time off where that is shorter: the next
-one may see a later part of the answer, and an answer's start is where acceptance changes most. One that would
+measured them, `SharedCosts.look_back_line`), or after twice the last time off where that is shorter (and at
+least a quarter of it): the next one may see a later part of the answer, and an answer's start is where acceptance
+changes most. One that would
 pay resumes drafting. Such a request also starts with time off: its first look-back checks the draft
 on the answer's first tokens, where a first block mostly cost, and is skipped, like any look-back, where the rest
 of the request cannot repay the draft's prefill of the prompt (a long prompt, a short answer). A look-back that
@@ -502,11 +503,14 @@ class SpeculationController:
             elif self._resumes():
                 self.off_period = 0  # drafting would have paid over the time off (or its price is in doubt)
             else:
-                # Twice the last time off, up to the budgeted interval: an answer's start is where the draft's
-                # acceptance changes most (the low-acceptance prompt's after ~20 tokens), and there the budget alone
-                # looked back after 20-25 rounds, at 0.79x of transformers' constant schedule against 0.91x.
+                # Twice the last time off, from a quarter of the budgeted interval up to it: an answer's start is
+                # where the draft's acceptance changes most (the low-acceptance prompt's after ~20 tokens), and there
+                # the budget alone looked back after 20-25 rounds, at 0.79x of transformers' constant schedule
+                # against 0.91x. Not from `off_rounds` alone: a draft far dearer than its target would look back
+                # every few rounds at many times the budget.
+                interval = self._look_back_interval()
                 self.off_period = min(
-                    max(self.options.off_rounds, min(2 * self.off_period, self._look_back_interval())),
+                    max(self.options.off_rounds, min(2 * self.off_period, interval), math.ceil(interval / 4)),
                     self.options.max_off_rounds,
                 )
                 self.off_left = self.off_period
