@@ -60,11 +60,10 @@ look-back after which drafting would not pay is followed by the time off after w
 `probe_budget` of it (`_look_back_interval`: a look-back's fixed cost and that time off's tokens, as look-backs
 measured them, `SharedCosts.look_back_line`), or after twice the last time off where that is shorter (and at
 least a quarter of it): the next one may see a later part of the answer, and an answer's start is where acceptance
-changes most. One that would
-pay resumes drafting. Such a request also starts with time off: its first look-back checks the draft
-on the answer's first tokens, where a first block mostly cost, and is skipped, like any look-back, where the rest
-of the request cannot repay the draft's prefill of the prompt (a long prompt, a short answer). A look-back that
-reports nothing (a draft service without hindsight) turns the request to probes.
+changes most. One that would pay resumes drafting. Such a request also starts with time off: its first look-back
+checks the draft on the answer's first tokens, where a first block mostly cost, and is skipped, like any
+look-back, where the rest of the request cannot repay the draft's prefill of the prompt (a long prompt, a short
+answer). A look-back that reports nothing (a draft service without hindsight) turns the request to probes.
 
 The rest of the request. The loop tells the controller how many tokens the request may still generate
 and how many tokens the drafter has not seen yet (`behind`: the whole context before its first block,
