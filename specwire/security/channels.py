@@ -171,6 +171,13 @@ def address_host(address: str) -> str | None:
     return None if hosts is None else (hosts[0] if hosts else "")
 
 
+def stays_on_this_machine(address: str) -> bool:
+    """Whether every host a gRPC target names is this machine (loopback), or it is a local socket (Unix, vsock)."""
+    hosts = address_hosts(address)
+    # Every address of a multi-address target must be local: calls may go to any of them.
+    return hosts is None or (bool(hosts) and all(is_loopback(host) for host in hosts))
+
+
 def load_balancing_policy(address: str, load_balancing: str | None = None) -> str:
     """The load-balancing policy of a channel to `address`: `load_balancing` when given, else
     `round_robin` for targets that name several replicas (`dns:///name:port`, whose DNS answer may list
@@ -212,9 +219,7 @@ def check_token_transport(
     """
     if not auth_metadata(env, token) or channel_credentials(env) is not None:
         return
-    hosts = address_hosts(address)
-    # Every address of a multi-address target must be local: calls may go to any of them.
-    if hosts is None or (hosts and all(is_loopback(host) for host in hosts)):
+    if stays_on_this_machine(address):
         return
     if env_flag(ALLOW_INSECURE_TOKEN_ENV, env) if allow_insecure_token is None else allow_insecure_token:
         return

@@ -49,8 +49,7 @@ from specwire.generation.speculation.stats import SpeculationStats
 from specwire.models.mtp_layers import mtp_model_for
 from specwire.models.tokenizer_digest import tokenizer_digest
 from specwire.runtime.lean_draft import lean_draft_forward
-from specwire.security.access import is_loopback
-from specwire.security.channels import address_hosts
+from specwire.security.channels import stays_on_this_machine
 from specwire.target_service.remote_drafter import DraftChannel, RemoteDrafter
 from specwire.target_service.speculation_type import dflash_proposer
 from specwire.vocabulary import (
@@ -404,23 +403,19 @@ class _CountedDrafter:
 def draft_overlap_choice(mode: str, draft_address: str | None, device: str | torch.device) -> tuple[bool, str]:
     """Whether remote draft-model streams draft ahead (`--draft-overlap auto|on|off`), and why.
 
-    `auto` overlaps unless the target runs on CPU and the draft service is on this machine (a loopback address or
-    a Unix socket): both would then compute at once on the same cores, and two thread pools on the same cores wait
-    for each other's threads at every operation. On 2 CPU cores, unpinned, transformers' constant 20-token blocks
-    decoded the demo's answer at 2-3 tokens/s overlapped against 7.4-7.8 serial (plain decoding: 10-12); with the
-    target and the draft service pinned to a core each (`taskset`), overlapped 8.0-8.4 against serial 7.4-7.8. So
-    `auto` cannot see pinning: `on` says the draft has cores of its own."""
+    `auto` overlaps unless the target runs on CPU and the draft service is on this machine (a loopback address or a
+    local socket, `stays_on_this_machine`): both would then compute at once on the same cores, and two thread pools
+    on the same cores wait for each other's threads at every operation. On 2 CPU cores, unpinned, transformers'
+    constant 20-token blocks decoded the demo's answer at 2-3 tokens/s overlapped against 7.4-7.8 serial (plain
+    decoding: 10-12); with the target and the draft service pinned to a core each (`taskset`), overlapped 8.0-8.4
+    against serial 7.4-7.8. So `auto` cannot see pinning: `on` says the draft has cores of its own."""
     if mode in ("on", "off"):
         return mode == "on", f"--draft-overlap {mode}"
     if mode != "auto":
         raise ValueError(f"--draft-overlap must be auto, on or off, got {mode!r}")
     if draft_address is None:
         return True, "auto: no draft service"
-    hosts = address_hosts(draft_address)
-    local = draft_address.strip().startswith(("unix:", "unix-abstract:")) or (
-        hosts is not None and bool(hosts) and all(is_loopback(host) for host in hosts)
-    )
-    if local and torch.device(device).type == "cpu":
+    if stays_on_this_machine(draft_address) and torch.device(device).type == "cpu":
         return False, (
             f"auto: the draft service {draft_address} is on this machine and the target computes on its CPU, so "
             "drafting ahead would take the cores verification runs on; --draft-overlap on when the two are pinned "
