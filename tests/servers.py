@@ -47,12 +47,21 @@ def threaded_server(build: Callable[[], object]):
         server.stop()
 
 
+# The fixed ports the README's blocks bind (`specwire serve`'s defaults, a second registry and target): the suite runs
+# on two workers (pyproject's addopts), and a port picked here must not be one tests/docs/test_readme.py is about to
+# bind in the other.
+README_PORTS = frozenset({50051, 50052, 50053, 50061, 50062, 9464})
+
+
 def free_port() -> int:
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in README_PORTS:
+            return port
 
 
 @contextmanager
