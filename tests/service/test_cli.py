@@ -15,6 +15,7 @@ from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.models import load_model
 from specwire.target_service.__main__ import build_server as build_target_server
 from tests.servers import free_port, threaded_server
+from tests.service.test_leaks import Faults
 
 
 @pytest.fixture(scope="module")
@@ -238,21 +239,25 @@ def test_help_shows_defaults(capsys):
     assert "default: 50052" in out and "default: cpu" in out and "registry.db" in out
 
 
-def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(services):
-    _, target = services
-    process = subprocess.Popen(
-        [sys.executable, "-m", "specwire.client.cli", "generate", "Hello", "--address", target, "--no-chat", "--stream"]
-        + ["--set", "max_new_tokens=200", "--set", "min_new_tokens=200"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    first = process.stdout.read(1)  # streaming has begun; '' means the command ended before any text
-    if not first:
+def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(tiny_model_dir):
+    # A target 20 ms a forward: its 200 tokens take 4 s, so the stream is still going when Ctrl-C comes (the tiny
+    # model's own forwards finished them before a busy test process got to send it).
+    slow = load_model(str(tiny_model_dir), progress=False)
+    Faults(slow.model, delay_s=0.02)
+    with threaded_server(lambda: build_target_server(slow)) as target:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "specwire.client.cli", "generate", "Hello", "--address", target.address]
+            + ["--no-chat", "--stream", "--set", "max_new_tokens=200", "--set", "min_new_tokens=200"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        first = process.stdout.read(1)  # streaming has begun; '' means the command ended before any text
+        if not first:
+            _, err = process.communicate(timeout=60)
+            pytest.fail(f"the stream ended before its first token (exit {process.returncode}): {err}")
+        process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=60)
-        pytest.fail(f"the stream ended before its first token (exit {process.returncode}): {err}")
-    process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=60)
     assert (process.returncode, "stopped" in err, "Traceback" in err) == (130, True, False), err
 
 
