@@ -305,23 +305,23 @@ class SpeculationController:
         margin = self.options.margin if margin is None else margin
         others = self._others()
         plain_rate = self.rate(0, prices, others)
-        best, best_rate = 0, plain_rate * (1.0 + margin)
         longest = self.options.max_length if remaining is None else min(self.options.max_length, remaining - 1)
-        for k in range(1, longest + 1):
-            rate = self.rate(k, prices, others)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        if best and behind and remaining is not None:
+        rates = {k: self.rate(k, prices, others) for k in range(1, longest + 1)}
+        best = max(rates, key=rates.__getitem__, default=0)  # the first of equal rates: the shortest block
+        best_rate = rates.get(best, 0.0)
+        chosen = best if best_rate > plain_rate * (1.0 + margin) else 0
+        if chosen and behind and remaining is not None:
             saved = self.rows * remaining * (1.0 / plain_rate - 1.0 / best_rate)
             if saved <= prices.catch_up * behind:
-                best = 0
+                chosen = 0
         if log.isEnabledFor(logging.DEBUG):
-            self._log_choice(best, plain_rate, best_rate, others, prices, remaining, behind)
-        return best
+            self._log_choice(chosen, best, plain_rate, best_rate, others, prices, remaining, behind)
+        return chosen
 
     def _log_choice(
         self,
         k: int,
+        best: int,
         plain_rate: float,
         best_rate: float,
         others: float,
@@ -333,13 +333,14 @@ class SpeculationController:
         a, c = self._means()
         d0, d1 = prices.draft
         log.debug(
-            "%s: k=%d (acceptance %.2f, continuation %.2f, plain %.1f tok/s, best %.1f tok/s, others %.0f, "
+            "%s: k=%d (acceptance %.2f, continuation %.2f, plain %.1f tok/s, best k=%d %.1f tok/s, others %.0f, "
             "remaining %s, behind %d, catch-up %.2f ms/token, draft %.2f + %.2f ms/token, kept x%.2f)",
             self.proposer,
             k,
             a,
             c,
             plain_rate,
+            best,
             best_rate,
             others,
             remaining,
