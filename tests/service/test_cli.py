@@ -241,10 +241,11 @@ def test_help_shows_defaults(capsys):
 
 def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(tiny_model_dir):
     # A target 20 ms a forward: its 200 tokens take 4 s, so the stream is still going when Ctrl-C comes (the tiny
-    # model's own forwards finished them before a busy test process got to send it).
+    # model's own forwards finished them before a busy test process got to send it). The sequential scheduler calls
+    # the model's `forward` (the batched one's lean decoder runs the layers itself, which the delay would miss).
     slow = load_model(str(tiny_model_dir), progress=False)
     Faults(slow.model, delay_s=0.02)
-    with threaded_server(lambda: build_target_server(slow)) as target:
+    with threaded_server(lambda: build_target_server(slow, scheduler="sequential")) as target:
         process = subprocess.Popen(
             [sys.executable, "-m", "specwire.client.cli", "generate", "Hello", "--address", target.address]
             + ["--no-chat", "--stream", "--set", "max_new_tokens=200", "--set", "min_new_tokens=200"],

@@ -285,28 +285,39 @@ def test_int8_default_quantizes_a_copy(smollm, smollm_int8):
     assert set(full.topk(10).indices.tolist()) & set(int8.topk(10).indices.tolist())
 
 
+_QUANTIZE_ON_A_THREAD = """
+import os, threading, torch
+from specwire.models import load_model, quantize_int8
+
+smollm = load_model("default", progress=False)
+counts = []
+
+def quantize():
+    torch.set_num_threads(2)  # what the main thread of a 2-core service has
+    counts.append(len(os.listdir("/proc/self/task")))
+    quantize_int8(smollm, progress=False)
+    counts.append(len(os.listdir("/proc/self/task")))
+    counts.append(torch.get_num_threads())
+
+thread = threading.Thread(target=quantize)
+thread.start()
+thread.join()
+print(*counts)
+"""
+
+
 @pytest.mark.smollm
-def test_quantizing_opens_no_thread_pool_on_the_calling_thread(smollm):
+def test_quantizing_opens_no_thread_pool_on_the_calling_thread(smollm):  # (its load converted the GGUF once)
     """The services quantize on their main thread and run forwards on the model thread: an OpenMP pool opened by
-    the quantization would outnumber the cores and park the model thread's workers (`specwire.model_thread`)."""
-    import os
-    import threading
+    the quantization would outnumber the cores and park the model thread's workers (`specwire.model_thread`).
 
-    from specwire.models import quantize_int8
+    Counted in a process of its own: the test process's thread count also moves with what earlier tests left
+    running (once 18 before and 45 after, on a pytest-xdist worker)."""
+    import subprocess
 
-    counts: list[int] = []
-
-    def quantize() -> None:
-        torch.set_num_threads(2)  # what the main thread of a 2-core service has
-        counts.append(len(os.listdir("/proc/self/task")))
-        quantize_int8(smollm, progress=False)
-        counts.append(len(os.listdir("/proc/self/task")))
-        counts.append(torch.get_num_threads())
-
-    thread = threading.Thread(target=quantize)
-    thread.start()
-    thread.join()
-    before, after, threads = counts
+    done = subprocess.run([sys.executable, "-c", _QUANTIZE_ON_A_THREAD], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    before, after, threads = map(int, done.stdout.split())
     assert after == before, "quantize_int8 started OpenMP workers on the calling thread"
     assert threads == 2  # the thread's count is restored
 
