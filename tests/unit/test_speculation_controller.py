@@ -741,3 +741,16 @@ def test_drafting_goes_on_near_break_even_where_it_would_not_start():
     assert slower.next_length() == 0 and slower.off  # stops where plain decoding is expected faster
     strict = pinned(after_a_block(options=ControllerOptions(keep_margin=0.02)), 1.01)
     assert strict.next_length() == 0  # without the hysteresis it would stop
+
+
+def test_the_debug_line_names_the_best_block_even_when_plain_decoding_wins(caplog):
+    """`--log-level DEBUG` says why a request drafted or not: the best block's length and expected rate beside plain
+    decoding's, not the bar a block had to clear (which read as a block beating plain decoding)."""
+    costs = _costs(draft=(0.0, 0.050))  # a draft dearer than a verify forward: no block pays
+    controller = _controller(costs, 0.5)
+    with caplog.at_level("DEBUG", logger="specwire.generation.speculation.controller"):
+        assert controller.best_length(remaining=100) == 0
+    line = caplog.records[-1].getMessage()
+    plain = float(line.split("plain ")[1].split(" tok/s")[0])
+    best_k, best_rate = line.split("best k=")[1].split(" tok/s")[0].split()
+    assert line.startswith("draft_model: k=0 ") and int(best_k) >= 1 and float(best_rate) < plain, line
