@@ -240,9 +240,9 @@ def test_help_shows_defaults(capsys):
 
 
 def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(tiny_model_dir):
-    # A target 20 ms a forward: its 200 tokens take 4 s, so the stream is still going when Ctrl-C comes (the tiny
-    # model's own forwards finished them before a busy test process got to send it). The sequential scheduler calls
-    # the model's `forward` (the batched one's lean decoder runs the layers itself, which the delay would miss).
+    # A target 20 ms a forward: its 200 tokens take 4 s, so the stream is still going when Ctrl-C comes however busy
+    # the machine (the tiny model alone streams them in ~0.5 s). The sequential scheduler calls the model's `forward`
+    # (the batched one's lean decoder runs the layers itself, which the delay would miss).
     slow = load_model(str(tiny_model_dir), progress=False)
     Faults(slow.model, delay_s=0.02)
     with threaded_server(lambda: build_target_server(slow, scheduler="sequential")) as target:
@@ -252,6 +252,9 @@ def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(tiny_model_dir):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # As from a terminal: a pytest-xdist worker ignores SIGINT (its controller takes Ctrl-C), and an ignored
+            # signal stays ignored in its children, so the CLI would never see it (as after `nohup` or `cmd &`).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         first = process.stdout.read(1)  # streaming has begun; '' means the command ended before any text
         if not first:
