@@ -306,9 +306,11 @@ class SpeculationController:
         others = self._others()
         plain_rate = self.rate(0, prices, others)
         longest = self.options.max_length if remaining is None else min(self.options.max_length, remaining - 1)
-        rates = {k: self.rate(k, prices, others) for k in range(1, longest + 1)}
-        best = max(rates, key=rates.__getitem__, default=0)  # the first of equal rates: the shortest block
-        best_rate = rates.get(best, 0.0)
+        best, best_rate = 0, 0.0
+        for k in range(1, longest + 1):
+            rate = self.rate(k, prices, others)
+            if rate > best_rate:  # the first of equal rates: the shortest block
+                best, best_rate = k, rate
         chosen = best if best_rate > plain_rate * (1.0 + margin) else 0
         if chosen and behind and remaining is not None:
             saved = self.rows * remaining * (1.0 / plain_rate - 1.0 / best_rate)
