@@ -11,10 +11,13 @@ no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each rou
   over the request's own rounds, forgetting old ones);
 - drafts `1..j` are all kept with probability `S(j) = h_1 .. h_j`, `h_j` per position from the request's
   own blocks (`RunLengths`), shrunk towards a geometric run. A draft model's positions count drafts
-  proposed and kept, shrunk towards `a` for the first and `c a` for each next one (`a`, the acceptance of
-  a proposed draft, an `AcceptanceEstimate`): that fits a draft model. Prompt lookup's count its proposed
-  drafts, shrunk towards `a`: a copy from the prompt is either wrong at once or goes on to the end of the
-  block;
+  proposed and kept, shrunk towards `c a + (1 - c) u` for the first and `c a` for each next one: a draft is
+  sure (the drafter goes on after it) and kept at `a`, or it is the drafter's last, unsure one, kept at `u`
+  (two `AcceptanceEstimate`s: a block's drafts but its last, which it stopped after short of `k`, count
+  towards `a`, the last towards `u`; one rate for both, a block's unsure last draft dragged the sure drafts'
+  rate down after every block, and a look-back's back up). That fits a draft model. Prompt lookup's count its
+  proposed drafts, shrunk towards `a`: a copy from the prompt is either wrong at once or goes on to the end of
+  the block;
 - so a round emits `E(k) = 1 + f sum_j S(j)` tokens (draft model, at most `1 + N(k)`; prompt lookup:
   `c (1 + sum_j S(j)) + (1 - c)`): the accepted drafts plus the target's recovered or bonus token. `f >= 1`
   is the target's measured ratio of a draft model's kept drafts to the kept drafts this model predicted for
@@ -55,7 +58,7 @@ emitted anyway). That is evidence on every token of the time off, for the price 
 and no block to verify. Acceptance changes along an answer (SmolLM2 and its int8 draft agree on ~0.65 of a chat
 answer's first 60 tokens and ~0.98 after; on a fifth of the low-acceptance prompt's first 20 and nearly all
 after), and a probe every 4, 8, 16.. rounds saw too few tokens to notice: the request's estimates weigh the
-look-back's tokens as the most recent evidence (`AcceptanceEstimate.observe_counts(per_token=True)`). A
+look-back's tokens as the most recent evidence, forgetting what came before by `HINDSIGHT_DECAY` per token. A
 look-back after which drafting would not pay is followed by the time off after which the next one costs at most
 `probe_budget` of it (`_look_back_interval`: a look-back's fixed cost and that time off's tokens, as look-backs
 measured them, `SharedCosts.look_back_line`), or after twice the last time off where that is shorter (and at
@@ -120,6 +123,11 @@ DECIDED_BY_SCHEDULE = DRAFT_LENGTH_SCHEDULE
 # A draft price measured from fewer blocks than this is measured again by a block where it alone keeps a request
 # off drafting (`SpeculationController._doubted_length`).
 SURE_DRAFT_BLOCKS = 4
+# Evidence a request's estimates keep per token a look-back checked (`SpeculationController.observe`): about the last
+# 10 tokens count. Where an answer turns easy for the draft (SmolLM2 and its int8 draft on the chat answer: 0.40 of
+# the first 40 tokens sure and right, 0.91 after), with 0.95 (the last ~20) a look-back over 18 easy tokens still read
+# ~0.75, the harder ones before them weighing in, and drafting resumed ~40 tokens after the turn.
+HINDSIGHT_DECAY = 0.9
 
 
 @dataclass(frozen=True)
@@ -206,6 +214,9 @@ class SpeculationController:
         continuation (`AcceptanceEstimate`, *optional*): how often the drafter proposes the next token asked
             of it, or for an all-or-nothing proposer (`ALL_OR_NOTHING`) proposes a block at all (a fresh
             prior by default, `PRIORS`).
+        last (`AcceptanceEstimate`, *optional*): a draft model's acceptance of the draft it stopped after on its
+            own (a fresh prior by default, `LAST_DRAFT_PRIOR`); `acceptance` is then that of the drafts it went
+            on after.
         look_back (`bool`, *optional*, defaults to `False`): the drafter reports hindsight (`Proposal.hindsight`:
             a greedy draft model), so time off ends with a look-back (the drafter catches up and says how many
             of the target's tokens it would have drafted) instead of a probe block. Turned off by a look-back
@@ -221,6 +232,7 @@ class SpeculationController:
     options: ControllerOptions = field(default_factory=ControllerOptions)
     acceptance: AcceptanceEstimate | None = None
     continuation: AcceptanceEstimate | None = None
+    last: AcceptanceEstimate | None = None
     probes: int = 0
     off_left: int = 0  # rounds of time off still to go
     off_period: int = 0  # the current time off (doubles after each failed probe)
@@ -234,11 +246,13 @@ class SpeculationController:
     def __post_init__(self) -> None:
         self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
         self.costs.new_request()
-        accept_prior, continue_prior = self.costs.priors(self.proposer)
+        accept_prior, continue_prior, last_prior = self.costs.priors(self.proposer)
         if self.acceptance is None:
             self.acceptance = AcceptanceEstimate(prior_mean=accept_prior)
         if self.continuation is None:
             self.continuation = AcceptanceEstimate(prior_mean=continue_prior)
+        if self.last is None:
+            self.last = AcceptanceEstimate(prior_mean=last_prior)
         if self.look_back:
             # Time off first: the first look-back, not a block, tries the draft (module docstring, Look-backs).
             self.off_period = self.options.off_rounds
@@ -264,8 +278,8 @@ class SpeculationController:
             tokens = c * (1.0 + sum(self.runs.survival(a, k))) + (1.0 - c)  # S(j): drafts 1..j all kept
         else:  # the first draft always, then token after token with probability c: always a block
             drafted = block = sum(c**i for i in range(k))  # N(k): expected drafts per row
-            # S(j): drafts 1..j all proposed and kept: the first kept with probability a, each next one proposed
-            # after a sure guess and kept (c * a, which look-backs measure as such: `drafters.Hindsight`), times
+            # S(j): drafts 1..j all proposed and kept: the first kept with probability c a + (1 - c) u, each next
+            # one proposed after a sure guess and kept (c * a, which look-backs measure as such: `Hindsight`), times
             # what the target measured of such predictions (`SharedCosts.kept_factor`).
             tokens = 1.0 + min(prices.kept_factor * self._kept(k), drafted)
         d0, d1 = prices.draft
@@ -280,9 +294,13 @@ class SpeculationController:
         return rows * tokens / max(seconds, 1e-9)
 
     def _kept(self, k: int) -> float:
-        """A draft model's expected drafts kept per row when asked for `k`, as the model predicts them (`sum S(j)`)."""
+        """A draft model's expected drafts kept per row when asked for `k`, as the model predicts them (`sum S(j)`).
+
+        Each draft is sure (the drafter goes on after it, `c`) and kept at `a`, or the last one, kept at `u`: a
+        draft `j` is proposed and kept with `S(j) = (c a)^(j-1) (c a + (1 - c) u)`."""
         a, c = self._means()
-        return sum(self.runs.survival(c * a, k, first=a))
+        assert self.last is not None  # set by __post_init__
+        return sum(self.runs.survival(c * a, k, first=c * a + (1.0 - c) * self.last.mean))
 
     def best_length(
         self,
@@ -335,12 +353,13 @@ class SpeculationController:
         a, c = self._means()
         d0, d1 = prices.draft
         log.debug(
-            "%s: k=%d (acceptance %.2f, continuation %.2f, plain %.1f tok/s, best k=%d %.1f tok/s, others %.0f, "
-            "remaining %s, behind %d, catch-up %.2f ms/token, draft %.2f + %.2f ms/token, kept x%.2f)",
+            "%s: k=%d (acceptance %.2f, continuation %.2f, last %.2f, plain %.1f tok/s, best k=%d %.1f tok/s, "
+            "others %.0f, remaining %s, behind %d, catch-up %.2f ms/token, draft %.2f + %.2f ms/token, kept x%.2f)",
             self.proposer,
             k,
             a,
             c,
+            self.last.mean if self.last is not None else 0.0,
             plain_rate,
             best,
             best_rate,
@@ -460,7 +479,7 @@ class SpeculationController:
             hindsight (`tuple[int, int, int]`, *optional*): `(checked, kept, confident)` over the request's
                 rows (`drafters.Hindsight`): evidence from the tokens the drafter caught up on.
         """
-        assert self.acceptance is not None and self.continuation is not None  # set by __post_init__
+        assert self.acceptance is not None and self.continuation is not None and self.last is not None
         if asked and not self.all_or_nothing:  # what the model predicted of the blocks, before it learns from them
             for k, n, m in zip(wanted, drafted, accepted, strict=True):
                 if k and n:
@@ -470,23 +489,31 @@ class SpeculationController:
             # Each of the target's tokens the draft guessed is one after which it would have gone on or stopped
             # (continuation), and each sure guess a draft it would have gone on after and had kept or not
             # (acceptance: the rate counts a draft kept and gone on after as c * a, see `Hindsight`).
-            self.acceptance.observe_counts(kept, confident - kept, per_token=True)
-            self.continuation.observe_counts(confident, checked - confident, per_token=True)
+            self.acceptance.observe_counts(kept, confident - kept, per_token_decay=HINDSIGHT_DECAY)
+            self.continuation.observe_counts(confident, checked - confident, per_token_decay=HINDSIGHT_DECAY)
             # Where in a block the drafts stop being kept is learned from blocks only: those before the checked
-            # tokens are that much older (forgotten as if each token had been a block).
-            self.runs.forget(self.runs.decay**checked)
+            # tokens are that much older, forgotten as the estimates forget them (blocks rejected early where the
+            # answer was hard otherwise kept pricing long blocks out once it had turned easy).
+            self.runs.forget(HINDSIGHT_DECAY**checked)
             self.costs.observe_hindsight(self.proposer, checked, kept, confident)
         for k, n, m in zip(wanted, drafted, accepted, strict=True):
             if self.all_or_nothing:
                 self.continuation.observe(1 if asked and k else 0, 1 if n else 0)
+                self.acceptance.observe(n, min(m, n))
             else:
                 # The first draft is always proposed: going on after each of the others is the evidence.
                 could, went_on = (k - 1, n - 1) if asked and n else (0, 0)
                 self.continuation.observe(could, went_on)
+                # A draft it stopped after on its own (short of `k`) is its last, unsure one, kept at `u`; the ones it
+                # went on after are sure, kept at `a` (what a look-back reads too). Counted as one acceptance, every
+                # block's unsure last draft pulled a sure-draft rate measured at ~0.98 by look-backs down to ~0.85.
+                sure = n - 1 if asked and 0 < n < k else n
+                last = (1, int(m >= n)) if sure < n and m >= sure else (0, 0)
+                self.acceptance.observe(sure, min(m, sure))
+                self.last.observe(*last)
                 # Not prompt lookup's: whether a prompt repeats itself is a property of that prompt, not of the
                 # deployment, so its requests start from `PRIORS`.
-                self.costs.observe_acceptance(self.proposer, n, min(m, n), could, went_on)
-            self.acceptance.observe(n, min(m, n))
+                self.costs.observe_acceptance(self.proposer, sure, min(m, sure), could, went_on, last)
             # Prompt lookup's runs count its proposed drafts (a block or none is `c`); a draft model's
             # count every draft asked, proposed and kept (a draft it did not propose ends the run).
             self.runs.observe(n if self.all_or_nothing else (k if asked else 0), min(m, n))

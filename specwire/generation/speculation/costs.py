@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from specwire.generation.speculation.estimates import AcceptanceEstimate, LinearCost, SizedCost
 
-__all__ = ["ALL_OR_NOTHING", "DEFAULT_PRIORS", "PRIORS", "Prices", "SharedCosts"]
+__all__ = ["ALL_OR_NOTHING", "DEFAULT_PRIORS", "LAST_DRAFT_PRIOR", "PRIORS", "Prices", "SharedCosts"]
 
 # Proposers whose proposals are all or nothing: prompt lookup finds a match and copies what followed it (as
 # many tokens as asked, or up to the end of the text), or finds none and costs nothing (the round is a plain
@@ -27,6 +27,9 @@ ALL_OR_NOTHING = frozenset({"prompt_lookup"})
 # prefill and the first blocks spent before the request's own rounds said no.
 PRIORS = {"prompt_lookup": (0.8, 0.5)}
 DEFAULT_PRIORS = (0.7, 0.8)
+# A draft model's last draft, the one after which it stopped on its own (unsure of it, or its EOS), is kept far less
+# often than the sure ones before it (`SpeculationController.last`): its prior until this target measured it.
+LAST_DRAFT_PRIOR = 0.5
 # Evidence the target's measured acceptance keeps at each row-round (`SharedCosts.priors`): about the last 100
 # row-rounds of every request count, so a new request starts from what the pair of models has been doing lately.
 SHARED_DECAY = 0.99
@@ -103,7 +106,7 @@ class SharedCosts:
         self._drafts: dict[str, LinearCost] = {}
         self._catch_up: dict[str, LinearCost] = {}
         self._look_backs: dict[str, LinearCost] = {}
-        self._measured: dict[str, tuple[AcceptanceEstimate, AcceptanceEstimate]] = {}  # acceptance, continuation
+        self._measured: dict[str, tuple[AcceptanceEstimate, ...]] = {}  # acceptance, continuation, last draft's
         self._since_plain = 0  # rounds with drafts since the last round without
         self._kept: dict[str, tuple[float, float]] = {}  # proposer -> (predicted, kept) drafts, forgotten
 
@@ -224,26 +227,33 @@ class SharedCosts:
             cost = self._current(self._drafts, "draft", proposer)
             return cost.observations if cost is not None else 0
 
-    def priors(self, proposer: str) -> tuple[float, float]:
-        """`(acceptance, continuation)` a new request of `proposer` starts from: what this target's earlier requests
-        measured (`observe_acceptance`), `PRIORS` until they did."""
+    def priors(self, proposer: str) -> tuple[float, float, float]:
+        """`(acceptance, continuation, last draft's acceptance)` a new request of `proposer` starts from: what this
+        target's earlier requests measured (`observe_acceptance`), `PRIORS` and `LAST_DRAFT_PRIOR` until they did."""
         with self._lock:
             measured = self._measured.get(proposer)
-            return PRIORS.get(proposer, DEFAULT_PRIORS) if measured is None else (measured[0].mean, measured[1].mean)
+            if measured is None:
+                return (*PRIORS.get(proposer, DEFAULT_PRIORS), LAST_DRAFT_PRIOR)
+            acceptance, continuation, last = (estimate.mean for estimate in measured)
+            return acceptance, continuation, last
 
-    def observe_acceptance(self, proposer: str, drafted: int, kept: int, asked: int, proposed: int) -> None:
+    def observe_acceptance(
+        self, proposer: str, drafted: int, kept: int, asked: int, proposed: int, last: tuple[int, int] = (0, 0)
+    ) -> None:
         """One row-round of a request: the target kept the first `kept` of `drafted` drafts; asked for `asked` more
-        after its first (which it always proposes), the drafter proposed `proposed` of them."""
+        after its first (which it always proposes), the drafter proposed `proposed` of them; `last`, `(trials,
+        kept)` of the draft it stopped after on its own (`SpeculationController.observe`)."""
         with self._lock:
-            measured_acceptance, measured_continuation = self._measured_of(proposer)
+            measured_acceptance, measured_continuation, measured_last = self._measured_of(proposer)
             measured_acceptance.observe(drafted, kept)
             measured_continuation.observe(asked, proposed)
+            measured_last.observe(*last)
 
     def observe_hindsight(self, proposer: str, checked: int, kept: int, confident: int) -> None:
         """A request's look-back (`drafters.Hindsight`). Blocks are drafted only where the controller expects
         them to pay, so their acceptance alone overstates the pair's: the tokens of the time off count too."""
         with self._lock:
-            measured_acceptance, measured_continuation = self._measured_of(proposer)
+            measured_acceptance, measured_continuation, _ = self._measured_of(proposer)
             measured_acceptance.observe_counts(kept, confident - kept)
             measured_continuation.observe_counts(confident, checked - confident)
 
@@ -274,13 +284,10 @@ class SharedCosts:
         low, high = KEPT_FACTOR_BOUNDS
         return min(max((kept + KEPT_PRIOR_DRAFTS) / (predicted + KEPT_PRIOR_DRAFTS), low), high)
 
-    def _measured_of(self, proposer: str) -> tuple[AcceptanceEstimate, AcceptanceEstimate]:
+    def _measured_of(self, proposer: str) -> tuple[AcceptanceEstimate, ...]:
         if proposer not in self._measured:
-            acceptance, continuation = PRIORS.get(proposer, DEFAULT_PRIORS)
-            self._measured[proposer] = (
-                AcceptanceEstimate(acceptance, decay=SHARED_DECAY),
-                AcceptanceEstimate(continuation, decay=SHARED_DECAY),
-            )
+            priors = (*PRIORS.get(proposer, DEFAULT_PRIORS), LAST_DRAFT_PRIOR)
+            self._measured[proposer] = tuple(AcceptanceEstimate(prior, decay=SHARED_DECAY) for prior in priors)
         return self._measured[proposer]
 
     def catch_up(self, proposer: str) -> float:

@@ -141,13 +141,16 @@ class AcceptanceEstimate:
         self.accepted = self.accepted * self.decay + successes
         self.rejected = self.rejected * self.decay + (1.0 if successes < trials else 0.0)
 
-    def observe_counts(self, successes: int, failures: int, per_token: bool = False) -> None:
+    def observe_counts(self, successes: int, failures: int, per_token_decay: float | None = None) -> None:
         """Tokens checked one by one (hindsight): `successes` and `failures`, the evidence before them forgotten
-        as `failures` chains would forget it, or (`per_token`) as if each token had been a chain (what the
-        request's draft does now, rather than its whole history: its acceptance changes along an answer)."""
+        as `failures` chains would forget it, or (`per_token_decay`) by that factor per token (what the request's
+        draft does now, rather than its whole history: its acceptance changes along an answer)."""
         if successes + failures <= 0:
             return
-        forget = self.decay ** (successes + failures if per_token else max(failures, 1))
+        if per_token_decay is None:
+            forget = self.decay ** max(failures, 1)
+        else:
+            forget = per_token_decay ** (successes + failures)
         self.accepted = self.accepted * forget + successes
         self.rejected = self.rejected * forget + failures
 
