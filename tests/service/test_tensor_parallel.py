@@ -266,8 +266,12 @@ def test_a_dead_follower_stops_the_service(tiny_model_dir, tiny_draft_dir):
     process, address = _start(tiny_model_dir, tiny_draft_dir, "--tensor-parallel", "2")
     try:
         wait_healthy(address, timeout=120, process=process)
-        (follower,) = _children(process.pid)
-        os.kill(follower, signal.SIGKILL)
+        followers = _children(process.pid)
+        if len(followers) != 1:  # say what rank 0 printed: it starts its one follower before it serves
+            _stop(process)
+            output = process.stdout.read() if process.stdout else ""
+            pytest.fail(f"rank 0 should have one follower, found {followers}:\n{output}")
+        os.kill(followers[0], signal.SIGKILL)
         assert process.wait(30) != 0
         output = process.stdout.read() if process.stdout else ""
         assert "tensor-parallel rank 1" in output and "exited with code -9" in output
