@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -47,21 +48,32 @@ def threaded_server(build: Callable[[], object]):
         server.stop()
 
 
-# The fixed ports the README's blocks bind (`specwire serve`'s defaults, a second registry and target): the suite runs
-# on two workers (pyproject's addopts), and a port picked here must not be one tests/docs/test_readme.py is about to
-# bind in the other.
-README_PORTS = frozenset({50051, 50052, 50053, 50061, 50062, 9464})
+# Ports `free_port` hands out: each pytest-xdist worker its own range, below the kernel's ephemeral ports (32768 and
+# up on Linux) and the fixed ports the README's blocks bind (tests/docs/test_readme.py). A subprocess service binds
+# its port only once it has loaded its model, seconds after the test picked it: picked by `bind(0)`, the other worker
+# could take the same port meanwhile, and a health check then reached the other worker's server (the likely cause of
+# a tensor-parallel test that found no follower under a rank 0 that answered its health check).
+PORTS_PER_WORKER = 1000
+FIRST_PORT = 20000
+_next_port = itertools.count()
 
 
 def free_port() -> int:
+    """A port nothing is bound to now, from this worker's range, each handed out once before the range wraps."""
     import socket
 
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in README_PORTS:
-            return port
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    first = FIRST_PORT + index * PORTS_PER_WORKER
+    for _ in range(PORTS_PER_WORKER):
+        port = first + next(_next_port) % PORTS_PER_WORKER
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {first}..{first + PORTS_PER_WORKER - 1}")
 
 
 @contextmanager
