@@ -262,9 +262,10 @@ class SpeculationController:
     def all_or_nothing(self) -> bool:
         return self.proposer in ALL_OR_NOTHING
 
-    def _means(self) -> tuple[float, float]:
-        assert self.acceptance is not None and self.continuation is not None  # set by __post_init__
-        return self.acceptance.mean, self.continuation.mean
+    def _means(self) -> tuple[float, float, float]:
+        """`(a, c, u)`: acceptance, continuation, and a draft model's last draft's acceptance."""
+        assert self.acceptance is not None and self.continuation is not None and self.last is not None  # __post_init__
+        return self.acceptance.mean, self.continuation.mean, self.last.mean
 
     def rate(self, k: int, prices: Prices, others: float = 0.0) -> float:
         """Expected tokens per second of a round drafting `k` tokens per row (0: plain decoding)."""
@@ -272,7 +273,7 @@ class SpeculationController:
         plain_s = prices.plain(rows)
         if k == 0:
             return rows / max(plain_s, 1e-9)
-        a, c = self._means()
+        a, c, _ = self._means()
         if self.all_or_nothing:  # a block of k with probability c, else a plain round
             drafted, block = c * k, float(k)
             tokens = c * (1.0 + sum(self.runs.survival(a, k))) + (1.0 - c)  # S(j): drafts 1..j all kept
@@ -298,9 +299,8 @@ class SpeculationController:
 
         Each draft is sure (the drafter goes on after it, `c`) and kept at `a`, or the last one, kept at `u`: a
         draft `j` is proposed and kept with `S(j) = (c a)^(j-1) (c a + (1 - c) u)`."""
-        a, c = self._means()
-        assert self.last is not None  # set by __post_init__
-        return sum(self.runs.survival(c * a, k, first=c * a + (1.0 - c) * self.last.mean))
+        a, c, u = self._means()
+        return sum(self.runs.survival(c * a, k, first=c * a + (1.0 - c) * u))
 
     def best_length(
         self,
@@ -350,7 +350,7 @@ class SpeculationController:
         behind: int,
     ) -> None:
         """What a decision read and chose (DEBUG: `--log-level DEBUG` says why a request drafted or not)."""
-        a, c = self._means()
+        a, c, u = self._means()
         d0, d1 = prices.draft
         log.debug(
             "%s: k=%d (acceptance %.2f, continuation %.2f, last %.2f, plain %.1f tok/s, best k=%d %.1f tok/s, "
@@ -359,7 +359,7 @@ class SpeculationController:
             k,
             a,
             c,
-            self.last.mean if self.last is not None else 0.0,
+            u,
             plain_rate,
             best,
             best_rate,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from specwire.generation.speculation.estimates import AcceptanceEstimate, LinearCost, SizedCost
 
@@ -48,6 +49,14 @@ DRAFT_FIXED_RATIO = 1.0
 # How many requests a draft, catch-up or verify cost stays known for without being measured again
 # (`SharedCosts._current`).
 STALE_AFTER_REQUESTS = 16
+
+
+class _Measured(NamedTuple):
+    """A proposer's acceptance, continuation and last draft's acceptance, as this target measured them."""
+
+    acceptance: AcceptanceEstimate
+    continuation: AcceptanceEstimate
+    last: AcceptanceEstimate
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,7 @@ class SharedCosts:
         self._drafts: dict[str, LinearCost] = {}
         self._catch_up: dict[str, LinearCost] = {}
         self._look_backs: dict[str, LinearCost] = {}
-        self._measured: dict[str, tuple[AcceptanceEstimate, ...]] = {}  # acceptance, continuation, last draft's
+        self._measured: dict[str, _Measured] = {}
         self._since_plain = 0  # rounds with drafts since the last round without
         self._kept: dict[str, tuple[float, float]] = {}  # proposer -> (predicted, kept) drafts, forgotten
 
@@ -234,8 +243,7 @@ class SharedCosts:
             measured = self._measured.get(proposer)
             if measured is None:
                 return (*PRIORS.get(proposer, DEFAULT_PRIORS), LAST_DRAFT_PRIOR)
-            acceptance, continuation, last = (estimate.mean for estimate in measured)
-            return acceptance, continuation, last
+            return measured.acceptance.mean, measured.continuation.mean, measured.last.mean
 
     def observe_acceptance(
         self, proposer: str, drafted: int, kept: int, asked: int, proposed: int, last: tuple[int, int] = (0, 0)
@@ -244,18 +252,18 @@ class SharedCosts:
         after its first (which it always proposes), the drafter proposed `proposed` of them; `last`, `(trials,
         kept)` of the draft it stopped after on its own (`SpeculationController.observe`)."""
         with self._lock:
-            measured_acceptance, measured_continuation, measured_last = self._measured_of(proposer)
-            measured_acceptance.observe(drafted, kept)
-            measured_continuation.observe(asked, proposed)
-            measured_last.observe(*last)
+            measured = self._measured_of(proposer)
+            measured.acceptance.observe(drafted, kept)
+            measured.continuation.observe(asked, proposed)
+            measured.last.observe(*last)
 
     def observe_hindsight(self, proposer: str, checked: int, kept: int, confident: int) -> None:
         """A request's look-back (`drafters.Hindsight`). Blocks are drafted only where the controller expects
         them to pay, so their acceptance alone overstates the pair's: the tokens of the time off count too."""
         with self._lock:
-            measured_acceptance, measured_continuation, _ = self._measured_of(proposer)
-            measured_acceptance.observe_counts(kept, confident - kept)
-            measured_continuation.observe_counts(confident, checked - confident)
+            measured = self._measured_of(proposer)
+            measured.acceptance.observe_counts(kept, confident - kept)
+            measured.continuation.observe_counts(confident, checked - confident)
 
     def observe_kept(self, proposer: str, predicted: float, kept: int) -> None:
         """One row-round of a request: the controller's model predicted `predicted` kept drafts, the target kept
@@ -284,10 +292,10 @@ class SharedCosts:
         low, high = KEPT_FACTOR_BOUNDS
         return min(max((kept + KEPT_PRIOR_DRAFTS) / (predicted + KEPT_PRIOR_DRAFTS), low), high)
 
-    def _measured_of(self, proposer: str) -> tuple[AcceptanceEstimate, ...]:
+    def _measured_of(self, proposer: str) -> _Measured:
         if proposer not in self._measured:
             priors = (*PRIORS.get(proposer, DEFAULT_PRIORS), LAST_DRAFT_PRIOR)
-            self._measured[proposer] = tuple(AcceptanceEstimate(prior, decay=SHARED_DECAY) for prior in priors)
+            self._measured[proposer] = _Measured(*(AcceptanceEstimate(prior, decay=SHARED_DECAY) for prior in priors))
         return self._measured[proposer]
 
     def catch_up(self, proposer: str) -> float:
