@@ -776,3 +776,22 @@ def test_the_debug_line_names_the_best_block_even_when_plain_decoding_wins(caplo
     plain = float(line.split("plain ")[1].split(" tok/s")[0])
     best_k, best_rate = line.split("best k=")[1].split(" tok/s")[0].split()
     assert line.startswith("draft_model: k=0 ") and int(best_k) >= 1 and float(best_rate) < plain, line
+    # And what that rate is made of: the block's expected tokens over its draft, verify and load time.
+    tokens, spent = line.split("tok/s: ")[1].split(" tokens in ")
+    draft_ms, verify_ms, load_ms = (float(part.split()[0]) for part in spent.split(" + ")[:3])
+    assert draft_ms > 0 and verify_ms > 0 and load_ms == 0, line
+    assert float(tokens) * 1e3 / (draft_ms + verify_ms + load_ms) == pytest.approx(float(best_rate), rel=0.05), line
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "prompt_lookup"])
+def test_a_decision_rates_every_block_from_one_pass_exactly_as_block_by_block(proposer):
+    """`best_length` computes the kept and proposed drafts of every block length in one pass (`_sums`); each rate is
+    the one that block alone computes, to the bit."""
+    costs = _costs(proposer=proposer)
+    controller = SpeculationController(costs, proposer, rows=2, load=lambda: 3.0)
+    for k, drafted, kept in ((6, [4, 6], [2, 6]), (9, [9, 3], [9, 1]), (4, [1, 4], [0, 3])):
+        controller.observe(k, [k, k], drafted, kept, 0.01 * sum(drafted), 0.05, sum(drafted) + 2, hindsight=(5, 4, 3))
+    prices = costs.prices(proposer)
+    sums = controller._sums(32)
+    for k in range(33):
+        assert controller.rate(k, prices, 3.0, sums) == controller.rate(k, prices, 3.0)

@@ -103,6 +103,8 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
+from typing import NamedTuple
 
 from specwire.generation.speculation.costs import ALL_OR_NOTHING, Prices, SharedCosts
 from specwire.generation.speculation.estimates import AcceptanceEstimate, RunLengths
@@ -191,6 +193,26 @@ def _count(requests: Callable[[], float] | None) -> float:
     return max(float(requests()), 0.0) if requests is not None else 0.0
 
 
+class _Sums(NamedTuple):
+    """Per block length `k` (at `k - 1`): drafts expected kept per row, and proposed (`SpeculationController._sums`)."""
+
+    kept: list[float]
+    proposed: list[float]
+
+
+class Expected(NamedTuple):
+    """A round's expected tokens per row and its seconds: drafting, the verify (or plain) round, and the load term."""
+
+    tokens: float
+    draft_s: float
+    verify_s: float
+    load_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_s + self.verify_s + self.load_s
+
+
 @dataclass
 class SpeculationController:
     """One request's draft-length decisions (see the module docstring).
@@ -267,40 +289,55 @@ class SpeculationController:
         assert self.acceptance is not None and self.continuation is not None and self.last is not None  # __post_init__
         return self.acceptance.mean, self.continuation.mean, self.last.mean
 
-    def rate(self, k: int, prices: Prices, others: float = 0.0) -> float:
+    def rate(self, k: int, prices: Prices, others: float = 0.0, sums: _Sums | None = None) -> float:
         """Expected tokens per second of a round drafting `k` tokens per row (0: plain decoding)."""
+        expected = self.expect(k, prices, others, sums)
+        return self.rows * expected.tokens / max(expected.seconds, 1e-9)
+
+    def expect(self, k: int, prices: Prices, others: float = 0.0, sums: _Sums | None = None) -> Expected:
+        """What a round drafting `k` tokens per row (0: plain decoding) is expected to emit and cost.
+
+        `sums` (`_sums(n)` for some `n >= k`) saves a decision over every `k` recomputing them for each."""
         rows = self.rows
         plain_s = prices.plain(rows)
         if k == 0:
-            return rows / max(plain_s, 1e-9)
-        a, c, _ = self._means()
+            return Expected(1.0, 0.0, plain_s, 0.0)
+        sums = sums if sums is not None else self._sums(k)
+        kept = sums.kept[k - 1]
+        _, c, _ = self._means()
         if self.all_or_nothing:  # a block of k with probability c, else a plain round
             drafted, block = c * k, float(k)
-            tokens = c * (1.0 + sum(self.runs.survival(a, k))) + (1.0 - c)  # S(j): drafts 1..j all kept
+            tokens = c * (1.0 + kept) + (1.0 - c)
         else:  # the first draft always, then token after token with probability c: always a block
-            drafted = block = sum(c**i for i in range(k))  # N(k): expected drafts per row
-            # S(j): drafts 1..j all proposed and kept: the first kept with probability c a + (1 - c) u, each next
-            # one proposed after a sure guess and kept (c * a, which look-backs measure as such: `Hindsight`), times
-            # what the target measured of such predictions (`SharedCosts.kept_factor`).
-            tokens = 1.0 + min(prices.kept_factor * self._kept(k), drafted)
+            drafted = block = sums.proposed[k - 1]
+            # Times what the target measured of such predictions (`SharedCosts.kept_factor`).
+            tokens = 1.0 + min(prices.kept_factor * kept, drafted)
         d0, d1 = prices.draft
         draft_s = d0 + d1 * rows * drafted
         with_block = 1.0 if not self.all_or_nothing else c
-        seconds = (
-            draft_s
-            + with_block * prices.verify(rows * (1.0 + block))
-            + (1.0 - with_block) * plain_s
-            + others * (prices.slope * rows * drafted + (draft_s if self.shares_device else 0.0))
-        )
-        return rows * tokens / max(seconds, 1e-9)
+        verify_s = with_block * prices.verify(rows * (1.0 + block)) + (1.0 - with_block) * plain_s
+        load_s = others * (prices.slope * rows * drafted + (draft_s if self.shares_device else 0.0))
+        return Expected(tokens, draft_s, verify_s, load_s)
+
+    def _sums(self, longest: int) -> _Sums:
+        """For every block length `k` up to `longest`: the drafts expected kept per row (`sum S(j)`, `j <= k`) and,
+        for a draft model, proposed (`N(k)`).
+
+        `S(j)` is the chance that drafts `1..j` are all proposed and kept. Prompt lookup's: its copy's drafts kept
+        at `a`. A draft model's: each draft is sure (the drafter goes on after it, `c`) and kept at `a`, or the
+        last one, kept at `u`, so `S(j) = (c a)^(j-1) (c a + (1 - c) u)` (look-backs measure `c a` as such:
+        `Hindsight`), shaped by the request's own runs (`RunLengths`). One pass for every `k`: a decision
+        rates them all (`best_length`)."""
+        a, c, u = self._means()
+        if self.all_or_nothing:
+            survival = self.runs.survival(a, longest)
+        else:
+            survival = self.runs.survival(c * a, longest, first=c * a + (1.0 - c) * u)
+        return _Sums(list(accumulate(survival)), list(accumulate(c**i for i in range(longest))))
 
     def _kept(self, k: int) -> float:
-        """A draft model's expected drafts kept per row when asked for `k`, as the model predicts them (`sum S(j)`).
-
-        Each draft is sure (the drafter goes on after it, `c`) and kept at `a`, or the last one, kept at `u`: a
-        draft `j` is proposed and kept with `S(j) = (c a)^(j-1) (c a + (1 - c) u)`."""
-        a, c, u = self._means()
-        return sum(self.runs.survival(c * a, k, first=c * a + (1.0 - c) * u))
+        """A draft model's expected drafts kept per row when asked for `k`, as the model predicts them (`sum S(j)`)."""
+        return self._sums(k).kept[-1]
 
     def best_length(
         self,
@@ -325,8 +362,9 @@ class SpeculationController:
         plain_rate = self.rate(0, prices, others)
         longest = self.options.max_length if remaining is None else min(self.options.max_length, remaining - 1)
         best, best_rate = 0, 0.0
+        sums = self._sums(longest)
         for k in range(1, longest + 1):
-            rate = self.rate(k, prices, others)
+            rate = self.rate(k, prices, others, sums)
             if rate > best_rate:  # the first of equal rates: the shortest block
                 best, best_rate = k, rate
         chosen = best if best_rate > plain_rate * (1.0 + margin) else 0
@@ -352,17 +390,24 @@ class SpeculationController:
         """What a decision read and chose (DEBUG: `--log-level DEBUG` says why a request drafted or not)."""
         a, c, u = self._means()
         d0, d1 = prices.draft
+        plain, block = self.expect(0, prices, others), self.expect(best, prices, others)
         log.debug(
-            "%s: k=%d (acceptance %.2f, continuation %.2f, last %.2f, plain %.1f tok/s, best k=%d %.1f tok/s, "
-            "others %.0f, remaining %s, behind %d, catch-up %.2f ms/token, draft %.2f + %.2f ms/token, kept x%.2f)",
+            "%s: k=%d (acceptance %.2f, continuation %.2f, last %.2f, plain %.1f tok/s in %.1f ms, best k=%d %.1f "
+            "tok/s: %.2f tokens in %.1f ms draft + %.1f verify + %.1f load, others %.0f, remaining %s, behind %d, "
+            "catch-up %.2f ms/token, draft %.2f + %.2f ms/token, kept x%.2f)",
             self.proposer,
             k,
             a,
             c,
             u,
             plain_rate,
+            plain.seconds * 1e3,
             best,
             best_rate,
+            block.tokens,
+            block.draft_s * 1e3,
+            block.verify_s * 1e3,
+            block.load_s * 1e3,
             others,
             remaining,
             behind,
