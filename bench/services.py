@@ -240,3 +240,20 @@ class ServiceStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def served_prompt(address: str, text: str) -> list[int]:
+    """`text`'s token ids as the target's tokenizer makes them for a chat, as the benchmarks send prompts: in the
+    model's chat template when its tokenizer has one (a small test model's may not: plain text then)."""
+    import grpc
+
+    from specwire.client import SpecwireRpcError, TargetClient
+
+    with TargetClient(address) as client:
+        try:
+            out = client.generate(text=text, apply_chat_template=True, max_new_tokens=1)
+        except SpecwireRpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            out = client.generate(text=text, max_new_tokens=1)
+    return out.sequences[0, :-1].tolist()

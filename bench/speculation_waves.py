@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.machine import describe
 from bench.prompts import CHAT_PROMPT
 from bench.service_workloads import client_wave
-from bench.services import Service, free_port, service_env, wait_healthy
+from bench.services import Service, free_port, served_prompt, service_env, wait_healthy
 
 
 def _services(args, log_dir: Path) -> list[Service]:
@@ -40,23 +40,6 @@ def _services(args, log_dir: Path) -> list[Service]:
     return [draft, Service("target-service", "specwire.target_service", target, free_port(), log_dir / "target.log")]
 
 
-def _chat_prompt(address: str) -> list[int]:
-    """The chat prompt's token ids as the matrix sends them: in the model's chat template when its tokenizer has
-    one (a small test model's may not: plain text then)."""
-    import grpc
-
-    from specwire.client import SpecwireRpcError, TargetClient
-
-    with TargetClient(address) as client:
-        try:
-            out = client.generate(text=CHAT_PROMPT, apply_chat_template=True, max_new_tokens=1)
-        except SpecwireRpcError as exc:
-            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
-                raise
-            out = client.generate(text=CHAT_PROMPT, max_new_tokens=1)
-    return out.sequences[0, :-1].tolist()
-
-
 def run(args) -> dict:
     """Start the services, run the pairs, stop them; the figures."""
     services = _services(args, Path(tempfile.mkdtemp(prefix="specwire-waves-")))
@@ -66,7 +49,7 @@ def run(args) -> dict:
         for service in services:
             wait_healthy(service, 900.0)
         address = services[-1].address
-        prompt = _chat_prompt(address)
+        prompt = served_prompt(address, CHAT_PROMPT)
         plain = {"do_sample": False, "max_new_tokens": args.max_new_tokens}
         cases = {"plain": plain, "speculative": {**plain, "proposer": args.proposer}}
         for kwargs in cases.values():  # warm both paths (and the draft) before the clock
