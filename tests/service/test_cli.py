@@ -15,7 +15,7 @@ from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.models import load_model
 from specwire.target_service.__main__ import build_server as build_target_server
 from tests.servers import free_port, threaded_server
-from tests.service.test_leaks import Faults
+from tests.service.releases import Faults
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from specwire.target_service.__main__ import main as target_main
 from specwire.target_service.drafting import DraftPolicy, check_draft_model
 from specwire.target_service.scheduler.options import SchedulerOptions
 from tests.servers import threaded_server
-from tests.service.test_leaks import (
+from tests.service.releases import (
     LONG,
     PROMPT,
     Faults,

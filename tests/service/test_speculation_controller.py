@@ -32,7 +32,7 @@ from specwire.target_service.requests import named_draft_fields
 from specwire.target_service.scheduler.options import SchedulerOptions
 from specwire.wire.generation_config import config_to_proto
 from tests.servers import threaded_server
-from tests.service.test_leaks import (
+from tests.service.releases import (
     PROMPT,
     Faults,
     Target,
