@@ -5,9 +5,11 @@ requests; a controller that gives away speed at an answer's start and wins it ba
 
   python -m bench.speculation_triples                                  # the chat prompt, 5 triples
   python -m bench.speculation_triples --prompt low --triples 8 --json triples.json
+  python -m bench.speculation_triples --settle 3                       # the steady state of a target in use
   python -m bench.speculation_triples --log-dir logs --target-arg=--log-level --target-arg=DEBUG
 
-Starts one target service (`--draft-model` co-located), warms each mode, then runs `--triples` triples in
+Starts one target service (`--draft-model` co-located), warms each mode (and, with `--settle N`, runs N whole
+controller requests untimed: a fresh target's first requests start from priors), then runs `--triples` triples in
 alternating order on the prompt in the model's chat template, as the matrix sends it. Prints each request, the
 median tokens/s per mode, the controller's ratio to plain decoding and to the schedule per triple, each mode's
 speed over plain decoding between marks along the answer (medians of the time to each mark), what the controller
@@ -96,6 +98,8 @@ def run(args) -> dict:
         with TargetClient(target.address) as client:
             for kwargs in modes.values():  # warm each path (and the draft) before the clock
                 client.generate(input_ids=[prompt], **{**kwargs, "max_new_tokens": 8})
+            for _ in range(args.settle):  # whole controller requests: the target's shared estimates settle
+                client.generate(input_ids=[prompt], **modes["controller"])
             for i in range(args.triples):
                 for mode in list(modes) if i % 2 == 0 else list(modes)[::-1]:
                     got, final = _streamed(client, prompt, modes[mode])
@@ -114,6 +118,7 @@ def run(args) -> dict:
         "meta": describe("bench.speculation_triples"),
         "prompt": args.prompt,
         "triples": args.triples,
+        "settle": args.settle,
         "max_new_tokens": args.max_new_tokens,
         "tokens_per_second": {mode: statistics.median(r) for mode, r in rates.items()},
         "controller_over_plain": [c / p for c, p in zip(rates["controller"], rates["plain"], strict=True)],
@@ -133,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.speculation_triples", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", choices=sorted(PROMPTS), default="chat", help="default: %(default)s")
     parser.add_argument("--triples", type=int, default=5, help="default: %(default)s")
+    parser.add_argument(
+        "--settle",
+        type=int,
+        default=0,
+        help="untimed controller requests first, so that the target's shared estimates settle as in a target in use "
+        "(on a fresh target the first requests start from priors; default: %(default)s)",
+    )
     parser.add_argument("--model", default="default", help="target model (default: %(default)s)")
     parser.add_argument("--draft-model", default="default-int8", help="co-located draft model (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")

@@ -10,10 +10,10 @@ from bench.speculation_triples import main, segments
 
 def test_triples_report_rates_segments_and_equal_outputs(tiny_model_dir, tmp_path, capsys):
     out, logs = tmp_path / "triples.json", tmp_path / "logs"
-    argv = ["--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir), "--triples", "2"]
+    argv = ["--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir), "--triples", "2", "--settle", "1"]
     assert main([*argv, "--max-new-tokens", "12", "--log-dir", str(logs), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["meta"]["git_commit"] and result["prompt"] == "chat"
+    assert result["meta"]["git_commit"] and result["prompt"] == "chat" and result["settle"] == 1
     assert set(result["tokens_per_second"]) == {"plain", "controller", "schedule"}
     assert len(result["controller_over_plain"]) == len(result["controller_over_schedule"]) == 2
     # Marks 10 and the last token: the time to them grows along the answer, and plain runs at 1.0x of itself.
