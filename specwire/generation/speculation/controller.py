@@ -297,7 +297,8 @@ class SpeculationController:
     def expect(self, k: int, prices: Prices, others: float = 0.0, sums: _Sums | None = None) -> Expected:
         """What a round drafting `k` tokens per row (0: plain decoding) is expected to emit and cost.
 
-        `sums` (`_sums(n)` for some `n >= k`) saves a decision over every `k` recomputing them for each."""
+        `sums`: `_sums(n)` for some `n >= k`, computed once by a decision that rates every `k` (computed for `k` alone
+        without it)."""
         rows = self.rows
         plain_s = prices.plain(rows)
         if k == 0:
@@ -310,7 +311,8 @@ class SpeculationController:
             tokens = c * (1.0 + kept) + (1.0 - c)
         else:  # the first draft always, then token after token with probability c: always a block
             drafted = block = sums.proposed[k - 1]
-            # Times what the target measured of such predictions (`SharedCosts.kept_factor`).
+            # The drafts kept as the model predicts them (`_sums`), times what the target measured of such predictions
+            # (`SharedCosts.kept_factor`), and no more than the drafts proposed.
             tokens = 1.0 + min(prices.kept_factor * kept, drafted)
         d0, d1 = prices.draft
         draft_s = d0 + d1 * rows * drafted
