@@ -7,7 +7,7 @@ weights the target service loads, and the draft model is the one the draft servi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +57,8 @@ class Run:
     new_tokens: int
     sequence: list[int]  # first output row, prompt included
     ttft: float | None = None
+    # A stream's `(new tokens so far, seconds since the request was sent)` at each token delta.
+    arrivals: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:

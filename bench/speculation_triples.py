@@ -23,31 +23,18 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from bench.machine import describe
 from bench.prompts import CHAT_PROMPT, CODE_EDIT_PROMPT, LOW_ACCEPTANCE_PROMPT
+from bench.reference import Run
 from bench.services import Service, free_port, served_prompt, service_env, wait_healthy
+from bench.target import Specwire
 
 PROMPTS = {"chat": CHAT_PROMPT, "code": CODE_EDIT_PROMPT, "low": LOW_ACCEPTANCE_PROMPT}
 # transformers' defaults, named: the matrix's "controller off" (`bench.speculation_matrix.OFF_DRAFT`).
 SCHEDULE = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant"}
 MARKS = (10, 20, 40, 60, 80, 100)
-
-
-def _streamed(client, prompt: list[int], kwargs: dict) -> tuple[list[tuple[int, float]], object]:
-    """One streamed request: `(tokens so far, seconds since it was sent)` at each delta, and the final output."""
-    from specwire.client.target_client import StreamDelta
-
-    started, count, arrivals, final = time.perf_counter(), 0, [], None
-    for message in client.stream(input_ids=[prompt], **kwargs):
-        if isinstance(message, StreamDelta):
-            count += len(message.token_ids)
-            arrivals.append((count, time.perf_counter() - started))
-        else:
-            final = message
-    return arrivals, final
 
 
 def _time_to(arrivals: list[tuple[int, float]], mark: int) -> float:
@@ -77,8 +64,6 @@ def segments(times: dict[str, dict[int, list[float]]], marks: list[int]) -> dict
 
 def run(args) -> dict:
     """Start the target, run the triples, stop it; the figures."""
-    from specwire.client import TargetClient
-
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specwire-triples-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     target_args = ["--model", args.model, "--draft-model", args.draft_model, *args.target_arg]
@@ -89,31 +74,34 @@ def run(args) -> dict:
         "controller": {**plain, "proposer": "draft_model"},
         "schedule": {**plain, "proposer": "draft_model", **SCHEDULE},
     }
-    arrivals: dict[str, list[list[tuple[int, float]]]] = {mode: [] for mode in modes}
-    finals: dict[str, list] = {mode: [] for mode in modes}
+    runs: dict[str, list[Run]] = {mode: [] for mode in modes}
+    chosen = []  # the controller's requests' speculation stats
     target.start(service_env())
     try:
         wait_healthy(target, 900.0)
         prompt = served_prompt(target.address, PROMPTS[args.prompt])
-        with TargetClient(target.address) as client:
+        specwire = Specwire(target.address)
+        try:
             for kwargs in modes.values():  # warm each path (and the draft) before the clock
-                client.generate(input_ids=[prompt], **{**kwargs, "max_new_tokens": 8})
+                specwire.generate(prompt, **{**kwargs, "max_new_tokens": 8})
             for _ in range(args.settle):  # whole controller requests: the target's shared estimates settle
-                client.generate(input_ids=[prompt], **modes["controller"])
+                specwire.generate(prompt, **modes["controller"])
             for i in range(args.triples):
                 for mode in list(modes) if i % 2 == 0 else list(modes)[::-1]:
-                    got, final = _streamed(client, prompt, modes[mode])
-                    arrivals[mode].append(got)
-                    finals[mode].append(final)
-                    print(f"triple {i + 1}/{args.triples} {mode}: {got[-1][0] / got[-1][1]:.2f} tok/s", flush=True)
+                    timed, final = specwire.stream(prompt, **modes[mode])
+                    runs[mode].append(timed)
+                    if mode == "controller":
+                        chosen.append(final.speculation)
+                    print(f"triple {i + 1}/{args.triples} {mode}: {timed.tokens_per_second:.2f} tok/s", flush=True)
+        finally:
+            specwire.close()
     finally:
         target.stop()
-    produced = min(got[-1][0] for runs in arrivals.values() for got in runs)
+    produced = min(run.arrivals[-1][0] for timed in runs.values() for run in timed)
     marks = [m for m in MARKS if m < produced] + [produced]
-    times = {mode: {m: [_time_to(got, m) for got in runs] for m in marks} for mode, runs in arrivals.items()}
-    rates = {mode: [got[-1][0] / got[-1][1] for got in runs] for mode, runs in arrivals.items()}
-    reference = finals["plain"][0].sequences.tolist()
-    chosen = [final.speculation for final in finals["controller"]]
+    times = {mode: {m: [_time_to(run.arrivals, m) for run in timed] for m in marks} for mode, timed in runs.items()}
+    rates = {mode: [run.tokens_per_second for run in timed] for mode, timed in runs.items()}
+    reference = runs["plain"][0].sequence
     return {
         "meta": describe("bench.speculation_triples"),
         "prompt": args.prompt,
@@ -130,7 +118,7 @@ def run(args) -> dict:
             "tokens_without_draft": [s.tokens_without_draft for s in chosen],
             "probes": [s.probes for s in chosen],
         },
-        "outputs_equal": all(f.sequences.tolist() == reference for runs in finals.values() for f in runs),
+        "outputs_equal": all(run.sequence == reference for timed in runs.values() for run in timed),
     }
 
 

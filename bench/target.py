@@ -42,16 +42,18 @@ class Specwire:
         return Run(seconds, len(sequence) - len(prompt), sequence), output
 
     def stream(self, prompt: list[int], **kwargs) -> tuple[Run, Any]:
-        """One GenerateStream; `Run.ttft` is the time to the first token delta."""
+        """One GenerateStream; `Run.ttft` is the time to the first token delta, `Run.arrivals` the time to each."""
         started = time.perf_counter()
-        first = None
+        arrivals: list[tuple[int, float]] = []
         final = None
         for item in self.client.stream(input_ids=[prompt], **kwargs):
             if hasattr(item, "row"):
-                if first is None and item.token_ids:
-                    first = time.perf_counter() - started
+                if item.token_ids:
+                    count = (arrivals[-1][0] if arrivals else 0) + len(item.token_ids)
+                    arrivals.append((count, time.perf_counter() - started))
             else:
                 final = item
         seconds = time.perf_counter() - started
         sequence = final.sequences[0].tolist()
-        return Run(seconds, len(sequence) - len(prompt), sequence, first), final
+        first = arrivals[0][1] if arrivals else None
+        return Run(seconds, len(sequence) - len(prompt), sequence, first, arrivals), final

@@ -116,6 +116,7 @@ __all__ = [
     "DECIDED_BY_CONTROLLER",
     "DECIDED_BY_SCHEDULE",
     "ControllerOptions",
+    "Expected",
     "SpeculationController",
 ]
 
