@@ -5,13 +5,15 @@ the speculation matrix's three waves per case cannot (their ranges span 15-20% o
   python -m bench.speculation_waves                          # co-located draft, 8 clients, 10 pairs
   python -m bench.speculation_waves --placement remote       # a draft service process instead
   python -m bench.speculation_waves --proposer prompt_lookup --pairs 20 --json waves.json
+  python -m bench.speculation_waves --log-dir logs --target-arg=--log-level --target-arg=DEBUG
 
 Starts one target service (`--draft-model` co-located, or `--draft-address` of a draft service it also
 starts), warms it, then runs `--pairs` pairs of waves: `--clients` concurrent greedy requests on the
 chat prompt (in the model's chat template, as the matrix sends it), plain and with `proposer` (no draft
 length named: the controller decides), in alternating order. Prints each pair, the median of the pair
 ratios with its range, and what the controller chose (rounds with drafts, tokens decoded without,
-probes) over every speculative request.
+probes) over every speculative request. With `--log-dir` the services' logs stay there (the target's at DEBUG gives
+each of the controller's decisions and what it expected of them).
 """
 
 from __future__ import annotations
@@ -31,18 +33,20 @@ from bench.services import Service, free_port, served_prompt, service_env, wait_
 def _services(args, log_dir: Path) -> list[Service]:
     model = ["--model", args.model]
     if args.placement == "colocated":
-        target = [*model, "--draft-model", args.draft_model]
+        target = [*model, "--draft-model", args.draft_model, *args.target_arg]
         return [Service("target-service", "specwire.target_service", target, free_port(), log_dir / "target.log")]
     draft = Service(
         "draft-service", "specwire.draft_service", ["--model", args.draft_model], free_port(), log_dir / "draft.log"
     )
-    target = [*model, "--draft-address", draft.address]
+    target = [*model, "--draft-address", draft.address, *args.target_arg]
     return [draft, Service("target-service", "specwire.target_service", target, free_port(), log_dir / "target.log")]
 
 
 def run(args) -> dict:
     """Start the services, run the pairs, stop them; the figures."""
-    services = _services(args, Path(tempfile.mkdtemp(prefix="specwire-waves-")))
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specwire-waves-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    services = _services(args, log_dir)
     try:
         for service in services:
             service.start(service_env())
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients per wave (default: %(default)s)")
     parser.add_argument("--pairs", type=int, default=10, help="pairs of waves (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
+    parser.add_argument("--target-arg", action="append", default=[], help="a further target-service argument")
+    parser.add_argument("--log-dir", type=Path, help="keep the services' logs here")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     result = run(args)
