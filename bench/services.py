@@ -7,6 +7,7 @@ Service logs go to a temporary folder; the tail of a log is printed when its ser
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -35,6 +36,19 @@ def service_env() -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+def add_log_options(parser: argparse.ArgumentParser) -> None:
+    """`--target-arg` (repeatable) and `--log-dir`, for a tool that starts its own services (`log_folder`)."""
+    parser.add_argument("--target-arg", action="append", default=[], help="a further target-service argument")
+    parser.add_argument("--log-dir", type=Path, help="keep the services' logs here")
+
+
+def log_folder(given: Path | None, prefix: str) -> Path:
+    """The folder for the services' logs: `given` (`--log-dir`, made if missing), else a new temporary one."""
+    folder = given or Path(tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def read_memory_kib(pid: int) -> dict[str, int]:

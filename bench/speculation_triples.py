@@ -22,13 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
 from bench.machine import describe
 from bench.prompts import CHAT_PROMPT, CODE_EDIT_PROMPT, LOW_ACCEPTANCE_PROMPT
 from bench.reference import Run
-from bench.services import Service, free_port, served_prompt, service_env, wait_healthy
+from bench.services import (
+    Service,
+    add_log_options,
+    free_port,
+    log_folder,
+    served_prompt,
+    service_env,
+    wait_healthy,
+)
 from bench.target import Specwire
 
 PROMPTS = {"chat": CHAT_PROMPT, "code": CODE_EDIT_PROMPT, "low": LOW_ACCEPTANCE_PROMPT}
@@ -64,8 +71,7 @@ def segments(times: dict[str, dict[int, list[float]]], marks: list[int]) -> dict
 
 def run(args) -> dict:
     """Start the target, run the triples, stop it; the figures."""
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specwire-triples-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = log_folder(args.log_dir, "specwire-triples-")
     target_args = ["--model", args.model, "--draft-model", args.draft_model, *args.target_arg]
     target = Service("target-service", "specwire.target_service", target_args, free_port(), log_dir / "target.log")
     plain = {"do_sample": False, "max_new_tokens": args.max_new_tokens}
@@ -136,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default", help="target model (default: %(default)s)")
     parser.add_argument("--draft-model", default="default-int8", help="co-located draft model (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
-    parser.add_argument("--target-arg", action="append", default=[], help="a further target-service argument")
-    parser.add_argument("--log-dir", type=Path, help="keep the target's log here")
+    add_log_options(parser)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     result = run(args)

@@ -21,13 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
 from bench.machine import describe
 from bench.prompts import CHAT_PROMPT
 from bench.service_workloads import client_wave
-from bench.services import Service, free_port, served_prompt, service_env, wait_healthy
+from bench.services import (
+    Service,
+    add_log_options,
+    free_port,
+    log_folder,
+    served_prompt,
+    service_env,
+    wait_healthy,
+)
 
 
 def _services(args, log_dir: Path) -> list[Service]:
@@ -44,8 +51,7 @@ def _services(args, log_dir: Path) -> list[Service]:
 
 def run(args) -> dict:
     """Start the services, run the pairs, stop them; the figures."""
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specwire-waves-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = log_folder(args.log_dir, "specwire-waves-")
     services = _services(args, log_dir)
     try:
         for service in services:
@@ -109,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients per wave (default: %(default)s)")
     parser.add_argument("--pairs", type=int, default=10, help="pairs of waves (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
-    parser.add_argument("--target-arg", action="append", default=[], help="a further target-service argument")
-    parser.add_argument("--log-dir", type=Path, help="keep the services' logs here")
+    add_log_options(parser)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     result = run(args)
