@@ -15,8 +15,8 @@ as `weight * (x * rsqrt(mean(x^2) + eps))` with the float32 round trip (an ident
 q/k/v projections, the rotation `x * cos + rotate_half(x) * sin` (the same products, from a roll:
 see `_rotate`), attention through `PackedStep.attend` (transformers' sdpa function), the o
 projection, the gated MLP with the model's own activation, the final norm and the LM head on the
-kept positions only. The logits are therefore bitwise those of `model(...)`; the batched scheduler
-checks that with a probe at start-up and falls back to `model(...)` otherwise.
+kept positions only. The logits are therefore bitwise those of `model(...)` (small blocks aside, below);
+the batched scheduler checks that with a probe at start-up and falls back to `model(...)` otherwise.
 
 LM head. On CPU, MKL's matrix product for a few rows against the tall `[vocab, hidden]` head weight is
 slow: SmolLM2's head takes ~18 ms for 11 rows against ~9 ms for 16 on a 2-core Xeon, and on a 2-core
@@ -29,6 +29,20 @@ call's own hidden states, and chunks only the counts where it holds. Measured af
 prompt (Xeon): a forward keeping 11 positions (a `prompt_lookup_num_tokens=10` verify block) takes
 ~67 ms instead of ~75 ms, 8 positions ~58 instead of ~65 ms.
 
+Small blocks. MKL's float32 product of 2 to 4 rows against a weight, as `F.linear` asks for it, costs up
+to twice the one-row product in this memory-bound regime: on the 2-core EPYC a SmolLM2 forward after 64
+tokens took ~64 ms for 1 token, ~95 ms for 2, ~118 ms for 3 and ~108 ms for 4 (`python -m
+bench.verify_blocks`). Computed the other way round, `weight @ block^T` on a block padded to 4 rows, the
+same blocks took ~53, ~55 and ~62 ms: a verify of up to 3 drafts costs what a plain step costs. On that CPU
+each row of that product is bitwise the row's own one-row product, what a forward of that token alone
+computes. `SmallBlocks` checks that for each weight shape and row count from 2 to 4 the first time it sees
+them, on that call's own input, and uses the product only where it holds (float32 CPU weights; not int8
+ones). A verify block's projections, and those of a few packed requests, then round as decoding each token
+alone does (what plain decoding of the same tokens computes) instead of as `model(...)` rounds that block;
+everything else is unchanged. The probes that check this decoder against `model(...)` run it with small
+blocks off (`LeanDecoder.model_products`); `--packed-forward transformers` serves `model(...)`'s own
+products. A draft model's decoder (`lean_draft`) keeps them off: its probabilities must be the model's.
+
 Supported: decoder-only models whose layers have the Llama layout (`input_layernorm`, `self_attn`
 with `q/k/v/o_proj` and no q/k norms, `post_attention_layernorm`, `mlp` with `gate/up/down_proj`)
 and no embedding scale: Llama, SmolLM2, Mistral, Qwen2 (projection biases are used when present).
@@ -37,13 +51,17 @@ and no embedding scale: Llama, SmolLM2, Mistral, Qwen2 (projection biases are us
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LeanDecoder"]
+__all__ = ["LeanDecoder", "SmallBlocks"]
+
+log = logging.getLogger(__name__)
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2")
 _NORM_ATTRIBUTES = ("input_layernorm", "post_attention_layernorm")
@@ -52,6 +70,8 @@ _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Row counts whose LM head may run in vocabulary chunks on CPU, and the chunk size (module docstring).
 _CHUNKED_HEAD_ROWS = range(2, 34)
 _HEAD_CHUNK = 1024
+# Row counts whose float32 CPU projections may run as `weight @ block^T`, on a block of this many rows.
+_SMALL_BLOCK = 4
 
 
 def _is_projection(module: Any) -> bool:
@@ -63,13 +83,74 @@ def _is_projection(module: Any) -> bool:
     return isinstance(module, DynamicLinear) and module._packed_params.dtype == torch.qint8
 
 
-def _projection(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A projection's forward as one call: `F.linear` on a linear layer's weight and bias, or the int8 kernel
-    with the packed weights as a dynamically quantized layer's `forward` calls it (its float32 output's `.to`
-    is the same tensor)."""
-    if isinstance(module, torch.nn.Linear):
-        weight, bias = module.weight, module.bias
+def _small_block_product(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(hidden, weight, bias)` for at most `_SMALL_BLOCK` rows as `weight @ block^T`, the rows padded
+    with zeros to a block of `_SMALL_BLOCK` (module docstring)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    rows = flat.shape[0]
+    block = flat.new_zeros(_SMALL_BLOCK, flat.shape[1])
+    block[:rows] = flat
+    out = torch.mm(weight, block.t()).t()[:rows]
+    if bias is not None:
+        out = out + bias
+    return out.contiguous().view(*hidden.shape[:-1], weight.shape[0])
+
+
+def _one_row_products(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Every row's product as a forward of that row alone computes it (`[1, 1, in]`)."""
+    rows = hidden.reshape(-1, 1, 1, hidden.shape[-1])
+    products = [F.linear(row, weight, bias) for row in rows]
+    return torch.cat(products, dim=1).view(*hidden.shape[:-1], weight.shape[0])
+
+
+class SmallBlocks:
+    """Where float32 CPU projections of 2 to `_SMALL_BLOCK` rows run as `weight @ block^T` (module docstring).
+
+    Each weight shape and row count is checked the first time it is seen, on that call's own input: the small
+    block's product is used from then on when every row of it is bitwise that row's one-row product, else
+    `F.linear`. `enabled` False computes every product as `model(...)` does.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = True
+        # (out features, in features, rows) -> whether the small block's rows are the one-row products.
+        self.exact: dict[tuple[int, int, int], bool] = {}
+
+    def product(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The small block's product of `hidden` where it applies and holds, else None (use `F.linear`)."""
+        rows = hidden.numel() // hidden.shape[-1]
+        if not self.enabled or not 1 < rows <= _SMALL_BLOCK:
+            return None
+        key = (weight.shape[0], weight.shape[1], rows)
+        exact = self.exact.get(key)
+        if exact is False:
+            return None
+        out = _small_block_product(hidden, weight, bias)
+        if exact is None:
+            exact = self.exact[key] = torch.equal(out, _one_row_products(hidden, weight, bias))
+            log.debug("small-block product of %d rows against a %dx%d weight: %s", rows, *key[:2], exact)
+        return out if exact else None
+
+
+def _linear(module: torch.nn.Linear, small_blocks: SmallBlocks | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`F.linear` on the layer's weight and bias, through `small_blocks` where they may apply (float32 on CPU)."""
+    weight, bias = module.weight, module.bias
+    if small_blocks is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return lambda hidden: F.linear(hidden, weight, bias)
+
+    def project(hidden: torch.Tensor) -> torch.Tensor:
+        out = small_blocks.product(hidden, weight, bias)
+        return F.linear(hidden, weight, bias) if out is None else out
+
+    return project
+
+
+def _projection(module: Any, small_blocks: SmallBlocks | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A projection's forward as one call: `F.linear` on a linear layer's weight and bias (see `_linear`), or
+    the int8 kernel with the packed weights as a dynamically quantized layer's `forward` calls it (its float32
+    output's `.to` is the same tensor)."""
+    if isinstance(module, torch.nn.Linear):
+        return _linear(module, small_blocks)
     packed = module._packed_params._packed_params
     reduce_range = module.version is not None and module.version >= 4
     return lambda hidden: torch.ops.quantized.linear_dynamic(hidden, packed, reduce_range=reduce_range)
@@ -115,11 +196,13 @@ def _activation(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _Head:
-    """The LM head, with the chunked product for the row counts where it is bitwise the plain one (an int8 head:
-    its kernel, unchunked). Each candidate row count is checked the first time it is seen: the plain product
-    is returned, and compared with the chunked one of the same hidden states."""
+    """The LM head: the small block's product where it holds (`SmallBlocks`), else the chunked product for the
+    row counts where it is bitwise the plain one (an int8 head: its kernel, unchunked). Each candidate row
+    count is checked the first time it is seen: the plain product is returned, and compared with the chunked
+    one of the same hidden states."""
 
-    def __init__(self, module: Any):
+    def __init__(self, module: Any, small_blocks: SmallBlocks):
+        self.small_blocks = small_blocks
         self.project = None if isinstance(module, torch.nn.Linear) else _projection(module)
         # Row count -> whether its chunked product is bitwise the plain one (absent: not checked yet).
         self.chunked_rows: dict[int, bool] = {}
@@ -130,6 +213,7 @@ class _Head:
         biases = [None] * len(weights) if self.bias is None else self.bias.split(_HEAD_CHUNK)
         self.chunks = list(zip(weights, biases, strict=True))
         self.may_chunk = self.weight.device.type == "cpu" and len(self.chunks) > 1
+        self.small_float32 = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
 
     def _chunked(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([F.linear(hidden, weight, bias) for weight, bias in self.chunks], dim=-1)
@@ -138,6 +222,10 @@ class _Head:
         """`hidden` `[1, rows, hidden_size]` -> logits `[1, rows, vocab]`."""
         if self.project is not None:
             return self.project(hidden)
+        if self.small_float32:
+            small = self.small_blocks.product(hidden, self.weight, self.bias)
+            if small is not None:
+                return small
         rows = hidden.shape[1]
         chunked = self.chunked_rows.get(rows)
         if chunked:
@@ -149,13 +237,15 @@ class _Head:
 
 
 class _Layer:
-    def __init__(self, layer: Any):
+    def __init__(self, layer: Any, small_blocks: SmallBlocks):
         attention, mlp = layer.self_attn, layer.mlp
         self.attention = attention  # `PackedStep.attend` reads `layer_idx` and sdpa's module attributes
         self.input_norm = _rms_parts(layer.input_layernorm)
         self.post_norm = _rms_parts(layer.post_attention_layernorm)
-        self.q, self.k, self.v, self.o = (_projection(getattr(attention, n)) for n in _ATTENTION_PROJECTIONS)
-        self.gate, self.up, self.down = (_projection(getattr(mlp, n)) for n in _MLP_PROJECTIONS)
+        self.q, self.k, self.v, self.o = (
+            _projection(getattr(attention, n), small_blocks) for n in _ATTENTION_PROJECTIONS
+        )
+        self.gate, self.up, self.down = (_projection(getattr(mlp, n), small_blocks) for n in _MLP_PROJECTIONS)
         self.act = _activation(mlp.act_fn)
         self.head_dim = attention.head_dim
         self.scaling = attention.scaling
@@ -168,15 +258,28 @@ class LeanDecoder:
 
     Args:
         model (`PreTrainedModel`): a `*ForCausalLM` with the Llama layout; its weights are used in place.
+        small_blocks (`bool`, defaults to `True`): compute float32 CPU blocks of 2 to 4 rows as `SmallBlocks`
+            finds exact (module docstring); False computes every product as `model(...)` does.
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, small_blocks: bool = True):
         base = model.model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.norm = _rms_parts(base.norm)
-        self.head = _Head(model.lm_head)
-        self.layers = [_Layer(layer) for layer in base.layers]
+        self.small_blocks = SmallBlocks()
+        self.small_blocks.enabled = small_blocks
+        self.head = _Head(model.lm_head, self.small_blocks)
+        self.layers = [_Layer(layer, self.small_blocks) for layer in base.layers]
+
+    @contextlib.contextmanager
+    def model_products(self) -> Iterator[None]:
+        """Computes every product as `model(...)` does (small blocks off), for the probes comparing the two."""
+        enabled, self.small_blocks.enabled = self.small_blocks.enabled, False
+        try:
+            yield
+        finally:
+            self.small_blocks.enabled = enabled
 
     @staticmethod
     def unsupported(model: Any) -> str:

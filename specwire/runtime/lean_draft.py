@@ -91,7 +91,7 @@ def draft_decoder(model: Any) -> LeanDecoder | None:
     if not problem and getattr(config, "sliding_window", None) is not None:
         problem = "sliding-window attention"
     if not problem:
-        decoder = LeanDecoder(model)
+        decoder = LeanDecoder(model, small_blocks=False)  # bitwise the model's products (module docstring)
         try:
             problem = "" if _same_logits(model, decoder, config) else "its logits differ from the model's forward"
         except Exception as exc:  # noqa: BLE001 - any failure means: use the model's forward

@@ -1,4 +1,5 @@
-"""`LeanDecoder` gives bitwise the logits (and KV cache) of the model's own packed forward."""
+"""`LeanDecoder` gives bitwise the logits (and KV cache) of the model's own packed forward, with its small
+blocks off; with them on, a block's float32 CPU projections are bitwise its rows' one-row products."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from specwire.models import load_model
-from specwire.runtime.lean_decoder import LeanDecoder, _activation, _Head, _rotate, _signed_sin
+from specwire.runtime import lean_decoder
+from specwire.runtime.lean_decoder import LeanDecoder, SmallBlocks, _activation, _Head, _rotate, _signed_sin
 from specwire.runtime.slot_cache import SlotKVCache, install_slot_attention, run_packed
 
 # Packed steps as (pieces, keep): (slot, cursor, tokens) per row piece.
@@ -28,11 +30,23 @@ def _run_steps(model, decoder):
     return logits, cache
 
 
+def _small_blocks_off():
+    small_blocks = SmallBlocks()
+    small_blocks.enabled = False
+    return small_blocks
+
+
+def _model_products(decoder):
+    """`decoder`, computing every product as `model(...)` does."""
+    decoder.small_blocks.enabled = False
+    return decoder
+
+
 def _assert_same_as_model(model):
     install_slot_attention(model)
     assert LeanDecoder.unsupported(model) == ""
     want, want_cache = _run_steps(model, None)
-    got, got_cache = _run_steps(model, LeanDecoder(model))
+    got, got_cache = _run_steps(model, _model_products(LeanDecoder(model)))
     for a, b in zip(want, got, strict=True):
         assert a.shape == b.shape
         assert torch.equal(a, b), (a - b).abs().max()
@@ -128,7 +142,7 @@ def test_lean_forward_with_a_chunked_head_is_bitwise_the_model_forward():
     install_slot_attention(model)
     steps = [([(0, 0, list(range(3, 12)))], [8]), ([(0, 9, list(range(40, 51)))], list(range(11)))]
     cache, lean_cache = SlotKVCache(model, 1, 32), SlotKVCache(model, 1, 32)
-    decoder = LeanDecoder(model)
+    decoder = _model_products(LeanDecoder(model))
     with torch.inference_mode():
         for pieces, keep in steps:
             want = run_packed(model, cache, pieces, keep)
@@ -142,7 +156,7 @@ def test_the_head_is_bitwise_the_plain_product_for_every_row_count(hidden, vocab
     # here. Each row count runs three times: its check, then the product it settled on.
     torch.manual_seed(0)
     linear = torch.nn.Linear(hidden, vocab, bias=bias)
-    head = _Head(linear)
+    head = _Head(linear, _small_blocks_off())
     with torch.no_grad():
         for rows in range(1, 36):
             for _ in range(3):
@@ -154,7 +168,7 @@ def test_the_head_is_bitwise_the_plain_product_for_every_row_count(hidden, vocab
 def test_a_chunked_head_computes_the_product():
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 2500)
-    head = _Head(linear)
+    head = _Head(linear, _small_blocks_off())
     assert len(head.chunks) == 3 and head.may_chunk
     with torch.no_grad():
         hidden_states = torch.randn(1, 11, 32)
@@ -163,6 +177,78 @@ def test_a_chunked_head_computes_the_product():
         got = head(hidden_states)
         assert got.shape == (1, 11, 2500)
         assert torch.allclose(got, F.linear(hidden_states, linear.weight, linear.bias), atol=1e-6)
+
+
+def _one_row_products(hidden_states, linear):
+    rows = [F.linear(hidden_states[:, i : i + 1], linear.weight, linear.bias) for i in range(hidden_states.shape[1])]
+    return torch.cat(rows, dim=1)
+
+
+@pytest.mark.parametrize(("features", "bias"), [((576, 576), False), ((576, 1536), False), ((576, 4100), True)])
+def test_small_blocks_are_the_one_row_products_where_checked_else_the_plain_product(features, bias):
+    # Whether `weight @ block^T` holds is this machine's MKL's business; what the projection returns is then
+    # bitwise either the rows' one-row products (checked) or `F.linear` (declined), never anything else.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(*features, bias=bias)
+    small_blocks = SmallBlocks()
+    project = lean_decoder._projection(linear, small_blocks)
+    with torch.no_grad():
+        for rows in range(1, 7):
+            for _ in range(2):  # the check, then the product it settled on
+                hidden_states = torch.randn(1, rows, features[0])
+                got = project(hidden_states)
+                exact = small_blocks.exact.get((features[1], features[0], rows))
+                want = _one_row_products if exact else lambda h, lin: F.linear(h, lin.weight, lin.bias)
+                assert torch.equal(got, want(hidden_states, linear)), rows
+    assert sorted(key[2] for key in small_blocks.exact) == [2, 3, 4]
+
+
+def test_a_small_block_that_fails_its_check_is_not_used(monkeypatch):
+    products = []
+
+    def off_by_a_bit(hidden, weight, bias):
+        products.append(hidden.shape)
+        return F.linear(hidden, weight, bias) + 1e-3
+
+    monkeypatch.setattr(lean_decoder, "_small_block_product", off_by_a_bit)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    small_blocks = SmallBlocks()
+    project = lean_decoder._projection(linear, small_blocks)
+    with torch.no_grad():
+        for _ in range(3):
+            hidden_states = torch.randn(1, 3, 64)
+            assert torch.equal(project(hidden_states), F.linear(hidden_states, linear.weight, linear.bias))
+    assert small_blocks.exact == {(96, 64, 3): False}
+    assert len(products) == 1  # checked once, then declined without computing it
+
+
+def test_small_blocks_leave_other_dtypes_and_a_disabled_decoder_alone():
+    torch.manual_seed(0)
+    small_blocks = SmallBlocks()
+    half = lean_decoder._projection(torch.nn.Linear(64, 96).to(torch.bfloat16), small_blocks)
+    with torch.no_grad():
+        half(torch.randn(1, 3, 64).to(torch.bfloat16))
+        assert small_blocks.exact == {}
+        small_blocks.enabled = False
+        assert small_blocks.product(torch.randn(1, 3, 64), torch.randn(96, 64), None) is None
+
+
+def test_a_decoder_with_small_blocks_runs_blocks_through_them_and_keeps_the_model_logits_closely():
+    model = _random("LlamaConfig", "LlamaForCausalLM", vocab_size=1500)
+    install_slot_attention(model)
+    decoder = LeanDecoder(model)
+    want, _ = _run_steps(model, None)
+    got, _ = _run_steps(model, decoder)
+    # STEPS packs 12, 7 and 3 tokens, and keeps 2, 4 and 3 positions for the head.
+    assert {rows for *_, rows in decoder.small_blocks.exact} == {2, 3, 4}
+    assert (1500, 32, 4) in decoder.small_blocks.exact  # the head's
+    for a, b in zip(want, got, strict=True):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    with decoder.model_products():
+        again, _ = _run_steps(model, decoder)
+    assert all(torch.equal(a, b) for a, b in zip(want, again, strict=True))
+    assert decoder.small_blocks.enabled
 
 
 @pytest.mark.parametrize(

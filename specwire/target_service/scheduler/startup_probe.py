@@ -7,7 +7,8 @@ that thread: `specwire.model_thread`). Two checks decide how requests are served
   rounding of its dtype (`close_logits`); else every request is served sequentially.
 - `LeanDecoder` (`specwire.runtime.lean_decoder`: the model's own ops without transformers' module
   machinery, ~13% less time per SmolLM2 decode step on 2 CPU cores) runs the packed forwards only when
-  the model has the Llama layout and its logits are bitwise those of `model(...)`.
+  the model has the Llama layout and its logits are bitwise those of `model(...)` (compared with its
+  small blocks off: they round 2 to 4 rows as one-row forwards do; see that module).
 """
 
 from __future__ import annotations
@@ -95,10 +96,11 @@ def _lean_decoder(model: Any) -> LeanDecoder | None:
     if not problem:
         decoder = LeanDecoder(model)
         try:
-            same = all(
-                torch.equal(want, got)
-                for want, got in zip(_packed_outputs(model, None), _packed_outputs(model, decoder), strict=True)
-            )
+            with decoder.model_products():
+                same = all(
+                    torch.equal(want, got)
+                    for want, got in zip(_packed_outputs(model, None), _packed_outputs(model, decoder), strict=True)
+                )
             problem = "" if same else "its logits differ from the model's own forward"
         except Exception as exc:  # noqa: BLE001 - any failure means: use the model's forward
             problem = f"it failed: {type(exc).__name__}: {exc}"
