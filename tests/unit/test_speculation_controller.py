@@ -440,23 +440,6 @@ def test_a_look_back_is_skipped_when_the_rest_cannot_repay_the_catch_up_and_a_si
     assert controller.next_length(remaining=1000) == options.probe_length and controller.probing
 
 
-@pytest.mark.parametrize("acceptance, taken", [(0.9, True), (0.2, False)])
-def test_a_long_prompts_look_back_over_the_budget_is_taken_where_drafting_repays_the_catch_up(acceptance, taken):
-    """The first look-back catches the draft up on the prompt. Over `probe_budget` of the rest, it is still taken
-    where drafting at the request's estimates repays that catch-up over the rest: the prefill drafting would pay
-    anyway (the code edit's ~400-token prompt otherwise kept its requests from ever drafting)."""
-    costs = _curve_costs(draft_per_token=0.005)
-    costs.observe_catch_up("draft_model", 400, 0.4)  # 1 ms a token
-    options = ControllerOptions(off_rounds=2)
-    controller = _controller(costs, acceptance, options=options, look_back=True)
-    _plain_rounds(controller, 2)
-    plain_s = costs.prices("draft_model").plain(1)
-    assert 0.4 > options.probe_budget * 150 * plain_s  # over the budget of the rest
-    assert controller.next_length(remaining=150, behind=400) == 0
-    assert controller.looking_back is taken and controller.probes == int(taken)
-    assert (controller.best_length(150, 400) > 0) is taken
-
-
 def test_a_look_back_under_load_counts_the_wait_of_those_sharing_the_draft():
     """A co-located draft's catch-up takes the device from every request waiting, a remote draft service's from
     every request drafting with it (one model thread serves them in turn): a look-back affordable alone is skipped

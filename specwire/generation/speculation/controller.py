@@ -65,9 +65,8 @@ measured them, `SharedCosts.look_back_line`), or after twice the last time off w
 least a quarter of it): the next one may see a later part of the answer, and an answer's start is where acceptance
 changes most. One that would pay resumes drafting. Such a request also starts with time off: its first look-back
 checks the draft on the answer's first tokens, where a first block mostly cost, and is skipped, like any
-look-back, where it costs more than `probe_budget` of the rest and drafting at the request's estimates would not
-repay the draft's prefill of the prompt over the rest (a long prompt, a short answer). A look-back that reports
-nothing (a draft service without hindsight) turns the request to probes.
+look-back, where the rest of the request cannot repay the draft's prefill of the prompt (a long prompt, a short
+answer). A look-back that reports nothing (a draft service without hindsight) turns the request to probes.
 
 The rest of the request. The loop tells the controller how many tokens the request may still generate
 and how many tokens the drafter has not seen yet (`behind`: the whole context before its first block,
@@ -457,14 +456,7 @@ class SpeculationController:
 
     def _probe_affordable(self, remaining: int, behind: int) -> bool:
         """Whether a probe's expected extra cost (over a plain round) is within `probe_budget` of the plain
-        decoding of the rest of the request: a probe it cannot repay even when it succeeds is not worth it.
-
-        A look-back is also affordable where drafting at the request's estimates repays catching the drafter up
-        over the rest (`best_length` with `behind`): its cost is then the prefill drafting pays anyway. The
-        budget alone kept a long prompt's first look-back out for good: on the code edit (~0.45 of its answer
-        sure and right) the request decoded every token plainly at ~1.0x where transformers' schedule, drafting
-        from the first round, ran 1.22x of plain once a verify of up to 3 drafts cost about a plain round
-        (`specwire.runtime.lean_decoder`, small blocks)."""
+        decoding of the rest of the request: a probe it cannot repay even when it succeeds is not worth it."""
         if not self.options.probe_budget:
             return True
         prices = self.costs.prices(self.proposer)
@@ -476,9 +468,7 @@ class SpeculationController:
             extra = line[0] + line[1] * behind if line is not None else 0.0
         else:
             extra = prices.catch_up * behind + d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s
-        if extra * self._sharers() <= self.options.probe_budget * remaining * plain_s:
-            return True
-        return self.look_back and self.best_length(remaining, behind) > 0
+        return extra * self._sharers() <= self.options.probe_budget * remaining * plain_s
 
     def _look_back_line(self) -> tuple[float, float] | None:
         """A look-back's cost, `(fixed, per token)` seconds: as look-backs measured it (`SharedCosts.look_back_line`),
