@@ -6,8 +6,9 @@ own forward, in alternating order on one slot cache.
   python -m bench.verify_blocks --blocks 1,2,3,4 --repeats 21 --threads 1 --json blocks.json
 
 A block of `k` tokens is what a verify of `k - 1` drafts runs (plain decoding: `k = 1`), after a prompt of
-`--context` tokens. Prints, per block size, the median milliseconds of each forward, and each one's ratio to the
-plain forward (`k = 1`) of the model's own: what a speculative round's verify costs against a plain round's.
+`--context` tokens. Prints, per block size, the median milliseconds of each forward, the small blocks' over the
+lean forward's of the same block, and the small blocks' over the model's own forward of the smallest block (with
+1 in `--blocks`, a plain round): what a speculative round's verify costs against a plain round's.
 """
 
 from __future__ import annotations
