@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 
 from bench.machine import describe
+from specwire.runtime.lean_decoder import LeanDecoder
+from specwire.runtime.slot_cache import SlotKVCache, install_slot_attention, run_packed
 
 FORWARDS = ("small blocks", "lean", "transformers")
 
 
 def _timed(model, cache, block: list[int], context: int, decoder) -> float:
     """Milliseconds of one packed forward of `block` at position `context` of slot 0."""
-    from specwire.runtime.slot_cache import run_packed
-
     started = time.perf_counter()
     run_packed(model, cache, [(0, context, block)], range(len(block)), decoder)
     return (time.perf_counter() - started) * 1000
@@ -37,9 +37,6 @@ def _timed(model, cache, block: list[int], context: int, decoder) -> float:
 
 def measure(model, blocks: list[int], repeats: int, context: int) -> dict[int, dict[str, float]]:
     """Median milliseconds per block size and forward (alternating; the first round of each is a warm-up)."""
-    from specwire.runtime.lean_decoder import LeanDecoder
-    from specwire.runtime.slot_cache import SlotKVCache, install_slot_attention, run_packed
-
     install_slot_attention(model)
     vocab = int(model.config.get_text_config().vocab_size)
     cache = SlotKVCache(model, 1, context + max(blocks))

@@ -132,10 +132,15 @@ class SmallBlocks:
         return out if exact else None
 
 
+def _small_blocks_apply(weight: torch.Tensor) -> bool:
+    """Whether `SmallBlocks` may compute products with `weight`: float32, on CPU (MKL's products)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
 def _linear(module: torch.nn.Linear, small_blocks: SmallBlocks | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`F.linear` on the layer's weight and bias, through `small_blocks` where they may apply (float32 on CPU)."""
+    """`F.linear` on the layer's weight and bias, through `small_blocks` where they may apply."""
     weight, bias = module.weight, module.bias
-    if small_blocks is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if small_blocks is None or not _small_blocks_apply(weight):
         return lambda hidden: F.linear(hidden, weight, bias)
 
     def project(hidden: torch.Tensor) -> torch.Tensor:
@@ -213,7 +218,7 @@ class _Head:
         biases = [None] * len(weights) if self.bias is None else self.bias.split(_HEAD_CHUNK)
         self.chunks = list(zip(weights, biases, strict=True))
         self.may_chunk = self.weight.device.type == "cpu" and len(self.chunks) > 1
-        self.small_float32 = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
+        self.small_float32 = _small_blocks_apply(self.weight)
 
     def _chunked(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([F.linear(hidden, weight, bias) for weight, bias in self.chunks], dim=-1)
@@ -242,10 +247,11 @@ class _Layer:
         self.attention = attention  # `PackedStep.attend` reads `layer_idx` and sdpa's module attributes
         self.input_norm = _rms_parts(layer.input_layernorm)
         self.post_norm = _rms_parts(layer.post_attention_layernorm)
-        self.q, self.k, self.v, self.o = (
-            _projection(getattr(attention, n), small_blocks) for n in _ATTENTION_PROJECTIONS
-        )
-        self.gate, self.up, self.down = (_projection(getattr(mlp, n), small_blocks) for n in _MLP_PROJECTIONS)
+        modules = [getattr(attention, n) for n in _ATTENTION_PROJECTIONS] + [getattr(mlp, n) for n in _MLP_PROJECTIONS]
+        # q, k, v, o, gate, up, down: as `model(...)` computes them, and through `small_blocks` (a forward of 2 to
+        # `_SMALL_BLOCK` rows picks these, so that any other forward pays nothing for them).
+        self.projections = tuple(_projection(module) for module in modules)
+        self.small_projections = tuple(_projection(module, small_blocks) for module in modules)
         self.act = _activation(mlp.act_fn)
         self.head_dim = attention.head_dim
         self.scaling = attention.scaling
@@ -323,21 +329,23 @@ class LeanDecoder:
         cos, sin = self.rotary(hidden, positions)
         cos, signed_sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
         batch, length = hidden.shape[:2]
+        small = self.small_blocks.enabled and 1 < batch * length <= _SMALL_BLOCK
         for layer in self.layers:
+            q, k, v, o, gate, up, down = layer.small_projections if small else layer.projections
             shape = (batch, length, -1, layer.head_dim)
             residual = hidden
             hidden = _rms_norm(hidden, *layer.input_norm)
-            query = layer.q(hidden).view(shape).transpose(1, 2)
-            key = layer.k(hidden).view(shape).transpose(1, 2)
-            value = layer.v(hidden).view(shape).transpose(1, 2)
+            query = q(hidden).view(shape).transpose(1, 2)
+            key = k(hidden).view(shape).transpose(1, 2)
+            value = v(hidden).view(shape).transpose(1, 2)
             query = _rotate(query, cos, signed_sin)
             key = _rotate(key, cos, signed_sin)
             attended = step.attend(layer.attention, query, key, value, layer.scaling)
             attended = attended.reshape(batch, length, -1).contiguous()
-            hidden = residual + layer.o(attended)
+            hidden = residual + o(attended)
             residual = hidden
             hidden = _rms_norm(hidden, *layer.post_norm)
-            hidden = layer.down(layer.act(layer.gate(hidden)) * layer.up(hidden))
+            hidden = down(layer.act(gate(hidden)) * up(hidden))
             hidden = residual + hidden
         hidden = _rms_norm(hidden, *self.norm)
         return self.head(hidden[:, keep, :])
