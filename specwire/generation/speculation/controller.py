@@ -63,10 +63,14 @@ look-back after which drafting would not pay is followed by the time off after w
 `probe_budget` of it (`_look_back_interval`: a look-back's fixed cost and that time off's tokens, as look-backs
 measured them, `SharedCosts.look_back_line`), or after twice the last time off where that is shorter (and at
 least a quarter of it): the next one may see a later part of the answer, and an answer's start is where acceptance
-changes most. One that would pay resumes drafting. Such a request also starts with time off: its first look-back
-checks the draft on the answer's first tokens, where a first block mostly cost, and is skipped, like any
-look-back, where the rest of the request cannot repay the draft's prefill of the prompt (a long prompt, a short
-answer). A look-back that reports nothing (a draft service without hindsight) turns the request to probes.
+changes most. One that would pay resumes drafting. Such a request drafts from its first round where the draft's
+prefill of the prompt costs no more than `probe_budget` of the rest and drafting pays at its estimates (the target's
+priors, `_drafts_at_once`): a verify of a few drafts costs about a plain round (`specwire.runtime.lean_decoder`,
+small blocks) and a draft unsure of the answer's first tokens stops after one or two, so a first block costs a draft
+forward or two where it is rejected. Otherwise it starts with time off, and its first look-back checks the draft on
+the answer's first tokens; it is skipped, like any look-back, where the rest of the request cannot repay the draft's
+prefill of the prompt (a long prompt, a short answer). A look-back that reports nothing (a draft service without
+hindsight) turns the request to probes.
 
 The rest of the request. The loop tells the controller how many tokens the request may still generate
 and how many tokens the drafter has not seen yet (`behind`: the whole context before its first block,
@@ -265,6 +269,7 @@ class SpeculationController:
     caught_up: bool = False  # the last round drafted or looked back: the drafter lacks only its tokens
     drafting: bool = False  # drafting goes on (the next block needs only `keep_margin`), no time off since
     recheck: int = 0  # the block that measures a doubtful draft price again (`_doubted_length`), to draft next
+    decided: bool = False  # `next_length` was called: the first round is decided
 
     def __post_init__(self) -> None:
         self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
@@ -429,6 +434,9 @@ class SpeculationController:
             behind (`int`, *optional*, defaults to 0): tokens the drafter has not seen yet.
         """
         self.probing = self.looking_back = False
+        if self.look_back and not self.decided and self._drafts_at_once(remaining, behind):
+            self.off_period = self.off_left = 0  # no time off first: the first round drafts
+        self.decided = True
         if self.off_left > 0:
             self.off_left -= 1
             return 0
@@ -453,6 +461,20 @@ class SpeculationController:
             self.off_period = self.options.off_rounds
             self.off_left = self.off_period - 1
         return k
+
+    def _drafts_at_once(self, remaining: int | None, behind: int) -> bool:
+        """Whether a look-back request drafts from its first round instead of starting with time off: the draft's
+        prefill of the prompt is within what a first look-back may cost (`_probe_affordable`), and drafting pays at
+        the request's estimates (the target's priors, `best_length`).
+
+        Time off first cost the low-acceptance prompt's answer its start: 4 plain rounds and a look-back for 5
+        tokens, then blocks of one or two drafts, where transformers' constant schedule had drafted those from the
+        first round for about a plain round each (SmolLM2 and its int8 draft, co-located on 2 cores: the controller
+        0.89x of the schedule over 5 triples). A long prompt (the code edit's) still starts with time off: its
+        prefill is what a first block risks."""
+        if remaining is None or not self._probe_affordable(remaining, behind):
+            return False
+        return self.best_length(remaining, behind) > 0
 
     def _probe_affordable(self, remaining: int, behind: int) -> bool:
         """Whether a probe's expected extra cost (over a plain round) is within `probe_budget` of the plain
