@@ -424,19 +424,24 @@ def test_look_backs_end_the_time_off_and_resume_drafting_where_it_would_have_pai
     assert costs.priors("draft_model")[0] != SpeculationController(SharedCosts(), "draft_model").acceptance.mean
 
 
-@pytest.mark.parametrize("prompt, at_once", [(40, True), (400, False)])
-def test_a_look_back_request_drafts_from_its_first_round_unless_its_prompts_prefill_is_over_the_budget(prompt, at_once):
-    """Where drafting pays at the target's priors, a request drafts from its first round: a first block the draft is
-    unsure of costs a draft forward or two. A long prompt's prefill is what that block would risk: over
-    `probe_budget` of the rest, the request starts with time off, as it does where drafting would not pay."""
+@pytest.mark.parametrize(
+    "prompt, colocated, at_once", [(40, True, True), (400, True, False), (40, False, False)], ids=str
+)
+def test_a_co_located_request_drafts_from_its_first_round_unless_its_prompts_prefill_is_over_the_budget(
+    prompt, colocated, at_once
+):
+    """Where drafting pays at the target's priors, a request with a co-located draft drafts from its first round: a
+    first block the draft is unsure of costs a draft forward or two. A long prompt's prefill is what that block would
+    risk: over `probe_budget` of the rest, the request starts with time off, as it does where drafting would not pay,
+    and as a remote draft's request does."""
     costs = _curve_costs(draft_per_token=0.001)
     costs.observe_catch_up("draft_model", 400, 0.4)  # 1 ms a token
     priors = AcceptanceEstimate(prior_mean=0.9)  # what earlier requests measured (`SharedCosts.priors`)
-    controller = SpeculationController(costs, "draft_model", acceptance=priors, look_back=True)
+    controller = SpeculationController(costs, "draft_model", acceptance=priors, shares_device=colocated, look_back=True)
     assert controller.off and controller.best_length(150, prompt) > 0  # drafting pays at the priors either way
     assert (controller.next_length(remaining=150, behind=prompt) > 0) is at_once
     assert controller.off is not at_once and controller.probes == 0
-    slow = SpeculationController(_curve_costs(draft_per_token=0.05), "draft_model", look_back=True)
+    slow = SpeculationController(_curve_costs(draft_per_token=0.05), "draft_model", shares_device=True, look_back=True)
     assert slow.next_length(remaining=150, behind=40) == 0 and slow.off  # drafting does not pay: time off
 
 
