@@ -474,7 +474,7 @@ class SpeculationController:
         0.89x of the schedule over 5 triples; drafting at once, 1.19x of transformers' assisted generation in the
         speculation matrix, against 0.91x). A long prompt (the code edit's) still starts with time off: its prefill
         is what a first block risks. So does a remote draft's request: drafting at once there, the first requests
-        on a fresh pinned target priced the draft at 30-47 ms a token (21-27 once warm) and decoded most of their
+        on a fresh pinned target priced the draft at 28-47 ms a token (21-27 once warm) and decoded most of their
         answers plainly (chat, remote overlapped: 16.0 tok/s against 22.2 starting with time off)."""
         if not self.shares_device or remaining is None or not self._probe_affordable(remaining, behind):
             return False
