@@ -59,7 +59,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LeanDecoder", "SmallBlocks"]
+__all__ = ["SMALL_BLOCK_ROWS", "LeanDecoder", "SmallBlocks"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _CHUNKED_HEAD_ROWS = range(2, 34)
 _HEAD_CHUNK = 1024
 # Row counts whose float32 CPU projections may run as `weight @ block^T`, on a block of this many rows.
-_SMALL_BLOCK = 4
+SMALL_BLOCK_ROWS = 4
 
 
 def _is_projection(module: Any) -> bool:
@@ -84,11 +84,11 @@ def _is_projection(module: Any) -> bool:
 
 
 def _small_block_product(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(hidden, weight, bias)` for at most `_SMALL_BLOCK` rows as `weight @ block^T`, the rows padded
-    with zeros to a block of `_SMALL_BLOCK` (module docstring)."""
+    """`F.linear(hidden, weight, bias)` for at most `SMALL_BLOCK_ROWS` rows as `weight @ block^T`, the rows padded
+    with zeros to a block of `SMALL_BLOCK_ROWS` (module docstring)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows = flat.shape[0]
-    block = flat.new_zeros(_SMALL_BLOCK, flat.shape[1])
+    block = flat.new_zeros(SMALL_BLOCK_ROWS, flat.shape[1])
     block[:rows] = flat
     out = torch.mm(weight, block.t()).t()[:rows]
     if bias is not None:
@@ -104,7 +104,7 @@ def _one_row_products(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 class SmallBlocks:
-    """Where float32 CPU projections of 2 to `_SMALL_BLOCK` rows run as `weight @ block^T` (module docstring).
+    """Where float32 CPU projections of 2 to `SMALL_BLOCK_ROWS` rows run as `weight @ block^T` (module docstring).
 
     Each weight shape and row count is checked the first time it is seen, on that call's own input: the small
     block's product is used from then on when every row of it is bitwise that row's one-row product, else
@@ -119,7 +119,7 @@ class SmallBlocks:
     def product(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """The small block's product of `hidden` where it applies and holds, else None (use `F.linear`)."""
         rows = hidden.numel() // hidden.shape[-1]
-        if not self.enabled or not 1 < rows <= _SMALL_BLOCK:
+        if not self.enabled or not 1 < rows <= SMALL_BLOCK_ROWS:
             return None
         key = (weight.shape[0], weight.shape[1], rows)
         exact = self.exact.get(key)
@@ -249,7 +249,7 @@ class _Layer:
         self.post_norm = _rms_parts(layer.post_attention_layernorm)
         modules = [getattr(attention, n) for n in _ATTENTION_PROJECTIONS] + [getattr(mlp, n) for n in _MLP_PROJECTIONS]
         # q, k, v, o, gate, up, down: as `model(...)` computes them, and through `small_blocks` (a forward of 2 to
-        # `_SMALL_BLOCK` rows picks these, so that any other forward pays nothing for them).
+        # `SMALL_BLOCK_ROWS` rows picks these, so that any other forward pays nothing for them).
         self.projections = tuple(_projection(module) for module in modules)
         self.small_projections = tuple(_projection(module, small_blocks) for module in modules)
         self.act = _activation(mlp.act_fn)
@@ -329,7 +329,7 @@ class LeanDecoder:
         cos, sin = self.rotary(hidden, positions)
         cos, signed_sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
         batch, length = hidden.shape[:2]
-        small = self.small_blocks.enabled and 1 < batch * length <= _SMALL_BLOCK
+        small = self.small_blocks.enabled and 1 < batch * length <= SMALL_BLOCK_ROWS
         for layer in self.layers:
             q, k, v, o, gate, up, down = layer.small_projections if small else layer.projections
             shape = (batch, length, -1, layer.head_dim)

@@ -251,6 +251,21 @@ def test_a_decoder_with_small_blocks_runs_blocks_through_them_and_keeps_the_mode
     assert decoder.small_blocks.enabled
 
 
+def test_the_schedulers_start_up_checks_every_small_block_row_count_before_any_request():
+    """A product's first use of a row count is checked (and MKL's first product of a shape is slow): the batched
+    scheduler's start-up runs one forward of 2, 3 and 4 tokens, so that a request's first verify is not the one that
+    pays for it (the speculation controller prices verifies by what they measured)."""
+    from specwire.target_service.scheduler.options import SchedulerOptions
+    from specwire.target_service.scheduler.startup_probe import build_slot_cache
+
+    model = _random("LlamaConfig", "LlamaForCausalLM", vocab_size=1500)
+    setup = build_slot_cache(model, SchedulerOptions(max_batch_rows=2, slot_tokens=64), None)
+    assert setup.decoder is not None
+    checked = setup.decoder.small_blocks.exact
+    assert {rows for *_, rows in checked} == {2, 3, 4}
+    assert all(checked.get((1500, 32, rows)) is not None for rows in (2, 3, 4))  # the head's, every position's logits
+
+
 @pytest.mark.parametrize(
     ("config_class", "model_class", "reason"),
     [

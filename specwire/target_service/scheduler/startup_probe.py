@@ -9,6 +9,9 @@ that thread: `specwire.model_thread`). Two checks decide how requests are served
   machinery, ~13% less time per SmolLM2 decode step on 2 CPU cores) runs the packed forwards only when
   the model has the Llama layout and its logits are bitwise those of `model(...)` (compared with its
   small blocks off: they round 2 to 4 rows as one-row forwards do; see that module).
+
+A lean decoder then runs one packed forward of each small-block row count (`_warm_small_blocks`), so that its
+small blocks are checked here, not on the first verify of a request.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 
 from specwire.generation.rows import RowBatch
-from specwire.runtime.lean_decoder import LeanDecoder
+from specwire.runtime.lean_decoder import SMALL_BLOCK_ROWS, LeanDecoder
 from specwire.runtime.slot_cache import SlotKVCache, SlotRows, execute, install_slot_attention
 from specwire.target_service.scheduler.options import SchedulerOptions
 
@@ -107,7 +110,31 @@ def _lean_decoder(model: Any) -> LeanDecoder | None:
     if problem:
         log.info("lean forward not used: %s", problem)
         return None
+    _warm_small_blocks(model, decoder)
     return decoder
+
+
+def _warm_small_blocks(model: Any, decoder: LeanDecoder) -> None:
+    """One packed forward of each row count small blocks compute (`SMALL_BLOCK_ROWS`), through `decoder`: each
+    weight shape and row count is checked on its first use (`SmallBlocks`), and MKL is slow on a shape's first
+    product, so a request's first verify of 2 to 4 tokens cost up to twice a warm one (SmolLM2 on one core: 123
+    against 72 ms for 3 tokens, 106 against 60 for 4). The speculation controller priced a fresh target's verifies
+    by that first one: on a fresh pinned remote target whose first request drafted from its first round, a first
+    verify of 2 tokens measured at 114 ms (a plain round: ~55) kept that request and the next three from drafting
+    again (16.5 tok/s, plain decoding's speed); with this warm-up its first request ran 30.2 tok/s."""
+    cache = SlotKVCache(model, 1, 16)
+    rows = SlotRows(
+        lambda work: execute(model, cache, [work], decoder=decoder),
+        [0],
+        attention_mask=None,
+        prompt_length=SMALL_BLOCK_ROWS,
+        rows=1,
+        device=cache.device,
+    )
+    ids = _probe_ids(model)[:1, :SMALL_BLOCK_ROWS]
+    rows.prefill(ids)
+    for count in range(2, SMALL_BLOCK_ROWS + 1):  # a verify's logits: every position's, unlike a prefill's last
+        rows.verify(ids[:, :count])
 
 
 def _probe(model: Any) -> str:
