@@ -472,9 +472,11 @@ class SpeculationController:
         first round for about a plain round each (SmolLM2 and its int8 draft, co-located on 2 cores: the controller
         0.89x of the schedule over 5 triples; drafting at once, 1.19x of transformers' assisted generation in the
         speculation matrix, against 0.91x). A long prompt (the code edit's) still starts with time off: its prefill
-        is what a first block risks. So does a remote draft's request: drafting at once there, the first requests
-        on a fresh pinned target priced the draft at 28-47 ms a token (21-27 once warm) and decoded most of their
-        answers plainly (chat, remote overlapped: 16.0 tok/s against 22.2 starting with time off)."""
+        is what a first block risks. So does a remote draft's request: drafting at once there, the first chat
+        requests on a fresh pinned target drafted little (remote overlapped: 16.0 tok/s against 22.2 starting with
+        time off). The batched scheduler's start-up now warms small blocks, which removed one cause (a cold first
+        verify priced drafting out), but an overlapped target's first chat requests still ran 15.4-21.1 tok/s
+        drafting at once."""
         if not self.shares_device or remaining is None or not self._probe_affordable(remaining, behind):
             return False
         return self.best_length(remaining, behind) > 0
