@@ -79,6 +79,8 @@ def build_slot_cache(model: Any, options: SchedulerOptions, max_position_embeddi
         if problem:
             return SlotSetup(unsupported=problem)
         decoder = _lean_decoder(model) if options.lean_forward else None
+        if decoder is not None:
+            _warm_small_blocks(model, decoder)
         cache = SlotKVCache(model, slots, slot_tokens)
         adopt = getattr(model, "adopt_cache", None)  # a tensor-parallel model: its other ranks allocate theirs
         if adopt is not None:
@@ -110,7 +112,6 @@ def _lean_decoder(model: Any) -> LeanDecoder | None:
     if problem:
         log.info("lean forward not used: %s", problem)
         return None
-    _warm_small_blocks(model, decoder)
     return decoder
 
 
@@ -122,16 +123,8 @@ def _warm_small_blocks(model: Any, decoder: LeanDecoder) -> None:
     by that first one: on a fresh pinned remote target whose first request drafted from its first round, a first
     verify of 2 tokens measured at 114 ms (a plain round: ~55) kept that request and the next three from drafting
     again (16.5 tok/s, plain decoding's speed); with this warm-up its first request ran 30.2 tok/s."""
-    cache = SlotKVCache(model, 1, 16)
-    rows = SlotRows(
-        lambda work: execute(model, cache, [work], decoder=decoder),
-        [0],
-        attention_mask=None,
-        prompt_length=SMALL_BLOCK_ROWS,
-        rows=1,
-        device=cache.device,
-    )
-    ids = _probe_ids(model)[:1, :SMALL_BLOCK_ROWS]
+    rows = _probe_rows(model, decoder, [0])
+    ids = _probe_ids(model)[:1]
     rows.prefill(ids)
     for count in range(2, SMALL_BLOCK_ROWS + 1):  # a verify's logits: every position's, unlike a prefill's last
         rows.verify(ids[:, :count])
@@ -157,16 +150,22 @@ def _probe_ids(model: Any) -> torch.Tensor:
     return ((torch.arange(8).view(2, 4) * 7 + 3) % vocab).to(model.device)
 
 
-def _packed_outputs(model: Any, decoder: LeanDecoder | None) -> list[torch.Tensor]:
-    """The probe's logits through packed forwards: a 2-row prefill, then a 2-token verify."""
-    cache = SlotKVCache(model, 3, 16)
-    rows = SlotRows(
+def _probe_rows(model: Any, decoder: LeanDecoder | None, slots: list[int]) -> SlotRows:
+    """Rows of the probe's 4-token prompts in `slots` of a small slot cache of their own, their forwards packed
+    through `decoder` (None: the model's own forward)."""
+    cache = SlotKVCache(model, max(slots) + 1, 16)
+    return SlotRows(
         lambda work: execute(model, cache, [work], decoder=decoder),
-        [1, 2],
+        slots,
         attention_mask=None,
         prompt_length=4,
-        rows=2,
+        rows=len(slots),
         device=cache.device,
     )
+
+
+def _packed_outputs(model: Any, decoder: LeanDecoder | None) -> list[torch.Tensor]:
+    """The probe's logits through packed forwards: a 2-row prefill, then a 2-token verify."""
+    rows = _probe_rows(model, decoder, [1, 2])
     ids = _probe_ids(model)
     return [rows.prefill(ids), rows.verify(ids[:, :2])]
