@@ -14,8 +14,8 @@ a whole run do not; the summed ratio and tokens per CPU second are reported as w
   python -m bench.tracing --quick            CI-sized: 16 new tokens, 3 pairs per workload
   python -m bench.tracing --model PATH --max-new-tokens 128 --repeats 10 --json out.json
 
-Workloads: greedy (plain decoding, chat prompt) and prompt_lookup (speculative rounds through the
-draft service: a span per round, the draft stream's spans, the speculation counters).
+Workloads: greedy (plain decoding, chat prompt) and prompt_lookup (speculative rounds, run by the
+target itself: a span per round, the speculation counters).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Usage: draft-service --host 127.0.0.1 --port 50053 [--model M] [--device D] [--d
                      [--prompt-lookup-rule longest|transformers]
                      [--max-sessions N] [--session-idle-timeout S]
 
-Prompt lookup is always available; `--model` adds a draft model (`default-int8` is the embedded
-SmolLM2 quantized to int8, a realistic CPU draft).
+Prompt lookup is always available on the stream; `--model` adds a draft model (`default-int8` is the
+embedded SmolLM2 quantized to int8, a realistic CPU draft). A target service asks only for the model: it runs
+prompt lookup in its own process (no model needed, and no round trip per round).
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         "--prompt-lookup-rule",
         default="longest",
         choices=list(PROMPT_LOOKUP_RULES),
-        help="longest: the longest earlier suffix match of 2+ tokens; transformers: its exact rule "
-        "(n-gram, then shorter ones down to 1). Outputs are the same; drafts differ (default longest)",
+        help="prompt lookup on the stream (targets run their own, with their own rule): longest, the longest "
+        "earlier suffix match of 2+ tokens; transformers, its exact rule (n-gram, then shorter ones down to 1). "
+        "Outputs are the same; drafts differ (default longest)",
     )
     # Sessions: how many, and how long an idle one is kept.
     parser.add_argument(

@@ -191,8 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-lookup-rule",
         default="longest",
         choices=list(PROMPT_LOOKUP_RULES),
-        help="prompt lookup without a draft service: longest (the longest earlier suffix match of 2+ "
-        "tokens) or transformers (its exact rule); outputs are the same, drafts differ (default longest)",
+        help="prompt lookup, which runs in this process even with a draft service: longest (the longest earlier "
+        "suffix match of 2+ tokens) or transformers (its exact rule); outputs are the same, drafts differ "
+        "(default longest)",
     )
     parser.add_argument(
         "--no-adaptive-speculation",

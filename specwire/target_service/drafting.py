@@ -73,8 +73,9 @@ class DraftPolicy:
             `draft_model`); a request setting `prompt_lookup_num_tokens` always gets prompt lookup.
         round_timeout_s (`float`): deadline of each draft answer before falling back.
         prompt_lookup_tokens (`int`): draft length for prompt lookup when the request gives none.
-        prompt_lookup_rule (`str`): matching rule of in-process prompt lookup (no draft service), see
-            `PromptLookupDrafter`; the draft service has its own `--prompt-lookup-rule`.
+        prompt_lookup_rule (`str`): matching rule of prompt lookup, see `PromptLookupDrafter`. Prompt lookup
+            always runs in this process, with or without a draft service: it needs no model, and a round
+            trip per round costs more than the lookup.
         draft_model (`LoadedModel`, *optional*): a co-located draft (`--draft-model`): `draft_model`
             requests draft with it in this process, no RPC, like transformers' assisted generation.
             Exclusive with `draft_address` (one draft model per target; refused at start).
@@ -214,7 +215,6 @@ class DraftPolicy:
             mtp = mtp_model_for(target)  # INVALID_ARGUMENT for a model without MTP layers
 
         def open_drafter(rows: list[list[int]], config: Any) -> Drafter:
-            sampling = bool(config.do_sample)
             if draft_view is not None:
                 return self._local(draft_view, rows, config, vocab_size)
             if proposer == PROPOSER_DFLASH:
@@ -227,30 +227,23 @@ class DraftPolicy:
                     raise DraftFailure("the MTP layers were not loaded for a request that does not speculate")
                 return self._counted(open_mtp_drafter(mtp, rows, config, vocab_size, self._wants_probs(config)))
             if proposer == PROPOSER_PROMPT_LOOKUP:
-                if self.draft_address is None:
-                    return PromptLookupDrafter(rows, config, vocab_size, self.prompt_lookup_rule)
-                method = pb.DRAFT_METHOD_PROMPT_LOOKUP
-            else:
-                if self.colocated(proposer):
-                    return self._colocated(rows, config, vocab_size)
-                if self.draft_address is None:
-                    raise DraftFailure(
-                        "no draft model configured (start the target with --draft-model or --draft-address)"
-                    )
-                method = pb.DRAFT_METHOD_MODEL
+                return PromptLookupDrafter(rows, config, vocab_size, self.prompt_lookup_rule)
+            if self.colocated(proposer):
+                return self._colocated(rows, config, vocab_size)
+            if self.draft_address is None:
+                raise DraftFailure("no draft model configured (start the target with --draft-model or --draft-address)")
             return RemoteDrafter(
                 self.channel(),
                 rows,
                 config,
-                method,
+                pb.DRAFT_METHOD_MODEL,
                 vocab_size,
-                # The target samples from them; a greedy ensemble (assistant_ensemble_weight) mixes them in.
-                (sampling or config.assistant_ensemble_weight is not None) and method == pb.DRAFT_METHOD_MODEL,
+                self._wants_probs(config),
                 self.round_timeout_s,
                 caller_deadline(),
                 overlap=self.draft_overlap,
                 stats=stats,
-                digest=self._digest(tokenizer) if method == pb.DRAFT_METHOD_MODEL else None,
+                digest=self._digest(tokenizer),
             )
 
         return open_drafter

@@ -44,12 +44,11 @@ from tests.service.releases import (
 # "lane": the batched scheduler's sequential lane (slots of 64 positions: longer requests run there).
 SCHEDULERS = ["batched", "sequential", "lane"]
 DRAFT_MODEL = dict(proposer="draft_model", num_assistant_tokens=3, assistant_confidence_threshold=0.0)
-# (id, request kwargs, where the target drafts: "local" (in-process prompt lookup or none), "service"
-# (the draft service), "colocated" (a draft model in the target's process, --draft-model))
+# (id, request kwargs, where the target drafts: "local" (prompt lookup, always in the target's process, or
+# none), "service" (the draft service), "colocated" (a draft model in the target's process, --draft-model))
 PROPOSERS = [
     ("none", dict(proposer="none"), "local"),
-    ("prompt_lookup-local", dict(proposer="prompt_lookup", prompt_lookup_num_tokens=4), "local"),
-    ("prompt_lookup-service", dict(proposer="prompt_lookup", prompt_lookup_num_tokens=4), "service"),
+    ("prompt_lookup", dict(proposer="prompt_lookup", prompt_lookup_num_tokens=4), "local"),
     ("draft_model-service", DRAFT_MODEL, "service"),
     ("draft_model-colocated", DRAFT_MODEL, "colocated"),
 ]
@@ -172,13 +171,10 @@ def _stream_to_the_end(address: str, kwargs: dict, started: threading.Barrier, o
         outputs.append([first, *stream][-1])
 
 
-# The draft service's process killed (a connection reset) on each scheduler, with the proposer that holds a
-# model session there; both remote proposers meet a draft service that stops serving in the test after this
-# one (a threaded server, cheaper than a process: what the target sees differs only by how the stream ends).
-KILLED = [p for p in REMOTE if p[0] == "draft_model-service"]
-
-
-@pytest.mark.parametrize("scheduler, kwargs, remote", _params(KILLED))
+# The draft service's process killed (a connection reset) on each scheduler; the test after this one stops a
+# draft service that serves in the test's process (a threaded server, cheaper than a process: what the target
+# sees differs only by how the stream ends).
+@pytest.mark.parametrize("scheduler, kwargs, remote", _params(REMOTE))
 def test_draft_service_killed_mid_stream_releases_everything(tiny_draft_dir, tiny_model_dir, scheduler, kwargs, remote):
     port = free_port()
     args = ["specwire.draft_service", "--port", str(port), "--model", str(tiny_draft_dir)]

@@ -202,6 +202,18 @@ def test_unreachable_or_slow_draft_service_falls_back(loaded, draft_server):
         assert reason in spec.speculation.fallback_reason
 
 
+def test_prompt_lookup_runs_in_the_target_even_with_a_draft_service(loaded):
+    # Prompt lookup needs no model: the target looks up the request's own tokens, never a round trip per round.
+    # With a draft service that is not there, it still drafts and never falls back.
+    policy = DraftPolicy(f"127.0.0.1:{free_port()}", round_timeout_s=5.0)  # nothing listens there
+    with threaded_server(lambda: build_target_server(loaded, drafting=policy)) as server:
+        with TargetClient(server.address) as client:
+            plain = client.generate(BATCH[:1], max_new_tokens=24)
+            spec = client.generate(BATCH[:1], max_new_tokens=24, prompt_lookup_num_tokens=4)
+    assert torch.equal(spec.sequences, plain.sequences)
+    assert spec.speculation.fallback_reason == "" and spec.speculation.drafted_tokens > 0
+
+
 def test_killing_the_draft_service_mid_generation_changes_nothing(tmp_path, loaded, tiny_model_dir):
     port = free_port()
     args = ["specwire.draft_service", "--port", str(port), "--model", str(tiny_model_dir)]
