@@ -143,13 +143,12 @@ def test_controller_with_a_remote_draft_equals_plain_greedy(loaded, tiny_model_d
         server = stack.enter_context(threaded_server(lambda: build_target_server(loaded, drafting=policy)))
         with TargetClient(server.address) as client:
             plain = client.generate(BATCH, max_new_tokens=30, proposer="none")
-            for kwargs in (DRAFT_MODEL, PROMPT_LOOKUP):  # prompt lookup on the draft service
+            for kwargs in (DRAFT_MODEL, PROMPT_LOOKUP):  # the draft model remote, prompt lookup in the target
                 spec = client.generate(BATCH, max_new_tokens=30, **kwargs)
                 assert torch.equal(spec.sequences, plain.sequences)
                 s = _controlled(spec)
                 # The draft model's drafts are all accepted and pay. Prompt lookup finds little in the tiny
-                # model's text and a round trip costs more than its forward: the controller may stop asking
-                # (and not probe again: 30 tokens do not repay a probe's round trip).
+                # model's text: the controller may stop asking (and not probe again in 30 tokens).
                 assert s.drafted_tokens > 0 if kwargs is DRAFT_MODEL else s.drafted_tokens or s.tokens_without_draft, s
             deadline = time.monotonic() + 10
             while policy.open_streams and time.monotonic() < deadline:  # streams end asynchronously
