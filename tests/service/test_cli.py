@@ -192,7 +192,9 @@ def test_demo_runs_three_services_and_prints_stats(tiny_model_dir, tmp_path):
     assert "all services healthy" in result.stderr
     assert "-- speculation: proposer=draft_model" in result.stdout
     assert "acceptance_rate=" in result.stdout and "fell back" not in result.stdout
-    # What speculation bought, next to plain decoding of the same prompt, and the same text both ways.
+    # What speculation bought, next to plain decoding of the same prompt, and the same text both ways; both timed
+    # after a short warm-up request each way, so that neither side pays the fresh services' first forwards.
+    assert "warming up: one short request with speculation and one without" in result.stderr
     assert "tokens/s with draft_model" in result.stdout and "tokens/s plain decoding (same text)" in result.stdout
 
 

@@ -26,6 +26,9 @@ from .common import (
 )
 from .generate import print_stats, print_warnings
 
+# New tokens of the demo's warm-up requests (one with speculation, one without) before the timed pair.
+WARM_UP_TOKENS = 8
+
 
 def _die_with_parent() -> None:
     """In a child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux prctl)."""
@@ -255,6 +258,11 @@ def demo_command(args) -> int:
                 **parse_assignments(args.set),
             )
             with TargetClient(stack.target_address) as client:
+                # A short request each way first: the timed answers below then both run on warm services (a fresh
+                # target's and draft service's first forwards are slower, which would be charged to one side only).
+                print("warming up: one short request with speculation and one without", file=sys.stderr)
+                for warm_up in (proposer, PROPOSER_NONE):
+                    client.generate(proposer=warm_up, **{**request, "max_new_tokens": WARM_UP_TOKENS})
                 started = time.perf_counter()
                 output = None
                 for item in client.stream(proposer=proposer, **request):
