@@ -31,7 +31,6 @@ from typing import Any, cast
 import torch
 
 from specwire.deadline import caller_deadline
-from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.errors import FieldProblem, InvalidArgument
 from specwire.generation.speculation.controller import SpeculationController
 from specwire.generation.speculation.costs import SharedCosts
@@ -236,7 +235,6 @@ class DraftPolicy:
                 self.channel(),
                 rows,
                 config,
-                pb.DRAFT_METHOD_MODEL,
                 vocab_size,
                 self._wants_probs(config),
                 self.round_timeout_s,

@@ -144,23 +144,23 @@ class DraftChannel:
 
 
 class RemoteDrafter:
-    """A `Drafter` behind a DraftService stream (a `grpc.aio` call on a `DraftChannel`).
+    """A `Drafter` behind a DraftService stream (a `grpc.aio` call on a `DraftChannel`): the draft service's model
+    (`DRAFT_METHOD_MODEL`; the target runs prompt lookup itself).
 
     Args:
         channel (`DraftChannel`): the draft service's channel.
         rows (`list[list[int]]`): each row's tokens so far.
-        config (`GenerationConfig`): the request's resolved config (processors, sampling, prompt lookup).
-        method (`int`): `DRAFT_METHOD_PROMPT_LOOKUP` or `DRAFT_METHOD_MODEL`.
+        config (`GenerationConfig`): the request's resolved config (processors, sampling).
         vocab_size (`int`): the target's vocabulary size.
         return_probs (`bool`): ask for the draft's probabilities (the target samples).
         round_timeout_s (`float`): deadline of each answer.
         deadline (`float`, *optional*): the caller's deadline (`specwire.deadline`, `time.monotonic()`
             clock): the stream's deadline, and every round waits at most until then.
         overlap (`bool`, defaults to `False`): ask the draft service to draft each next block ahead
-            while the target verifies (draft models only: `DraftStart.overlap`).
+            while the target verifies (`DraftStart.overlap`).
         stats (`SpeculationStats`, *optional*): receives the hits and misses of the blocks drafted ahead.
         digest (`tuple[int, bytes]`, *optional*): the target tokenizer's size and `tokenizer_digest`, sent
-            with draft-model streams so that a draft with another vocabulary is refused.
+            so that a draft with another vocabulary is refused.
     """
 
     def __init__(
@@ -168,7 +168,6 @@ class RemoteDrafter:
         channel,
         rows,
         config,
-        method,
         vocab_size,
         return_probs,
         round_timeout_s,
@@ -184,13 +183,13 @@ class RemoteDrafter:
         self.vocab_size = vocab_size
         start = pb.DraftStart(
             rows=[common_pb2.TokenSequence(ids=r) for r in rows],
-            method=method,
+            method=pb.DRAFT_METHOD_MODEL,
             config=config_to_proto(config),
             vocab_size=vocab_size,
             return_probs=return_probs,
-            overlap=overlap and method == pb.DRAFT_METHOD_MODEL,
+            overlap=overlap,
         )
-        if digest is not None and method == pb.DRAFT_METHOD_MODEL:
+        if digest is not None:
             start.tokenizer_size, start.tokenizer_digest = digest
         self.start: pb.DraftStart | None = start  # sent with the first propose
         self.before_start: list[list[int]] = [[] for _ in rows]  # tokens the target emitted before the first propose

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from specwire.draft.v1 import draft_service_pb2 as pb
 from specwire.draft_service.__main__ import build_server
 from specwire.generation.config import GenerationConfig
 from specwire.generation.speculation.drafters import open_model_drafter
@@ -33,9 +32,7 @@ def channel(tiny_draft):
 def test_rounds_without_a_proposal_reach_the_draft_service(tiny_draft, channel, overlap, lengths):
     config = GenerationConfig(eos_token_id=2, assistant_confidence_threshold=0.0)
     local = open_model_drafter(tiny_draft.model, [list(r) for r in ROWS], config, 378, return_probs=False)
-    remote = RemoteDrafter(
-        channel, [list(r) for r in ROWS], config, pb.DRAFT_METHOD_MODEL, 378, False, 30.0, overlap=overlap
-    )
+    remote = RemoteDrafter(channel, [list(r) for r in ROWS], config, 378, False, 30.0, overlap=overlap)
     try:
         drafted = checked = 0
         for round_, length in enumerate(lengths):
