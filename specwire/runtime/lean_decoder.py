@@ -43,6 +43,15 @@ everything else is unchanged. The probes that check this decoder against `model(
 blocks off (`LeanDecoder.model_products`); `--packed-forward transformers` serves `model(...)`'s own
 products. A draft model's decoder (`lean_draft`) keeps them off: its probabilities must be the model's.
 
+Single rows. MKL computes a one-row float32 product (a decode step of one request) on one thread; the same row
+padded to a small block runs on every thread and, where `SmallBlocks` checks it, is bitwise the one-row product.
+On the 2-core EPYC, a SmolLM2 decode step after 64 tokens took ~48 ms padded against ~58 ms (`python -m
+bench.verify_blocks`, block 1), and over 3 alternating pairs of services (a client in its own process) plain greedy
+ran 1.16x (chat) and 1.22x (code edit) faster. On one thread it took ~60 against ~56 ms, and with a client
+in the service's process competing for the 2 cores, plain greedy ran 0.88x-0.95x. `SmallBlocks.single_rows` is
+therefore off unless set: the batched scheduler's start-up times both and keeps the faster. The logits do not
+change with it.
+
 Supported: decoder-only models whose layers have the Llama layout (`input_layernorm`, `self_attn`
 with `q/k/v/o_proj` and no q/k norms, `post_attention_layernorm`, `mlp` with `gate/up/down_proj`)
 and no embedding scale: Llama, SmolLM2, Mistral, Qwen2 (projection biases are used when present).
@@ -104,22 +113,29 @@ def _one_row_products(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 class SmallBlocks:
-    """Where float32 CPU projections of 2 to `SMALL_BLOCK_ROWS` rows run as `weight @ block^T` (module docstring).
+    """Where float32 CPU projections of 2 to `SMALL_BLOCK_ROWS` rows (and of one row, with `single_rows`) run as
+    `weight @ block^T` (module docstring).
 
     Each weight shape and row count is checked the first time it is seen, on that call's own input: the small
     block's product is used from then on when every row of it is bitwise that row's one-row product, else
-    `F.linear`. `enabled` False computes every product as `model(...)` does.
+    `F.linear`. `enabled` False computes every product as `model(...)` does. `single_rows` (off unless set: the
+    batched scheduler's start-up sets it where it measured it faster) also pads one-row products.
     """
 
     def __init__(self) -> None:
         self.enabled = True
+        self.single_rows = False
         # (out features, in features, rows) -> whether the small block's rows are the one-row products.
         self.exact: dict[tuple[int, int, int], bool] = {}
+
+    def apply_to(self, rows: int) -> bool:
+        """Whether a product of `rows` rows goes through a small block (where its check holds)."""
+        return self.enabled and (1 < rows <= SMALL_BLOCK_ROWS or (rows == 1 and self.single_rows))
 
     def product(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """The small block's product of `hidden` where it applies and holds, else None (use `F.linear`)."""
         rows = hidden.numel() // hidden.shape[-1]
-        if not self.enabled or not 1 < rows <= SMALL_BLOCK_ROWS:
+        if not self.apply_to(rows):
             return None
         key = (weight.shape[0], weight.shape[1], rows)
         exact = self.exact.get(key)
@@ -248,8 +264,8 @@ class _Layer:
         self.input_norm = _rms_parts(layer.input_layernorm)
         self.post_norm = _rms_parts(layer.post_attention_layernorm)
         modules = [getattr(attention, n) for n in _ATTENTION_PROJECTIONS] + [getattr(mlp, n) for n in _MLP_PROJECTIONS]
-        # q, k, v, o, gate, up, down: as `model(...)` computes them, and through `small_blocks` (a forward of 2 to
-        # `SMALL_BLOCK_ROWS` rows picks these, so that any other forward pays nothing for them).
+        # q, k, v, o, gate, up, down: as `model(...)` computes them, and through `small_blocks` (a forward whose row
+        # count they apply to picks these, so that any other forward pays nothing for them).
         self.projections = tuple(_projection(module) for module in modules)
         self.small_projections = tuple(_projection(module, small_blocks) for module in modules)
         self.act = _activation(mlp.act_fn)
@@ -264,8 +280,9 @@ class LeanDecoder:
 
     Args:
         model (`PreTrainedModel`): a `*ForCausalLM` with the Llama layout; its weights are used in place.
-        small_blocks (`bool`, defaults to `True`): compute float32 CPU blocks of 2 to 4 rows as `SmallBlocks`
-            finds exact (module docstring); False computes every product as `model(...)` does.
+        small_blocks (`bool`, defaults to `True`): compute float32 CPU blocks of 2 to 4 rows (and of one row, with
+            `small_blocks.single_rows` set) as `SmallBlocks` finds exact (module docstring); False computes every
+            product as `model(...)` does.
     """
 
     def __init__(self, model: Any, small_blocks: bool = True):
@@ -277,6 +294,11 @@ class LeanDecoder:
         self.small_blocks.enabled = small_blocks
         self.head = _Head(model.lm_head, self.small_blocks)
         self.layers = [_Layer(layer, self.small_blocks) for layer in base.layers]
+        projections = [model.lm_head] + [getattr(base.layers[0].mlp, n) for n in _MLP_PROJECTIONS]
+        # Whether any product here may go through small blocks (float32 CPU weights).
+        self.has_small_blocks = any(
+            isinstance(module, torch.nn.Linear) and _small_blocks_apply(module.weight) for module in projections
+        )
 
     @contextlib.contextmanager
     def model_products(self) -> Iterator[None]:
@@ -329,7 +351,7 @@ class LeanDecoder:
         cos, sin = self.rotary(hidden, positions)
         cos, signed_sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
         batch, length = hidden.shape[:2]
-        small = self.small_blocks.enabled and 1 < batch * length <= SMALL_BLOCK_ROWS
+        small = self.small_blocks.apply_to(batch * length)
         for layer in self.layers:
             q, k, v, o, gate, up, down = layer.small_projections if small else layer.projections
             shape = (batch, length, -1, layer.head_dim)

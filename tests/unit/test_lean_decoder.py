@@ -3,6 +3,8 @@ blocks off; with them on, a block's float32 CPU projections are bitwise its rows
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -262,8 +264,84 @@ def test_the_schedulers_start_up_checks_every_small_block_row_count_before_any_r
     setup = build_slot_cache(model, SchedulerOptions(max_batch_rows=2, slot_tokens=64), None)
     assert setup.decoder is not None
     checked = setup.decoder.small_blocks.exact
-    assert {rows for *_, rows in checked} == {2, 3, 4}
+    assert {rows for *_, rows in checked} == {1, 2, 3, 4}  # one row: timed padded and not (the next tests)
     assert all(checked.get((1500, 32, rows)) is not None for rows in (2, 3, 4))  # the head's, every position's logits
+
+
+def test_single_rows_pad_one_row_products_and_a_decode_step_stays_bitwise_the_model_forward():
+    model = _random("LlamaConfig", "LlamaForCausalLM", vocab_size=1500)
+    install_slot_attention(model)
+    decoder = LeanDecoder(model)
+    decoder.small_blocks.single_rows = True
+    prompt, step = ([(0, 0, [5, 6, 7, 8])], [3]), ([(0, 4, [9])], [0])
+    logits = []
+    for forward in (None, decoder):
+        cache = SlotKVCache(model, 1, 16)
+        with torch.inference_mode():
+            logits.append([run_packed(model, cache, pieces, keep, forward) for pieces, keep in (prompt, step)])
+    assert all(torch.equal(a, b) for a, b in zip(*logits, strict=True))
+    # Every one-row product was checked (and used where its check held): the decode step's and both heads' (the
+    # prompt keeps one position).
+    assert {key for key in decoder.small_blocks.exact if key[2] == 1} == {
+        (32, 32, 1),
+        (16, 32, 1),
+        (48, 32, 1),
+        (32, 48, 1),
+        (1500, 32, 1),
+    }
+    decoder.small_blocks.single_rows = False
+    assert not decoder.small_blocks.apply_to(1) and decoder.small_blocks.apply_to(2)
+
+
+class _SlowOneRowLinear:
+    """`torch.nn.functional` with `linear` slowed down on one-row inputs (what MKL's one-thread product is like)."""
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+    @staticmethod
+    def linear(hidden, weight, bias=None):
+        if hidden.numel() == hidden.shape[-1]:
+            time.sleep(0.001)
+        return F.linear(hidden, weight, bias)
+
+
+def _padded_product(slow):
+    """A small block's product that holds its check on any machine (the one-row product itself: whether MKL's padded
+    product holds for these tiny shapes is MKL's business), `slow` or not on one row."""
+
+    def product(hidden, weight, bias):
+        if slow and hidden.numel() == hidden.shape[-1]:
+            time.sleep(0.001)
+        return F.linear(hidden, weight, bias)
+
+    return product
+
+
+@pytest.mark.parametrize(("slow", "padded"), [("one-row product", True), ("padded product", False)])
+def test_the_schedulers_start_up_pads_one_row_products_only_where_it_measured_that_faster(monkeypatch, slow, padded):
+    from specwire.target_service.scheduler.options import SchedulerOptions
+    from specwire.target_service.scheduler.startup_probe import build_slot_cache
+
+    if slow == "one-row product":
+        monkeypatch.setattr(lean_decoder, "F", _SlowOneRowLinear())
+    monkeypatch.setattr(lean_decoder, "_small_block_product", _padded_product(slow == "padded product"))
+    model = _random("LlamaConfig", "LlamaForCausalLM", vocab_size=1500)
+    setup = build_slot_cache(model, SchedulerOptions(max_batch_rows=2, slot_tokens=64), None)
+    assert setup.decoder is not None
+    assert setup.decoder.small_blocks.single_rows is padded
+    assert setup.decoder.small_blocks.exact[(1500, 32, 1)]  # checked either way
+
+
+def test_a_decoder_without_float32_cpu_products_skips_the_single_row_timing():
+    from specwire.target_service.scheduler.options import SchedulerOptions
+    from specwire.target_service.scheduler.startup_probe import build_slot_cache
+
+    model = _random("LlamaConfig", "LlamaForCausalLM", vocab_size=1500).to(torch.bfloat16)
+    setup = build_slot_cache(model, SchedulerOptions(max_batch_rows=2, slot_tokens=64), None)
+    assert setup.decoder is not None and not setup.decoder.has_small_blocks
+    assert not setup.decoder.small_blocks.single_rows
+    assert setup.decoder.small_blocks.exact == {}
 
 
 @pytest.mark.parametrize(
