@@ -123,10 +123,13 @@ def test_controller_greedy_equals_plain_greedy(targets, scheduler, kwargs):
             spec = client.generate(BATCH, max_new_tokens=40, **kwargs)
             assert torch.equal(spec.sequences, plain.sequences)
             s = _controlled(spec)
-            # Never longer than the controller's bound; the first request drafted (cheap, always-accepted
-            # drafts pay). The second one may not: by then the draft's real cost was measured.
+            # Never longer than the controller's bound; the first request asked for drafts (cheap, always-accepted
+            # drafts pay), and a draft model drafts when asked. The second one may not ask: by then the draft's real
+            # cost was measured. A lookup drafts only where the text repeats, which this tiny model's output first
+            # does at its 8th token: a loaded machine's verify prices can give the controller time off by then.
             assert max(length for length, _ in s.draft_lengths) <= ControllerOptions().max_length
-            assert s.drafted_tokens > 0 or i == 1
+            assert any(length > 0 for length, _ in s.draft_lengths) or i == 1
+            assert s.drafted_tokens > 0 or i == 1 or kwargs is PROMPT_LOOKUP
     assert s.proposer == kwargs["proposer"]
 
 
