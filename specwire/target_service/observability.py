@@ -200,6 +200,13 @@ def config_label(request: Any, job: Any) -> str:
     return "inline" if request.WhichOneof("config_source") == "config" else "default"
 
 
+def _current_task() -> asyncio.Task | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running event loop
+        return None
+
+
 class RequestObserver:
     """The span and metrics of one Generate/GenerateStream request.
 
@@ -220,6 +227,7 @@ class RequestObserver:
         self.first_token: float | None = None
         self.span: Any = None
         self._use: Any = None  # trace.use_span's context manager, entered in __enter__
+        self._task: asyncio.Task | None = None  # the task that entered it (None: no event loop)
 
     def __enter__(self) -> RequestObserver:
         self.started = time.perf_counter()
@@ -235,6 +243,7 @@ class RequestObserver:
         )
         self._use = trace.use_span(self.span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
         self._use.__enter__()
+        self._task = _current_task()
         return self
 
     def job_ready(self, job: Any) -> None:
@@ -256,7 +265,11 @@ class RequestObserver:
         try:
             self._finish(exc, ended)
         finally:
-            self._use.__exit__(None, None, None)
+            # A stream the client cancelled can have its generator closed by another task (the event loop's
+            # finalizer of async generators), whose context the span was never made current in: there is nothing
+            # to undo there, and OpenTelemetry logs the failed detach as an error with a traceback.
+            if _current_task() is self._task:
+                self._use.__exit__(None, None, None)
             self.span.end()
 
     def _labels(self, stats: SpeculationStats | None) -> dict[str, str]:

@@ -245,6 +245,31 @@ def test_sync_stream_carries_the_trace_and_still_cancels(stack, spans):
     assert request.attributes.get("error.type") == "cancelled"
 
 
+def test_a_request_closed_by_another_task_ends_its_span_without_a_detach_error(spans, caplog):
+    """A stream the client cancelled can have its handler's generator closed by another task (the event loop's
+    async-generator finalizer): the request's span still ends, and no "Failed to detach context" error is logged."""
+    from specwire.target.v1 import target_service_pb2 as pb
+    from specwire.target_service.observability import RequestObserver, SpecDecodeMetrics
+
+    observer = RequestObserver(
+        SpecDecodeMetrics(telemetry.get_meter()), "tiny", "GenerateStream", pb.GenerateStreamRequest()
+    )
+
+    async def main():
+        async def request():
+            observer.__enter__()
+            await asyncio.sleep(3600)
+
+        task = asyncio.create_task(request())
+        await asyncio.sleep(0)  # the request enters, then waits
+        task.cancel()
+        observer.__exit__(asyncio.CancelledError, asyncio.CancelledError(), None)  # here, in another task
+
+    asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+    assert _one(spans.get_finished_spans(), REQUEST_SPAN).attributes.get("error.type") == "cancelled"
+
+
 def test_async_client_joins_the_trace(stack, spans):
     async def call():
         async with AsyncTargetClient(stack.address) as client:
