@@ -135,9 +135,7 @@ def _warm_small_blocks(model: Any, decoder: LeanDecoder) -> None:
     by that first one: on a fresh pinned remote target whose first request drafted from its first round, a first
     verify of 2 tokens measured at 114 ms (a plain round: ~55) kept that request and the next three from drafting
     again (16.5 tok/s, plain decoding's speed); with this warm-up its first request ran 30.2 tok/s."""
-    rows = _probe_rows(model, decoder, [0])
-    ids = _probe_ids(model)[:1]
-    rows.prefill(ids)
+    rows, ids = _prefilled_probe_row(model, decoder)
     for count in range(2, SMALL_BLOCK_ROWS + 1):  # a verify's logits: every position's, unlike a prefill's last
         rows.verify(ids[:, :count])
 
@@ -150,9 +148,7 @@ def _choose_single_rows(model: Any, decoder: LeanDecoder) -> None:
     The logits are the same either way (each shape's padded product is used only where bitwise the one-row one)."""
     if not decoder.has_small_blocks:
         return
-    rows = _probe_rows(model, decoder, [0])
-    ids = _probe_ids(model)[:1]
-    rows.prefill(ids)
+    rows, ids = _prefilled_probe_row(model, decoder)
     token = ids[0, :1]
     took: dict[bool, list[float]] = {False: [], True: []}
     for repeat in range(SINGLE_ROW_ROUNDS + 1):
@@ -200,6 +196,14 @@ def _probe_rows(model: Any, decoder: LeanDecoder | None, slots: list[int]) -> Sl
         rows=len(slots),
         device=cache.device,
     )
+
+
+def _prefilled_probe_row(model: Any, decoder: LeanDecoder) -> tuple[SlotRows, torch.Tensor]:
+    """One probe row through `decoder`, its 4-token prompt prefilled, and that prompt (`[1, 4]`)."""
+    rows = _probe_rows(model, decoder, [0])
+    ids = _probe_ids(model)[:1]
+    rows.prefill(ids)
+    return rows, ids
 
 
 def _packed_outputs(model: Any, decoder: LeanDecoder | None) -> list[torch.Tensor]:
