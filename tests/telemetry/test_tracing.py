@@ -88,9 +88,10 @@ def _one(finished, name, kind=None):
 
 
 def _finished(spans, count_at_least: int, servers=(TARGET,), clients=()):
-    # Server spans end a moment after the client has its answer, and the draft stream's spans (client
-    # and server) after the target's request thread closed the stream.
-    for _ in range(100):
+    # Server spans end a moment after the client has its answer (or its cancel reaches the server), and the draft
+    # stream's spans (client and server) after the target's request thread closed the stream: slow on a loaded box.
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
         finished = spans.get_finished_spans()
         if (
             len(finished) >= count_at_least
@@ -232,13 +233,7 @@ def test_sync_stream_carries_the_trace_and_still_cancels(stack, spans):
         for item in client.stream(PROMPT, max_new_tokens=200, proposer="prompt_lookup"):
             if hasattr(item, "row"):
                 break  # cancels the call (the tracing interceptor keeps the call's cancel())
-    finished = []
-    deadline = time.monotonic() + 15  # the server ends its span after the cancel reaches it: slow on a loaded box
-    while time.monotonic() < deadline:
-        finished = spans.get_finished_spans()
-        if _by_name(finished, "/specwire.target.v1.TargetService/GenerateStream", SpanKind.SERVER):
-            break
-        time.sleep(0.02)
+    finished = _finished(spans, 1, servers=("/specwire.target.v1.TargetService/GenerateStream",))
     server = _one(finished, "/specwire.target.v1.TargetService/GenerateStream", SpanKind.SERVER)
     assert server.parent.span_id == caller.get_span_context().span_id
     assert server.context.trace_id == caller.get_span_context().trace_id
