@@ -344,6 +344,7 @@ class DraftPolicy:
             load=load,
             shares_device=colocated,
             draft_load=draft_load if remote else None,
+            overlapped=remote and self.draft_overlap,
             look_back=look_back,
         )
 

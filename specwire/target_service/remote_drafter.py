@@ -280,10 +280,12 @@ class RemoteDrafter:
             tokens.append(ids)
             probs.append(row_probs)
             hindsight.append(seen)
+        hits = sum(1 for r in answer.rows if r.ahead == pb.DRAFT_AHEAD_HIT)
+        misses = sum(1 for r in answer.rows if r.ahead == pb.DRAFT_AHEAD_MISS)
         if self.stats is not None:  # counted once the answer is known good
-            self.stats.draft_ahead_hits += sum(1 for r in answer.rows if r.ahead == pb.DRAFT_AHEAD_HIT)
-            self.stats.draft_ahead_misses += sum(1 for r in answer.rows if r.ahead == pb.DRAFT_AHEAD_MISS)
-        return Proposal(tokens, probs, hindsight)
+            self.stats.draft_ahead_hits += hits
+            self.stats.draft_ahead_misses += misses
+        return Proposal(tokens, probs, hindsight, ahead_hit=hits > 0 and not misses)
 
     def feedback(self, num_accepted: list[int], appended: list[list[int]], finished: list[bool]) -> None:
         """Kept for the next `propose` to send: every round's, rounds without a proposal included (the

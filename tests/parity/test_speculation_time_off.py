@@ -1,6 +1,7 @@
 """Rounds in which no row drafts (a controller's time off) decode plainly: with a drafter that never proposes, the
 speculative loop's tokens, scores and finish reasons equal plain greedy's, with a stop string that ends one row
-of a batch before the other (the rounds after it take the general acceptance, with a finished row)."""
+of a batch before the other (the rounds after it take the general acceptance, with a finished row). And the loop
+tells the controller which rounds' drafts were drafted ahead."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from specwire.generation.config import GenerationConfig, merge
 from specwire.generation.loops.generate import drain, generate
 from specwire.generation.loops.speculative import iter_speculative
+from specwire.generation.speculation.controller import SpeculationController
+from specwire.generation.speculation.costs import SharedCosts
 from specwire.generation.speculation.drafters import Proposal
 from specwire.generation.speculation.stats import SpeculationStats
 
@@ -32,6 +35,23 @@ class SilentDrafter:
 
     def close(self):
         pass
+
+
+class AheadDrafter(SilentDrafter):
+    """Proposes the target's own next tokens (`answer`: the prompt and plain greedy's tokens), every other block
+    said to be drafted ahead (`Proposal.ahead_hit`)."""
+
+    def __init__(self, rows, answer):
+        super().__init__(rows)
+        self.answer, self.at, self.proposed = answer, len(rows[0]), 0
+
+    def propose(self, num_tokens):
+        self.proposed += 1
+        block = self.answer[self.at : self.at + num_tokens]
+        return Proposal([block], [None], ahead_hit=self.proposed % 2 == 0)
+
+    def feedback(self, num_accepted, appended, finished):
+        self.at += num_accepted[0] + len(appended[0])
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +94,27 @@ def test_rounds_without_drafts_equal_plain_greedy(tiny, stop):
         assert plain.finish_reasons[0] != plain.finish_reasons[1]
     for a, b in zip(speculative.scores, plain.scores, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_rounds_drafted_ahead_reach_the_controller_as_hits(tiny):
+    """The loop hands the controller whether a round's drafts were drafted ahead: hits and misses are priced apart."""
+    batch = tiny.tokenizer(PROMPTS[:1], return_tensors="pt")
+    config = _config(tiny, max_new_tokens=80, do_sample=False)
+    plain = generate(tiny.model, batch.input_ids, batch.attention_mask, config=config, tokenizer=tiny.tokenizer)
+    answer = plain.sequences[0].tolist()
+    costs, stats = SharedCosts(), SpeculationStats()
+    speculative = drain(
+        iter_speculative(
+            tiny.model,
+            batch.input_ids,
+            batch.attention_mask,
+            config=config,
+            open_drafter=lambda rows, _resolved: AheadDrafter(rows, answer),
+            stats=stats,
+            tokenizer=tiny.tokenizer,
+            controller=SpeculationController(costs, "draft_model", overlapped=True),
+        )
+    )
+    assert torch.equal(speculative.sequences, plain.sequences)
+    assert stats.accepted_tokens > 0
+    assert costs.ahead("draft_model") is not None and costs.draft_blocks("draft_model") > 0, stats

@@ -4,6 +4,8 @@ same draft model makes in-process (`ModelDrafter`) after the same rounds, rounds
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from specwire.draft_service.__main__ import build_server
@@ -55,6 +57,31 @@ def test_rounds_without_a_proposal_reach_the_draft_service(tiny_draft, channel, 
         assert drafted > 0
         # Every token of the time off before a look-back is checked but the one a block's answer left behind.
         assert checked == 0 if LOOK not in lengths else checked > 0
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_a_proposal_drafted_ahead_says_so(tiny_draft, channel):
+    """With overlap, a proposal whose block the draft service drafted ahead (the target kept the whole block and its
+    token was the draft's guess) says so (`Proposal.ahead_hit`, which the speculation controller prices apart); the
+    first proposal and one after a rejection do not."""
+    config = GenerationConfig(eos_token_id=2, assistant_confidence_threshold=0.0)
+    local = open_model_drafter(tiny_draft.model, [list(ROWS[0])], config, 378, return_probs=False)
+    remote = RemoteDrafter(channel, [list(ROWS[0])], config, 378, False, 30.0, overlap=True)
+    try:
+        hits = []
+        for kept in (3, 3, 3, 1, 3):
+            want = local.propose(4)  # the block of 3, and the draft's guess of the target's token after it
+            got = remote.propose(3)
+            assert got.tokens == [want.tokens[0][:3]]
+            hits.append(got.ahead_hit)
+            guess = want.tokens[0][3]
+            appended = [[guess] if kept == 3 else [(guess + 1) % 300 + 3]]
+            local.feedback([kept], appended, [False])
+            remote.feedback([kept], appended, [False])
+            time.sleep(0.3)  # the target verifying: the draft service drafts the next block ahead meanwhile
+        assert hits == [False, True, True, True, False]
     finally:
         remote.close()
         local.close()

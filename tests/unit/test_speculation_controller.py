@@ -134,6 +134,27 @@ def test_draft_cost_is_not_learned_from_cold_or_probe_rounds():
     assert costs.draft("draft_model", 0.03) == pytest.approx((0.0075, 0.0075), abs=1e-6)
 
 
+def test_an_overlapped_draft_is_priced_by_the_requests_own_chance_of_a_hit():
+    """A remote draft service drafting ahead: a round whose drafts were drafted ahead (a hit) waits for nothing, one
+    whose block was discarded (a miss) for the whole draft. The two are learned apart, and each request mixes them by
+    its own chance of a hit: one whose drafts are mostly kept drafts, one whose drafts are often rejected does not,
+    whatever the hits of other requests made the target measure."""
+    costs = _costs(draft=(0.005, 0.040))  # misses: a drafted token costs more than a target forward
+    for k in (2, 3, 4, 5) * 10:  # hits, from requests whose blocks were kept whole: nearly free
+        costs.observe_draft("draft_model", k, 0.002, ahead_hit=True)
+    d0, d1 = costs.prices("draft_model").draft
+    assert d0 + 4 * d1 == pytest.approx(0.005 + 4 * 0.040, rel=0.05)  # misses alone
+    h0, h1 = costs.prices("draft_model").ahead
+    assert h0 + 4 * h1 == pytest.approx(0.002, rel=0.1)
+    assert _controller(costs, 0.95, overlapped=True).best_length() > 0
+    assert _controller(costs, 0.95).best_length() == 0  # serial: every round pays the whole draft
+    assert _controller(costs, 0.6, overlapped=True).best_length() == 0  # mostly misses
+    # Long blocks are drafted ahead less often (a hit needs all of them kept), so they are priced dearer.
+    sure = _controller(costs, 0.95, overlapped=True)
+    assert sure._hit_chance(2) > sure._hit_chance(8) > sure._hit_chance(20)
+    assert sure._hit_chance(1) == pytest.approx(0.95**2, rel=1e-3)  # the draft kept, then the target's token guessed
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="max_length"):
         ControllerOptions(max_length=0)

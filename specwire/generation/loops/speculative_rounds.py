@@ -90,6 +90,7 @@ class _Block:
         proposed (`bool`): whether the drafter was asked at all.
         want (`list[int]`): per row, the draft length it asked for.
         hindsight (`Hindsight`, *optional*): the drafter's, summed over the rows (`Proposal.hindsight`).
+        ahead_hit (`bool`, *optional*, defaults to `False`): the drafts were drafted ahead (`Proposal.ahead_hit`).
     """
 
     asked: int
@@ -100,6 +101,7 @@ class _Block:
     proposed: bool = False
     want: list[int] = field(default_factory=list)
     hindsight: Hindsight | None = None
+    ahead_hit: bool = False
 
     @property
     def k(self) -> int:
@@ -350,6 +352,7 @@ class SpeculativeRun:
             sum(len(b) + 1 for b in block.blocks),
             self._behind if block.proposed else 0,
             block.hindsight,
+            block.ahead_hit,
         )
         self.stats.probes = self.controller.probes
 
@@ -406,7 +409,9 @@ class SpeculativeRun:
         ]
         blocks = [drafts[r] or forced[r] for r in range(len(state))]
         hindsight = None if proposal.hindsight is None else sum(proposal.hindsight, Hindsight())
-        return _Block(asked, drafts, list(proposal.probs), blocks, draft_s, proposed, want, hindsight)
+        return _Block(
+            asked, drafts, list(proposal.probs), blocks, draft_s, proposed, want, hindsight, proposal.ahead_hit
+        )
 
     def _candidates(self, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
         """`[last token, block...]` per row `[rows, k + 1]`, and which of those slots are real tokens."""

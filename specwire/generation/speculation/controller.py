@@ -26,7 +26,14 @@ no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each rou
 - it costs `D + V(rows * (1 + N(k))) + L` (draft model; prompt lookup: `D + c * V(rows * (1 + k)) +
   (1 - c) * P(rows) + L`): `D = d0 + d1 * rows * N(k)` is the
   wall time of `drafter.propose(k)` for `N(k)` expected drafts per row, as the target sees it (a
-  remote, overlapped or co-located draft is measured the same way; a `LinearCost` per proposer);
+  remote or co-located draft is measured the same way; a `LinearCost` per proposer). An overlapped remote draft
+  (`overlapped`: the draft service drafts the next block while the target verifies) has two prices: a round whose
+  drafts were drafted ahead (a hit) waits only for what drafting ahead had not finished, `H = h0 + h1 * rows * N(k)`,
+  and one whose block was discarded (a miss) for the whole draft, `D`. The next round is a hit when the target keeps
+  every draft of this one and its own token is the draft's guess, so a round drafting `k` is priced
+  `P(hit) H + (1 - P(hit)) D` in place of `D`, with `P(hit) = W(k) g`, per row: `W(k)`, every proposed draft kept
+  (`sum_{j<k} (c a)^(j-1) (1 - c) u + (c a)^(k-1) (c a + (1 - c) u)`), and `g = c a + (1 - c) u` (`_hit_chance`).
+  Long blocks are drafted ahead less often than short ones are: a hit needs all of them kept;
   `V(n)` a round with drafts verifying `n` tokens (the verify forward and its bookkeeping: each
   position's processors, the acceptance, the cache crop) and `P(n)` a round without. `V` and `P` are
   `SizedCost`s: each size's measured mean, shrunk
@@ -235,6 +242,9 @@ class SpeculationController:
         draft_load (`Callable[[], float]`, *optional*): how many other requests draft with the same remote draft
             service now. It serves them in turn on one model thread, so a look-back or probe makes each of them
             wait for it, as a co-located one makes every request wait for the device (`_sharers`).
+        overlapped (`bool`, *optional*, defaults to `False`): the remote draft service drafts each next block ahead
+            while the target verifies (`--draft-overlap`): a round's draft is priced by the request's own chance
+            of a hit (`_hit_chance`, module docstring).
         options (`ControllerOptions`, *optional*): bounds.
         acceptance (`AcceptanceEstimate`, *optional*): the request's acceptance of proposed tokens (a fresh
             prior by default, `PRIORS`).
@@ -256,6 +266,7 @@ class SpeculationController:
     load: Callable[[], float] | None = None
     shares_device: bool = False
     draft_load: Callable[[], float] | None = None
+    overlapped: bool = False
     options: ControllerOptions = field(default_factory=ControllerOptions)
     acceptance: AcceptanceEstimate | None = None
     continuation: AcceptanceEstimate | None = None
@@ -322,6 +333,10 @@ class SpeculationController:
             tokens = 1.0 + min(prices.kept_factor * kept, drafted)
         d0, d1 = prices.draft
         draft_s = d0 + d1 * rows * drafted
+        if self.overlapped and prices.ahead is not None and not self.all_or_nothing:
+            h0, h1 = prices.ahead
+            hit = self._hit_chance(k) ** rows  # every row's block drafted ahead, or the round waits for a draft
+            draft_s = hit * (h0 + h1 * rows * drafted) + (1.0 - hit) * draft_s
         with_block = 1.0 if not self.all_or_nothing else c
         verify_s = with_block * prices.verify(rows * (1.0 + block)) + (1.0 - with_block) * plain_s
         load_s = others * (prices.slope * rows * drafted + (draft_s if self.shares_device else 0.0))
@@ -342,6 +357,15 @@ class SpeculationController:
         else:
             survival = self.runs.survival(c * a, longest, first=c * a + (1.0 - c) * u)
         return _Sums(list(accumulate(survival)), list(accumulate(c**i for i in range(longest))))
+
+    def _hit_chance(self, k: int) -> float:
+        """The chance that a row's next block, drafted ahead while this round drafting `k` verifies, is used: the
+        target keeps every draft the drafter proposes (it stops after an unsure one, kept at `u`, or after `k`) and
+        its own token is the draft's greedy guess (kept as a first draft is, `c a + (1 - c) u`)."""
+        a, c, u = self._means()
+        sure, unsure = c * a, (1.0 - c) * u
+        whole = sum(sure ** (j - 1) * unsure for j in range(1, k)) + sure ** (k - 1) * (sure + unsure)
+        return whole * (sure + unsure)
 
     def _kept(self, k: int) -> float:
         """A draft model's expected drafts kept per row when asked for `k`, as the model predicts them (`sum S(j)`)."""
@@ -540,6 +564,7 @@ class SpeculationController:
         verify_tokens: int,
         behind: int = 0,
         hindsight: tuple[int, int, int] | None = None,
+        ahead_hit: bool = False,
     ) -> None:
         """What a round did.
 
@@ -553,6 +578,8 @@ class SpeculationController:
             behind (`int`, *optional*, defaults to 0): tokens the drafter had not seen before this round.
             hindsight (`tuple[int, int, int]`, *optional*): `(checked, kept, confident)` over the request's
                 rows (`drafters.Hindsight`): evidence from the tokens the drafter caught up on.
+            ahead_hit (`bool`, *optional*, defaults to `False`): the drafts were drafted ahead
+                (`Proposal.ahead_hit`): `draft_s` is a hit's price, learned apart (`SharedCosts.observe_draft`).
         """
         assert self.acceptance is not None and self.continuation is not None and self.last is not None
         if asked and not self.all_or_nothing:  # what the model predicted of the blocks, before it learns from them
@@ -594,7 +621,7 @@ class SpeculationController:
             self.runs.observe(n if self.all_or_nothing else (k if asked else 0), min(m, n))
         self.costs.observe_verify(verify_tokens, verify_s, drafted=any(drafted))
         if asked and self.caught_up and not self.probing:
-            self.costs.observe_draft(self.proposer, sum(drafted), draft_s)
+            self.costs.observe_draft(self.proposer, sum(drafted), draft_s, ahead_hit=ahead_hit)
         elif (asked or self.looking_back) and behind > 1:  # the drafter caught up: what drafting does not explain
             d0, d1 = self.costs.prices(self.proposer).draft
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))

@@ -72,6 +72,9 @@ class Prices:
         catch_up (`float`): the drafter's seconds per token it has not seen yet (its prefill).
         kept_factor (`float`): measured drafts kept over the drafts the controller's model predicted
             (`SharedCosts.kept_factor`).
+        ahead (`tuple[float, float]`, *optional*): `(h0, h1)`, the seconds of a round whose drafts were drafted
+            ahead (`SharedCosts.ahead`), by tokens drafted; None until one was measured. `draft` is then the price
+            of a round whose drafts were not (a miss: the draft service drafts them while the target waits).
     """
 
     plain: Callable[[float], float]
@@ -80,6 +83,7 @@ class Prices:
     slope: float
     catch_up: float = 0.0
     kept_factor: float = 1.0
+    ahead: tuple[float, float] | None = None
 
 
 class SharedCosts:
@@ -107,12 +111,13 @@ class SharedCosts:
         self.draft_slope_prior = draft_slope_prior
         self.stale_after_requests = stale_after_requests
         self._requests = 0  # controllers made on this target (`new_request`)
-        # (draft | catch_up | look_back | verify, proposer) -> `_requests` when last measured
+        # (draft | ahead | catch_up | look_back | verify, proposer) -> `_requests` when last measured
         self._measured_at: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._verify = SizedCost()  # rounds with drafts
         self._plain = SizedCost()  # rounds without
         self._drafts: dict[str, LinearCost] = {}
+        self._ahead: dict[str, LinearCost] = {}  # rounds whose drafts were drafted ahead (hits)
         self._catch_up: dict[str, LinearCost] = {}
         self._look_backs: dict[str, LinearCost] = {}
         self._measured: dict[str, _Measured] = {}
@@ -163,11 +168,26 @@ class SharedCosts:
             self._forget_stale_verify()
             return self._verify.line.fit(self.verify_slope_prior)
 
-    def observe_draft(self, proposer: str, k: int, seconds: float) -> None:
+    def observe_draft(self, proposer: str, k: int, seconds: float, ahead_hit: bool = False) -> None:
+        """`propose` took `seconds` for `k` drafts; `ahead_hit`: they were drafted ahead (`Proposal.ahead_hit`).
+
+        Hits and misses are two prices: a hit waits for what drafting ahead had not finished, a miss for the whole
+        draft. One line through both priced an overlapped draft by the mix of the requests that measured it: chat's
+        mostly hits kept it low, and a code edit whose blocks mostly missed (11-15 hits against 28-29 misses a
+        request) drafted at that price, at 0.93x of plain decoding (`SpeculationController.expect` mixes the two
+        by the request's own chance of a hit)."""
+        kind, table = ("ahead", self._ahead) if ahead_hit else ("draft", self._drafts)
         with self._lock:
-            self._current(self._drafts, "draft", proposer)  # a stale line is not extended
-            self._drafts.setdefault(proposer, LinearCost()).observe(k, seconds)
-            self._measured_at[("draft", proposer)] = self._requests
+            self._current(table, kind, proposer)  # a stale line is not extended
+            table.setdefault(proposer, LinearCost()).observe(k, seconds)
+            self._measured_at[(kind, proposer)] = self._requests
+
+    def ahead(self, proposer: str) -> tuple[float, float] | None:
+        """`(h0, h1)`: a round whose drafts were drafted ahead costs about `h0 + h1 * k` for `k` drafts; None until
+        one was measured (no overlap, or none yet)."""
+        with self._lock:
+            cost = self._current(self._ahead, "ahead", proposer)
+            return cost.fit(DRAFT_FIXED_RATIO) if cost is not None else None
 
     def observe_catch_up(self, proposer: str, tokens: int, seconds: float) -> None:
         """The drafter spent `seconds` (beyond drafting) on `tokens` it had not seen (the first block's prefill)."""
@@ -342,4 +362,5 @@ class SharedCosts:
             verify_line[1],
             self.catch_up(proposer),
             self.kept_factor(proposer),
+            self.ahead(proposer),
         )

@@ -69,11 +69,15 @@ class Proposal:
         hindsight (`list[Hindsight]`, *optional*): per row, what the draft's guesses of the target's tokens
             it caught up on since the last proposal (the controller's time off) say; None from a drafter that
             does not report it.
+        ahead_hit (`bool`, *optional*, defaults to `False`): the proposal came from blocks drafted ahead while the
+            target verified (a remote draft service's overlap, `draft_ahead`), none discarded: the target waited
+            only for what drafting ahead had not finished. The speculation controller prices such rounds apart.
     """
 
     tokens: list[list[int]]
     probs: list[torch.Tensor | None]
     hindsight: list[Hindsight] | None = None
+    ahead_hit: bool = False
 
 
 class Hindsight(NamedTuple):
