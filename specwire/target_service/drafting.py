@@ -336,17 +336,19 @@ class DraftPolicy:
         if not self.adaptive or proposer in (PROPOSER_NONE, PROPOSER_MTP, PROPOSER_DFLASH) or named_fields:
             return None
         look_back = proposer == PROPOSER_DRAFT_MODEL and greedy
-        colocated = self.colocated(proposer)
-        remote = proposer == PROPOSER_DRAFT_MODEL and not colocated
         return SpeculationController(
             self.costs,
             proposer,
             load=load,
-            shares_device=colocated,
-            draft_load=draft_load if remote else None,
-            overlapped=remote and self.draft_overlap,
+            shares_device=self.colocated(proposer),
+            draft_load=draft_load if self.remote(proposer) else None,
+            overlapped=self.remote(proposer) and self.draft_overlap,
             look_back=look_back,
         )
+
+    def remote(self, proposer: str) -> bool:
+        """Whether `proposer`'s drafts come from the draft service (`--draft-address`, no `--draft-model`)."""
+        return proposer == PROPOSER_DRAFT_MODEL and self.draft_model is None and self.draft_address is not None
 
     def colocated(self, proposer: str) -> bool:
         """Whether `proposer`'s drafts are computed in this process, on the target's device (`--draft-model`;

@@ -317,6 +317,7 @@ class Engine:
             else self.drafting.draft_length(proposer, job.config, self.loaded.model),
             controller=controller,
             hidden_layers=self.drafting.hidden_layers(proposer),
+            prefill_apart=self.drafting.remote(proposer),
             **common,
         )
 
@@ -558,6 +559,9 @@ class _AnnouncedDrafter:
     def __init__(self, drafter: Drafter, drafting: Callable[[], contextlib.AbstractContextManager]):
         self.drafter = drafter
         self.drafting = drafting
+
+    def __getattr__(self, name: str) -> Any:  # a drafter's optional parts (`RemoteDrafter.prefill`, `prefilled`)
+        return getattr(self.drafter, name)
 
     def propose(self, num_tokens: int) -> Proposal:
         with self.drafting():

@@ -14,6 +14,11 @@ blocked on the request iterator, and reading its answers with a deadline costs a
 threads per stream, which leaked whenever a stream was not closed.) `close()` ends the call on every
 exit path of the decoding loop (`speculative_loop` closes its drafter in a `finally`).
 
+Prefill apart (`prefill()`): a session opened on the prompt alone, before the target's own prefill, sends its
+`DraftStart` at once and reads the answer at the first `propose`, so the draft service prefills the prompt on its
+own device while the target prefills (the target service opens every draft-model session so:
+`speculative_loop(prefill_apart=True)`).
+
 Overlap (`DraftPolicy.draft_overlap`, `--draft-overlap`, `drafting.draft_overlap_choice`): draft-model
 streams ask the draft service to draft the next block ahead while this target verifies
 (`DraftStart.overlap`); the proposals are the ones serial drafting makes, so nothing here changes but
@@ -115,6 +120,15 @@ class DraftChannel:
         """Run `coro` on the channel's loop without waiting (nothing if the channel is closed)."""
         self._schedule(coro, start=False)
 
+    def begin(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Run `coro` on the channel's loop (started first if needed) without waiting: its future.
+
+        Raises `DraftFailure` when the channel is closed."""
+        future = self._schedule(coro, start=True)
+        if future is None:
+            raise DraftFailure("the target service is shutting down")
+        return future
+
     def stub(self) -> pb_grpc.DraftServiceStub:
         """The stub (call on the channel's loop only: a grpc.aio channel belongs to the loop it was made on)."""
         return self._channel.stub()
@@ -198,6 +212,7 @@ class RemoteDrafter:
         self.call: Any = None
         self.closed = False
         self.failed = False  # a round failed: close() cancels instead of ending politely
+        self.early: concurrent.futures.Future | None = None  # the answer to a DraftStart sent by `prefill()`
         self.channel.run(self._open())
 
     async def _open(self) -> None:
@@ -217,9 +232,39 @@ class RemoteDrafter:
             raise DraftFailure("the draft stream ended")
         return answer
 
+    def prefill(self) -> None:
+        """Send the `DraftStart` now, asking for no drafts: the draft service catches up on the rows (the
+        prompt's prefill) while the target goes on; the first `propose` reads its answer, and the target's
+        tokens until then reach the draft service as that propose's feedback (checked in hindsight)."""
+        if self.start is None or self.closed:
+            return
+        self.start.num_tokens = 0
+        start, self.start = self.start, None
+        self.early = self.channel.begin(self._exchange(pb.DraftRequest(start=start)))
+
+    @property
+    def prefilled(self) -> bool:
+        """Whether the draft service has answered the `DraftStart` sent by `prefill()` (or none was sent)."""
+        return self.early is None or self.early.done()
+
+    def _answer_to_prefill(self, early: concurrent.futures.Future) -> None:
+        """Wait for the answer to `prefill()`'s `DraftStart` (within the round deadline) and check it."""
+        timeout = remaining(self.timeout, deadline=self.deadline)
+        try:
+            self._proposal(early.result(timeout), 0)
+        except concurrent.futures.TimeoutError:
+            self.failed = True
+            raise DraftFailure(f"the draft's prefill took longer than the {timeout:.2f}s round deadline") from None
+        except (DraftFailure, concurrent.futures.CancelledError) as exc:
+            self.failed = True
+            raise DraftFailure(str(exc) or "the draft stream was cancelled") from None
+
     def propose(self, num_tokens: int) -> Proposal:
         if self.closed:
             raise DraftFailure("the draft stream is closed")
+        if self.early is not None:
+            early, self.early = self.early, None
+            self._answer_to_prefill(early)
         if self.start is not None and num_tokens == 0 and any(self.before_start):
             # A look-back before any block: the session opens on the prompt alone, then hears the target's
             # tokens as feedback, so the draft service checks its guesses of them (hindsight) rather than
@@ -317,6 +362,8 @@ class RemoteDrafter:
     async def _goodbye(self) -> None:
         call = self.call
         try:
+            if self.early is not None and not self.failed:  # one read at a time: the prefill's answer first
+                await asyncio.wait_for(asyncio.wrap_future(self.early), _GOODBYE_S)
             if not self.failed:
                 # Half-close and wait for the service's OK: the session ends cleanly (and the stream's
                 # client span with it); a service that does not answer in time is cancelled.

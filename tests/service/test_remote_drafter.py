@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from specwire.draft_service.__main__ import build_server
 from specwire.generation.config import GenerationConfig
@@ -85,3 +86,110 @@ def test_a_proposal_drafted_ahead_says_so(tiny_draft, channel):
     finally:
         remote.close()
         local.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_session_prefilled_apart_drafts_what_one_started_later_does(tiny_draft, channel, overlap):
+    """`prefill()` sends the DraftStart before the target's first token: the draft service catches up on the prompt
+    meanwhile, hears the time off as feedback, and then checks and drafts as a session started on the same tokens."""
+    config = GenerationConfig(eos_token_id=2, assistant_confidence_threshold=0.0)
+    local = open_model_drafter(tiny_draft.model, [list(r) for r in ROWS], config, 378, return_probs=False)
+    remote = RemoteDrafter(channel, [list(r) for r in ROWS], config, 378, False, 30.0, overlap=overlap)
+    try:
+        remote.prefill()
+        assert remote.early is not None and remote.start is None  # sent, not waited for
+        remote.early.result(30)
+        assert remote.prefilled
+        checked = 0
+        for round_, length in enumerate([0, 0, 0, LOOK, 3, 0, 2]):
+            accepted = [0, 0]
+            if length == LOOK:
+                want, got = local.propose(0), remote.propose(0)
+                assert got.tokens == [[], []] and got.hindsight == want.hindsight, f"round {round_}"
+                checked += sum(h.checked for h in got.hindsight)
+            elif length:
+                want, got = local.propose(length), remote.propose(length)
+                assert got.tokens == want.tokens, f"round {round_}"
+                accepted = [len(want.tokens[0]), 0]
+            appended = [[(31 * round_ + 7 * r) % 300 + 3] for r in range(len(ROWS))]
+            local.feedback(accepted, appended, [False, False])
+            remote.feedback(accepted, appended, [False, False])
+        # Each token of the time off (three rounds) is checked, the prompt's are not: a draft service that took the
+        # feedback for prompt would report no checks.
+        assert checked == 3 * len(ROWS)
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_a_session_closed_before_its_prefill_is_answered_ends_its_stream(channel):
+    config = GenerationConfig(eos_token_id=2)
+    remote = RemoteDrafter(channel, [list(r) for r in ROWS], config, 378, False, 30.0)
+    remote.prefill()
+    remote.close()  # at once: the stream waits for the prefill's answer, then ends politely
+    deadline = time.monotonic() + 30
+    while channel.open_streams and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert channel.open_streams == 0
+
+
+@pytest.mark.parametrize("controlled", [True, False])
+def test_a_remote_draft_prefills_the_prompt_while_the_target_does(tiny_model_dir, channel, controlled):
+    """With `prefill_apart` the decoding loop opens the session on the prompt before the target's prefill and tells it
+    the first token as feedback; the controller then prices its first look-back by the tokens after the prompt. The
+    output is plain greedy's, with the controller and with transformers' schedule named."""
+    from specwire.generation.config import merge
+    from specwire.generation.loops.generate import drain, generate
+    from specwire.generation.loops.speculative import iter_speculative
+    from specwire.generation.speculation.controller import SpeculationController
+    from specwire.generation.speculation.costs import SharedCosts
+    from specwire.generation.speculation.stats import SpeculationStats
+    from specwire.models import load_model
+
+    target = load_model(str(tiny_model_dir), progress=False)
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9]
+    config = merge(GenerationConfig.from_dict({"do_sample": False, "max_new_tokens": 24}), target.generation_config)
+    events: list[tuple[str, object]] = []
+
+    class Recorded(RemoteDrafter):
+        def prefill(self):
+            events.append(("prefill", [list(row.ids) for row in self.start.rows]))
+            super().prefill()
+            self.early.result(30)  # the draft service's prefill is done before the target's: no race in the test
+
+        def feedback(self, num_accepted, appended, finished):
+            events.append(("feedback", appended))
+            super().feedback(num_accepted, appended, finished)
+
+        def propose(self, num_tokens):
+            events.append(("propose", num_tokens))
+            return super().propose(num_tokens)
+
+    class Controller(SpeculationController):
+        def next_length(self, remaining=None, behind=0):
+            events.append(("behind", behind))
+            return super().next_length(remaining, behind)
+
+    stats = SpeculationStats()
+    result = drain(
+        iter_speculative(
+            target.model,
+            torch.tensor([prompt]),
+            config=config,
+            open_drafter=lambda rows, resolved: Recorded(channel, rows, resolved, target.vocab_size, False, 30.0),
+            stats=stats,
+            controller=Controller(SharedCosts(), "draft_model", look_back=True) if controlled else None,
+            draft_length=None if controlled else 4,
+            prefill_apart=True,
+        )
+    )
+    plain = generate(target.model, torch.tensor([prompt]), config=config).sequences
+    assert torch.equal(result.sequences, plain)
+    first = int(plain[0, len(prompt)])
+    assert events[:2] == [("prefill", [prompt]), ("feedback", [[first]])]
+    if controlled:
+        behind = [value for kind, value in events if kind == "behind"]
+        assert behind[0] == 1  # the first token: the prompt was prefilled apart, not `len(prompt) + 1` tokens
+        assert stats.probes >= 1  # the time off ended in a look-back, priced by the tokens after the prompt
+    else:
+        assert events[2] == ("propose", 4) and stats.drafted_tokens > 0  # the schedule drafts from the first round

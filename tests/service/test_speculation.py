@@ -260,14 +260,18 @@ def test_killing_the_draft_service_mid_generation_changes_nothing(tmp_path, load
 
 
 class _BadDraftService(pb_grpc.DraftServiceServicer):
-    """A draft service that answers every message with `answer` (a broken or hostile replica)."""
+    """A draft service that answers every request for drafts with `answer` (a broken or hostile replica); the
+    DraftStart the target sends before its prefill asks for none and gets none (`RemoteDrafter.prefill`)."""
 
     def __init__(self, answer: draft_pb.DraftResponse):
         self.answer = answer
 
     async def Draft(self, request_iterator, context):
-        async for _ in request_iterator:
-            yield self.answer
+        async for message in request_iterator:
+            if message.HasField("start") and message.start.num_tokens == 0:
+                yield draft_pb.DraftResponse(rows=[draft_pb.RowDraft() for _ in message.start.rows])
+            else:
+                yield self.answer
 
 
 def _row(ids, probs=None):
@@ -306,3 +310,34 @@ def test_malformed_draft_answers_fall_back_to_plain_decoding(loaded, answer, pro
     assert torch.equal(spec.sequences, plain.sequences)
     assert spec.speculation.fallback_reason.startswith("draft failed mid-request")
     assert problem in spec.speculation.fallback_reason
+
+
+class _DraftsUnasked(pb_grpc.DraftServiceServicer):
+    """Answers every message with a draft, the DraftStart that asks for none included."""
+
+    async def Draft(self, request_iterator, context):
+        async for _ in request_iterator:
+            yield draft_pb.DraftResponse(rows=[_row([5])])
+
+
+def test_drafts_answered_to_the_prefill_fall_back_to_plain_decoding(loaded):
+    with threaded_server(
+        lambda: GrpcServer(
+            [
+                ServiceBinding(
+                    pb_grpc.add_DraftServiceServicer_to_server, _DraftsUnasked(), "specwire.draft.v1.DraftService"
+                )
+            ]
+        )
+    ) as bad:
+        policy = DraftPolicy(bad.address, round_timeout_s=30.0)
+        with threaded_server(lambda: build_target_server(loaded, drafting=policy)) as server:
+            with TargetClient(server.address) as client:
+                plain = client.generate(BATCH[:1], max_new_tokens=12)
+                spec = client.generate(
+                    BATCH[:1], max_new_tokens=12, proposer="draft_model", num_assistant_tokens=4, do_sample=False
+                )
+        policy.close()
+    assert torch.equal(spec.sequences, plain.sequences)
+    assert spec.speculation.fallback_reason.startswith("draft failed mid-request")
+    assert "asked 0" in spec.speculation.fallback_reason

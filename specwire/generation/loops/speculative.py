@@ -65,6 +65,7 @@ def speculative_loop(
     reason_names: dict[int, str],
     draft_length: int | None = None,
     controller: SpeculationController | None = None,
+    prefill_apart: bool = False,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """Greedy or sampling with speculative rounds (see the module docstring).
 
@@ -83,18 +84,29 @@ def speculative_loop(
             config's `num_assistant_tokens` schedule.
         controller (`SpeculationController`, *optional*): chooses each round's draft length instead of
             `draft_length` and the schedule (`speculation.controller`).
+        prefill_apart (`bool`, *optional*, defaults to `False`): the drafter computes on a device of its own (a draft
+            service): its session opens on the prompt before the target's prefill, and the drafter catches up on it
+            meanwhile (`RemoteDrafter.prefill`); the first token reaches it as feedback.
     """
     run = SpeculativeRun(
         plan, rows, input_ids, row_processors, row_stop_codes, generator, stats, reason_names, draft_length, controller
     )
     early = run.drafts_from_the_prompt
-    if not early:
-        # Step 0: the first token comes from the prefill's logits, as in plain decoding.
-        yield run.first_step()
+    # A draft service prefills the prompt on its own device while the target prefills it: the first block (or
+    # look-back) only catches up on the tokens since. Opened after the first token, the draft's prefill came after
+    # the target's (the code edit's 411-token prompt: ~0.8 s of a pinned SmolLM2 int8 draft), and a look-back that
+    # had to pay it did not fit the controller's budget.
+    open_first = prefill_apart and not early
     # The drafter holds a session (a draft-service stream, KV caches) until closed: it is closed on
     # every way out of this generator (finish, error, the caller closing it on cancel or deadline).
     try:
-        run.open_drafter(open_drafter)
+        if open_first:
+            run.open_drafter(open_drafter, prefill=True)
+        if not early:
+            # Step 0: the first token comes from the prefill's logits, as in plain decoding.
+            yield run.first_step()
+        if not open_first:
+            run.open_drafter(open_drafter)
         if early:  # step 0 is a round drafted from the prompt (transformers' block boundaries)
             yield run.first_round()
         step = 1
@@ -159,6 +171,7 @@ def iter_speculative(
     allowed_token_sequences: Any = None,
     controller: SpeculationController | None = None,
     hidden_layers: Sequence[int] | None = None,
+    prefill_apart: bool = False,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """`iter_generate` with speculative rounds when the request allows it, else plain decoding.
 
@@ -176,6 +189,8 @@ def iter_speculative(
             draft length (instead of `draft_length` and the config's schedule).
         hidden_layers (`Sequence[int]`, *optional*): the target's hidden-state indices the drafter reads every
             round (a DFlash assistant's: `speculation.dflash.dflash_hidden_layers`).
+        prefill_apart (`bool`, *optional*, defaults to `False`): the drafter computes on a device of its own (a
+            `RemoteDrafter`): it opens on the prompt and prefills it while the target does.
     """
     if config.token_healing:  # as transformers: the prompts are healed, then decoded as usual
         input_ids = heal_same_shape(model, tokenizer, input_ids)
@@ -203,6 +218,7 @@ def iter_speculative(
         rows_factory=rows_factory,
         controller=controller,
         hidden_layers=hidden_layers,
+        prefill_apart=prefill_apart,
     )
 
 
@@ -221,6 +237,7 @@ def speculate_from_plan(
     rows_factory: Callable[..., SpeculativeRows] | None = None,
     controller: SpeculationController | None = None,
     hidden_layers: Sequence[int] | None = None,
+    prefill_apart: bool = False,
 ) -> Generator[StepEvent, None, GenerationResult]:
     """`iter_speculative` from a `GenerationPlan` that `prepare_generation` already made for this model
     (the target service plans once per request, to route it, and runs from that plan).
@@ -231,6 +248,8 @@ def speculate_from_plan(
         open_drafter, stats, tokenizer, generator, negative_prompt_ids, negative_prompt_attention_mask,
         max_position_embeddings, draft_length, rows_factory, controller, hidden_layers: as for
         `iter_speculative`.
+        prefill_apart (`bool`, *optional*, defaults to `False`): the drafts come from a draft service, which
+            prefills the prompt while the target does (`speculative_loop`).
     """
     blocker = speculation_blocker(plan)
     if blocker:
@@ -278,6 +297,7 @@ def speculate_from_plan(
         reason_names(),
         draft_length,
         controller,
+        prefill_apart,
     )
 
 

@@ -171,6 +171,7 @@ class SpeculativeRun:
         self._prompt_lengths = [0] * input_ids.shape[0]
         self._seen = [0] * input_ids.shape[0]
         self._behind = 0  # this round's tokens the drafter had not seen
+        self._prefilling = False  # the drafter catches up on the prompt on its own (`open_drafter(prefill=True)`)
 
         # Every row has its own draft schedule (schedule state never leaks between requests or rows).
         def schedule() -> DraftSchedule:
@@ -225,8 +226,11 @@ class SpeculativeRun:
         return room - 1
 
     def first_step(self) -> StepEvent:
-        """The prefill and the first token of every row, as plain decoding picks it."""
-        return self._first_from(self.rows.prefill(self.input_ids))
+        """The prefill and the first token of every row, as plain decoding picks it (a drafter opened before it
+        hears of the first tokens as a round that accepted no drafts)."""
+        event = self._first_from(self.rows.prefill(self.input_ids))
+        self._feedback(_Outcome(event.tokens, [0] * len(event.tokens), [0] * len(event.tokens)))
+        return event
 
     def first_round(self) -> StepEvent:
         """The prefill and a round drafted from the prompt (`drafts_from_the_prompt`).
@@ -272,14 +276,23 @@ class SpeculativeRun:
             reasons.append(self._finish(row, code) if code else None)
         return StepEvent(step=0, tokens=tokens, finish_reasons=reasons, final=all(r.finished for r in self.state))
 
-    def open_drafter(self, open_drafter: Callable[[list[list[int]]], Drafter]) -> None:
-        """Opens the drafting session; without one the rounds run with empty drafts (plain decoding)."""
+    def open_drafter(self, open_drafter: Callable[[list[list[int]]], Drafter], prefill: bool = False) -> None:
+        """Opens the drafting session; without one the rounds run with empty drafts (plain decoding).
+
+        With `prefill`, before `first_step` (the session opens on the prompt alone), a drafter that can catch up on
+        its own (`RemoteDrafter.prefill`: a draft service, on its own device) starts on the prompt at once; the
+        prompt counts as seen once it is done (`_lengths`), so the controller prices a look-back by the tokens
+        after it."""
         _, mask = self.plan.expanded()
         try:
             started = time.perf_counter()
             contexts = [_unpadded(row, mask[r]) for r, row in enumerate(self.state)]
             self._prompt_lengths = [len(c) - len(row.generated) for c, row in zip(contexts, self.state, strict=True)]
             self.drafter = open_drafter(contexts)
+            start_prefill = getattr(self.drafter, "prefill", None) if prefill else None
+            if start_prefill is not None:
+                start_prefill()
+                self._prefilling = True
             self.stats.draft_seconds += time.perf_counter() - started
         except DraftFailure as exc:
             self.stats.fallback_reason = f"draft unavailable: {exc}"
@@ -360,6 +373,8 @@ class SpeculativeRun:
         """Each row's draft length this round: the controller's choice, or the row's schedule."""
         chosen = None
         running = [r for r, row in enumerate(self.state) if not row.finished]
+        if self._prefilling and getattr(self.drafter, "prefilled", True):
+            self._seen, self._prefilling = list(self._prompt_lengths), False
         self._behind = sum(self._prompt_lengths[r] + len(self.state[r].generated) - self._seen[r] for r in running)
         if self.controller is not None:
             remaining = max((room[r] for r in running), default=0)
