@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specwire.generation.config import GenerationConfig
-from specwire.generation.speculation.drafters import Hindsight, ModelDrafter
+from specwire.generation.speculation.drafters import Hindsight, ModelDrafter, Proposal
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
 # The target's tokens: after the first block (none of it kept), a correction, then a time off: 4 tokens the draft
@@ -103,3 +103,19 @@ def test_a_sampling_draft_reports_no_hindsight(tiny_draft):
     for token in OTHERS:
         drafter.feedback([0], [[token]], [False])
     assert drafter.propose(0).hindsight == [Hindsight()]
+
+
+def test_a_look_back_on_the_opening_context_prefills_all_of_it(tiny_draft, time_off):
+    """A look-back before anything was fed back (a draft service prefilling the prompt: `RemoteDrafter.prefill`)
+    takes the whole prompt in one forward, so the target's tokens come in forwards of their own; a later look-back
+    checks every token of the time off but the first (guessed by the prompt's forward, before it was known)."""
+    drafter = _drafter(tiny_draft)
+    assert drafter.propose(0) == Proposal([[]], [None], [Hindsight()])
+    assert drafter.rows[0].cached == len(PROMPT)
+    for token in time_off:
+        drafter.feedback([0], [[token]], [False])
+    seen = drafter.propose(0)
+    assert seen.hindsight == [_expected(tiny_draft.model, PROMPT + time_off, len(PROMPT) + 1, threshold=THRESHOLD)]
+    assert seen.hindsight[0].checked == len(time_off) - 1
+    # A look-back after tokens were fed back still leaves the last one for the next forward.
+    assert drafter.rows[0].cached == len(PROMPT) + len(time_off) - 1
