@@ -317,7 +317,7 @@ class Engine:
             else self.drafting.draft_length(proposer, job.config, self.loaded.model),
             controller=controller,
             hidden_layers=self.drafting.hidden_layers(proposer),
-            prefill_apart=self.drafting.remote(proposer),
+            prefill_apart=self.drafting.prefills_apart(proposer),
             **common,
         )
 

@@ -350,6 +350,14 @@ def test_draft_overlap_choice(mode, address, device, overlap):
         assert address in why and "--draft-overlap on" in why
 
 
+def test_only_an_overlapped_remote_draft_opens_its_session_before_the_targets_prefill():
+    """Prefilling the prompt on the draft service while the target does pays only where the draft service computes
+    beside the target: the same choice as overlap (`draft_overlap_choice`)."""
+    assert DraftPolicy("127.0.0.1:1", draft_overlap=True).prefills_apart("draft_model")
+    assert not DraftPolicy("127.0.0.1:1", draft_overlap=False).prefills_apart("draft_model")
+    assert not DraftPolicy("127.0.0.1:1", draft_overlap=True).prefills_apart("prompt_lookup")
+
+
 def test_requests_drafting_with_one_draft_service_count_each_other(stack, monkeypatch):
     """A remote draft's controller reads how many other requests draft with the same draft service now
     (`draft_load`, what its look-backs make wait): concurrent requests see each other, none counts itself."""

@@ -84,9 +84,10 @@ def speculative_loop(
             config's `num_assistant_tokens` schedule.
         controller (`SpeculationController`, *optional*): chooses each round's draft length instead of
             `draft_length` and the schedule (`speculation.controller`).
-        prefill_apart (`bool`, *optional*, defaults to `False`): the drafter computes on a device of its own (a draft
-            service): its session opens on the prompt before the target's prefill, and the drafter catches up on it
-            meanwhile (`RemoteDrafter.prefill`); the first token reaches it as feedback.
+        prefill_apart (`bool`, *optional*, defaults to `False`): the drafter computes on a device of its own (an
+            overlapped draft service, `DraftPolicy.prefills_apart`): its session opens on the prompt before the
+            target's prefill, and the drafter catches up on it meanwhile (`RemoteDrafter.prefill`); the first token
+            reaches it as feedback.
     """
     run = SpeculativeRun(
         plan, rows, input_ids, row_processors, row_stop_codes, generator, stats, reason_names, draft_length, controller
