@@ -16,8 +16,8 @@ exit path of the decoding loop (`speculative_loop` closes its drafter in a `fina
 
 Prefill apart (`prefill()`): a session opened on the prompt alone, before the target's own prefill, sends its
 `DraftStart` at once and reads the answer at the first `propose`, so the draft service prefills the prompt on its
-own device while the target prefills (the target service opens every draft-model session so:
-`speculative_loop(prefill_apart=True)`).
+own device while the target prefills (the target service opens an overlapped draft's sessions so,
+`DraftPolicy.prefills_apart`: where the draft service shares the target's cores, early prefills slow the target).
 
 Overlap (`DraftPolicy.draft_overlap`, `--draft-overlap`, `drafting.draft_overlap_choice`): draft-model
 streams ask the draft service to draft the next block ahead while this target verifies
