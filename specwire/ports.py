@@ -9,6 +9,7 @@ give no name).
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 _LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
@@ -30,6 +31,19 @@ def _listening_inodes(port: int) -> set[str]:
             if len(fields) > 9 and fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(fields[9])
     return inodes
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could bind `host:port` now. With SO_REUSEADDR, as gRPC binds: a port whose last connections
+    linger in TIME-WAIT (a minute after a service on it stopped) is free, one something listens on is not. Probed
+    without it, `specwire demo` run twice within a minute refused to start the second time."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def port_holder(port: int) -> str | None:

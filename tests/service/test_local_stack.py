@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from specwire.client.cli import main
 from specwire.config_service.__main__ import build_server as build_config_server
+from specwire.ports import port_free
 from tests.servers import free_port, threaded_server
 
 
@@ -60,6 +62,23 @@ def test_a_service_refuses_a_port_in_use_with_one_line_naming_the_holder(tmp_pat
         )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"127.0.0.1:{first.port} is already in use by pid {os.getpid()}" in result.stderr
+
+
+def test_a_port_whose_last_connection_lingers_in_time_wait_is_free_one_listened_on_is_not():
+    """The local stack's check before it starts anything (`specwire demo` run twice in a row)."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's servers do
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert not port_free("127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its end of the connection lingers in TIME-WAIT
+            client.recv(1)
+    lingering = [line for line in Path("/proc/net/tcp").read_text().splitlines()[1:] if f":{port:04X} " in line]
+    assert any(line.split()[3] == "06" for line in lingering)  # TIME_WAIT
+    assert port_free("127.0.0.1", port)
 
 
 def _serve(tiny_model_dir, home: Path, ports: list[str]) -> subprocess.Popen:

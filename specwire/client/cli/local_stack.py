@@ -97,16 +97,11 @@ class LocalStack:
 
     def _check_ports_free(self) -> None:
         """Fail before starting anything when a port is taken (a health check would reach its holder)."""
-        import socket
-
-        from specwire.ports import port_in_use
+        from specwire.ports import port_free, port_in_use
 
         for port in (self.args.config_port, self.args.draft_port, self.args.target_port):
-            with socket.socket() as probe:
-                try:
-                    probe.bind((self.args.host, port))
-                except OSError:
-                    raise ServiceFailed(str(port_in_use(self.args.host, port))) from None
+            if not port_free(self.args.host, port):
+                raise ServiceFailed(str(port_in_use(self.args.host, port)))
 
     def last_words(self, process: subprocess.Popen) -> str:
         """The last line of a service's log file, when it has one."""
