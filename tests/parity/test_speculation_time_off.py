@@ -65,6 +65,22 @@ def _config(tiny, **kwargs):
     return merge(GenerationConfig.from_dict({**kwargs, **OUTPUT_FLAGS}), tiny.generation_config)
 
 
+def _speculate(tiny, batch, config, drafter, stats, **kwargs):
+    """The speculative loop's result for `batch`, drafting with `drafter(rows)`."""
+    return drain(
+        iter_speculative(
+            tiny.model,
+            batch.input_ids,
+            batch.attention_mask,
+            config=config,
+            open_drafter=lambda rows, _resolved: drafter(rows),
+            stats=stats,
+            tokenizer=tiny.tokenizer,
+            **kwargs,
+        )
+    )
+
+
 @pytest.mark.parametrize("stop", [False, True])
 def test_rounds_without_drafts_equal_plain_greedy(tiny, stop):
     batch = tiny.tokenizer(PROMPTS, return_tensors="pt", padding=True)
@@ -75,18 +91,7 @@ def test_rounds_without_drafts_equal_plain_greedy(tiny, stop):
         config = _config(tiny, max_new_tokens=24, do_sample=False, stop_strings=[text[8:12]])
     plain = generate(tiny.model, batch.input_ids, batch.attention_mask, config=config, tokenizer=tiny.tokenizer)
     stats = SpeculationStats()
-    speculative = drain(
-        iter_speculative(
-            tiny.model,
-            batch.input_ids,
-            batch.attention_mask,
-            config=config,
-            open_drafter=lambda rows, _resolved: SilentDrafter(rows),
-            stats=stats,
-            tokenizer=tiny.tokenizer,
-            draft_length=4,
-        )
-    )
+    speculative = _speculate(tiny, batch, config, SilentDrafter, stats, draft_length=4)
     assert not stats.fallback_reason and stats.drafted_tokens == 0
     assert torch.equal(speculative.sequences, plain.sequences)
     assert speculative.finish_reasons == plain.finish_reasons
@@ -103,18 +108,8 @@ def test_rounds_drafted_ahead_reach_the_controller_as_hits(tiny):
     plain = generate(tiny.model, batch.input_ids, batch.attention_mask, config=config, tokenizer=tiny.tokenizer)
     answer = plain.sequences[0].tolist()
     costs, stats = SharedCosts(), SpeculationStats()
-    speculative = drain(
-        iter_speculative(
-            tiny.model,
-            batch.input_ids,
-            batch.attention_mask,
-            config=config,
-            open_drafter=lambda rows, _resolved: AheadDrafter(rows, answer),
-            stats=stats,
-            tokenizer=tiny.tokenizer,
-            controller=SpeculationController(costs, "draft_model", overlapped=True),
-        )
-    )
+    controller = SpeculationController(costs, "draft_model", overlapped=True)
+    speculative = _speculate(tiny, batch, config, lambda rows: AheadDrafter(rows, answer), stats, controller=controller)
     assert torch.equal(speculative.sequences, plain.sequences)
     assert stats.accepted_tokens > 0
     assert costs.ahead("draft_model") is not None and costs.draft_blocks("draft_model") > 0, stats

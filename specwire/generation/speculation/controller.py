@@ -206,10 +206,12 @@ def _count(requests: Callable[[], float] | None) -> float:
 
 
 class _Sums(NamedTuple):
-    """Per block length `k` (at `k - 1`): drafts expected kept per row, and proposed (`SpeculationController._sums`)."""
+    """Per block length `k` (at `k - 1`): drafts expected kept per row, proposed, and a draft model's chance that the
+    next block drafted ahead is used (`SpeculationController._sums`)."""
 
     kept: list[float]
     proposed: list[float]
+    hits: list[float]
 
 
 class Expected(NamedTuple):
@@ -335,7 +337,7 @@ class SpeculationController:
         draft_s = d0 + d1 * rows * drafted
         if self.overlapped and prices.ahead is not None and not self.all_or_nothing:
             h0, h1 = prices.ahead
-            hit = self._hit_chance(k) ** rows  # every row's block drafted ahead, or the round waits for a draft
+            hit = sums.hits[k - 1] ** rows  # every row's block drafted ahead, or the round waits for a draft
             draft_s = hit * (h0 + h1 * rows * drafted) + (1.0 - hit) * draft_s
         with_block = 1.0 if not self.all_or_nothing else c
         verify_s = with_block * prices.verify(rows * (1.0 + block)) + (1.0 - with_block) * plain_s
@@ -349,23 +351,28 @@ class SpeculationController:
         `S(j)` is the chance that drafts `1..j` are all proposed and kept. Prompt lookup's: its copy's drafts kept
         at `a`. A draft model's: each draft is sure (the drafter goes on after it, `c`) and kept at `a`, or the
         last one, kept at `u`, so `S(j) = (c a)^(j-1) (c a + (1 - c) u)` (look-backs measure `c a` as such:
-        `Hindsight`), shaped by the request's own runs (`RunLengths`). One pass for every `k`: a decision
-        rates them all (`best_length`)."""
+        `Hindsight`), shaped by the request's own runs (`RunLengths`). And the chance of a hit (`_hit_chance`). One
+        pass for every `k`: a decision rates them all (`best_length`)."""
         a, c, u = self._means()
         if self.all_or_nothing:
             survival = self.runs.survival(a, longest)
         else:
             survival = self.runs.survival(c * a, longest, first=c * a + (1.0 - c) * u)
-        return _Sums(list(accumulate(survival)), list(accumulate(c**i for i in range(longest))))
+        # W(k) g: every draft kept, the block stopping after an unsure one at j < k or reaching k, then the guess.
+        sure, unsure = c * a, (1.0 - c) * u
+        guess = sure + unsure
+        hits, stopped, run = [], 0.0, 1.0  # run: sure^(k-1); stopped: sum_{j<k} sure^(j-1) unsure
+        for _ in range(longest):
+            hits.append((stopped + run * guess) * guess)
+            stopped += run * unsure
+            run *= sure
+        return _Sums(list(accumulate(survival)), list(accumulate(c**i for i in range(longest))), hits)
 
     def _hit_chance(self, k: int) -> float:
         """The chance that a row's next block, drafted ahead while this round drafting `k` verifies, is used: the
         target keeps every draft the drafter proposes (it stops after an unsure one, kept at `u`, or after `k`) and
         its own token is the draft's greedy guess (kept as a first draft is, `c a + (1 - c) u`)."""
-        a, c, u = self._means()
-        sure, unsure = c * a, (1.0 - c) * u
-        whole = sum(sure ** (j - 1) * unsure for j in range(1, k)) + sure ** (k - 1) * (sure + unsure)
-        return whole * (sure + unsure)
+        return self._sums(k).hits[-1]
 
     def _kept(self, k: int) -> float:
         """A draft model's expected drafts kept per row when asked for `k`, as the model predicts them (`sum S(j)`)."""
