@@ -583,6 +583,47 @@ def test_look_backs_are_spaced_by_what_look_backs_cost_not_by_the_catch_up_line(
     assert abs(gaps[0] - quarter) <= 1 and gaps[1] == 2 * gaps[0] and all(abs(g - budgeted) <= 1 for g in gaps[2:])
 
 
+def test_look_backs_that_never_resume_cost_a_request_at_most_the_budget_of_its_plain_decoding():
+    """Each look-back is within the budget of the rest of the request, and those at an answer's start come sooner
+    than that budget alone would space them: on a short answer they added up to several budgets (the demo's 54
+    tokens: ~7% of plain decoding). What look-backs and probes cost since drafting last resumed stays within
+    `probe_budget` of the whole request's plain decoding; a look-back that resumes drafting starts it again."""
+    costs = _curve_costs(draft_per_token=0.040)  # a draft about as dear as its target: drafting never pays
+    fixed, per_token = 0.020, 0.001
+    for behind in (5, 60) * 3:
+        costs.observe_look_back("draft_model", behind, fixed + per_token * behind)
+    options = ControllerOptions(off_rounds=4)
+    length, prompt = 64, 55
+
+    def run(controller: SpeculationController, each_alone: bool = False) -> float:
+        """The request's 64 tokens, never drafting: the seconds its look-backs took (`each_alone`: each one priced
+        against the rest of the request only, as before the request's total bounded them)."""
+        spent, behind, unseen = 0.0, prompt, 0  # unseen: the answer's tokens the draft has not checked
+        for done in range(length):
+            assert controller.next_length(remaining=length - done, behind=behind) == 0
+            seconds = fixed + per_token * behind if controller.looking_back else 0.0
+            checked = unseen if controller.looking_back else 0
+            controller.observe(0, [0], [0], [0], seconds, 0.036, 1, behind=behind, hindsight=(checked, 0, checked))
+            spent += seconds
+            controller.explored_s *= not each_alone
+            behind, unseen = (1, 1) if controller.looking_back else (behind + 1, unseen + 1)
+        return spent
+
+    spent = run(SpeculationController(costs, "draft_model", options=options, look_back=True))
+    plain = costs.prices("draft_model").plain(1) * length
+    assert 0 < spent <= options.probe_budget * plain
+    assert run(SpeculationController(costs, "draft_model", options=options, look_back=True), each_alone=True) > (
+        options.probe_budget * plain
+    )
+    # A look-back after which drafting pays forgets what trying cost.
+    cheap = _curve_costs(draft_per_token=0.001)
+    resumed = SpeculationController(cheap, "draft_model", options=options, look_back=True, explored_s=0.1)
+    resumed.off_left = 0
+    assert resumed.next_length(remaining=500, behind=5) == 0 and resumed.looking_back
+    resumed.observe(0, [0], [0], [0], 0.03, 0.036, 1, behind=5, hindsight=(5, 5, 5))
+    assert not resumed.off and resumed.explored_s == 0.0
+
+
 def test_a_cost_not_measured_again_over_16_requests_is_forgotten():
     """A cost measured under a burst stops every request from drafting, so nothing would measure it again: after
     `stale_after_requests` requests without a measurement it is forgotten, and the next one starts a fresh line."""

@@ -168,7 +168,9 @@ class ControllerOptions:
             round without is measured (`SharedCosts.plain_due`).
         probe_budget (`float`, *optional*, defaults to 0.05): the most a failed probe's extra cost may
             add to the time off before the next one (the time off after it is at least the probe's
-            extra seconds / (budget x a plain round)); 0 only doubles. A draft model's probe pays its
+            extra seconds / (budget x a plain round)); 0 only doubles. Together, the look-backs and probes since
+            drafting last resumed cost at most this much of the plain decoding of the whole request (as long as
+            its first decision was told it may run, `_probe_affordable`). A draft model's probe pays its
             catch-up on every token since it last drafted (and the first one the draft's prefill of
             the prompt): on a CPU that is several plain rounds, which probing every few rounds repeats.
             A co-located draft's probe or look-back delays every request waiting for the device, a remote
@@ -283,6 +285,8 @@ class SpeculationController:
     drafting: bool = False  # drafting goes on (the next block needs only `keep_margin`), no time off since
     recheck: int = 0  # the block that measures a doubtful draft price again (`_doubted_length`), to draft next
     decided: bool = False  # `next_length` was called: the first round is decided
+    length: int | None = None  # the tokens per row the request may generate, as its first decision was told
+    explored_s: float = 0.0  # what look-backs and probes cost over plain rounds since drafting last resumed
 
     def __post_init__(self) -> None:
         self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
@@ -465,6 +469,8 @@ class SpeculationController:
             behind (`int`, *optional*, defaults to 0): tokens the drafter has not seen yet.
         """
         self.probing = self.looking_back = False
+        if not self.decided:
+            self.length = remaining
         if self.look_back and not self.decided and self._drafts_at_once(remaining, behind):
             self.off_period = self.off_left = 0  # no time off first: the first round drafts
         self.decided = True
@@ -514,7 +520,16 @@ class SpeculationController:
 
     def _probe_affordable(self, remaining: int, behind: int) -> bool:
         """Whether a probe's expected extra cost (over a plain round) is within `probe_budget` of the plain
-        decoding of the rest of the request: a probe it cannot repay even when it succeeds is not worth it."""
+        decoding of the rest of the request (a probe it cannot repay even when it succeeds is not worth it), and,
+        with what the look-backs and probes since drafting last resumed cost (`explored_s`), within `probe_budget`
+        of the plain decoding of the whole request (`length` tokens).
+
+        The second bound is what a request that never drafts pays for trying: each look-back alone was within the
+        budget of the rest, and those at an answer's start come at up to four times the budget of the time off
+        before them (`observe`), so a short answer paid the budget several times over. The demo's 54 tokens (a
+        remote draft on the target's 2 cores, never drafting) paid ~0.2 s of look-backs in ~2.7 s, 7% against
+        plain decoding: the first one caught up on the prompt at about the budget, the second came ~10 tokens
+        later. Exploration that resumes drafting is repaid by it, so `explored_s` starts again from there."""
         if not self.options.probe_budget:
             return True
         prices = self.costs.prices(self.proposer)
@@ -526,7 +541,9 @@ class SpeculationController:
             extra = line[0] + line[1] * behind if line is not None else 0.0
         else:
             extra = prices.catch_up * behind + d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s
-        return extra * self._sharers() <= self.options.probe_budget * remaining * plain_s
+        extra *= self._sharers()
+        budget = self.options.probe_budget * plain_s
+        return extra <= budget * remaining and self.explored_s + extra <= budget * max(self.length or 0, remaining)
 
     def _look_back_line(self) -> tuple[float, float] | None:
         """A look-back's cost, `(fixed, per token)` seconds: as look-backs measured it (`SharedCosts.look_back_line`),
@@ -635,11 +652,15 @@ class SpeculationController:
         if self.looking_back and behind:
             self.costs.observe_look_back(self.proposer, behind, draft_s)
         self.caught_up = asked > 0 or self.looking_back
+        if self.looking_back or self.probing:  # what trying cost over a plain round (`_probe_affordable`)
+            plain_s = verify_s if self.looking_back else self.costs.prices(self.proposer).plain(self.rows)
+            self.explored_s += max(draft_s + verify_s - plain_s, 0.0) * self._sharers()
         if self.looking_back:
             if not checked:
                 self.look_back = False  # the drafter reports no hindsight: the next round probes instead
             elif self._resumes():
                 self.off_period = 0  # drafting would have paid over the time off (or its price is in doubt)
+                self.explored_s = 0.0
             else:
                 # Twice the last time off, from a quarter of the budgeted interval up to it: an answer's start is
                 # where the draft's acceptance changes most (the low-acceptance prompt's after ~20 tokens), and there
@@ -655,6 +676,7 @@ class SpeculationController:
         elif self.probing:
             if self._resumes():
                 self.off_period = 0  # drafting pays again (or its price is in doubt)
+                self.explored_s = 0.0
             else:
                 self.off_period = min(
                     max(self.off_period * 2, self._budgeted_off_rounds(draft_s + verify_s)),
