@@ -624,6 +624,27 @@ def test_look_backs_that_never_resume_cost_a_request_at_most_the_budget_of_its_p
     assert not resumed.off and resumed.explored_s == 0.0
 
 
+def test_look_backs_over_a_few_tokens_each_are_priced_mostly_by_their_fixed_part():
+    """An overlapped draft's session prefills the prompt apart, so its look-backs all catch up on the few tokens
+    since the last one. A line through the origin put all of their cost on those tokens (~12 ms a token for a
+    60 ms look-back over 5, where the draft service's prefill ran at ~2.6): no time off was long enough for the
+    next look-back to stay within the budget, so each request looked back once, at its answer's start."""
+    costs = SharedCosts()
+    for _ in range(3):
+        costs.observe_verify(1, 0.085, drafted=False)  # a target pinned to one core
+    for _ in range(6):
+        costs.observe_look_back("draft_model", 5, 0.060)
+    line = costs.look_back_line("draft_model")
+    assert line is not None and line[0] > 0.75 * 0.060 and line[1] < 0.005
+    controller = SpeculationController(costs, "draft_model", look_back=True)
+    assert controller._look_back_interval() <= 32  # the next look-back within a 128-token answer
+    # Look-backs over many tokens and over few still tell the two parts apart.
+    for tokens in (5, 60, 5, 60, 5, 60):
+        costs.observe_look_back("draft_model", tokens, 0.030 + 0.002 * tokens)
+    line = costs.look_back_line("draft_model")
+    assert line is not None and line[1] == pytest.approx(0.002, rel=0.35)
+
+
 def test_a_cost_not_measured_again_over_16_requests_is_forgotten():
     """A cost measured under a burst stops every request from drafting, so nothing would measure it again: after
     `stale_after_requests` requests without a measurement it is forgotten, and the next one starts a fresh line."""

@@ -97,6 +97,14 @@ class SharedCosts:
         draft_slope_prior (`float`, *optional*, defaults to 0.2): draft seconds per proposed token as a
             fraction of the verify forward's fixed cost, until the draft was measured (prompt lookup: 0; at
             least a one-token forward of the draft once its catch-up was measured, `draft`).
+        look_back_slope_prior (`float`, *optional*, defaults to 0.05): a look-back's seconds per token as a fraction
+            of its fixed part, until the numbers of tokens look-backs caught up on vary: a forward over a few tokens
+            costs about its fixed part. Not a line through the origin (all of the cost per token): an overlapped
+            draft's look-backs all catch up on the few tokens after a prompt prefilled apart, and priced so, a
+            pinned draft service's look-backs over ~5 tokens came to ~12 ms a token where its prefill ran at ~2.6:
+            the next look-back was priced out of every request (`SpeculationController._look_back_interval`), so a
+            target whose first request stopped drafting never drafted again (chat: 11.9 tok/s overlapped against
+            14.3 serial on the same pinned cores).
         stale_after_requests (`int`, *optional*, defaults to `STALE_AFTER_REQUESTS`): a draft, catch-up or
             verify cost not measured again over this many requests (`new_request`) is forgotten.
     """
@@ -105,10 +113,12 @@ class SharedCosts:
         self,
         verify_slope_prior: float = 0.05,
         draft_slope_prior: float = 0.2,
+        look_back_slope_prior: float = 0.05,
         stale_after_requests: int = STALE_AFTER_REQUESTS,
     ):
         self.verify_slope_prior = verify_slope_prior
         self.draft_slope_prior = draft_slope_prior
+        self.look_back_slope_prior = look_back_slope_prior
         self.stale_after_requests = stale_after_requests
         self._requests = 0  # controllers made on this target (`new_request`)
         # (draft | ahead | catch_up | look_back | verify, proposer) -> `_requests` when last measured
@@ -209,7 +219,7 @@ class SharedCosts:
         a request's first over its prompt, cannot tell its fixed part from its tokens)."""
         with self._lock:
             cost = self._current(self._look_backs, "look_back", proposer)
-            return cost.fit(None) if cost is not None and cost.observations >= 2 else None
+            return cost.fit(self.look_back_slope_prior) if cost is not None and cost.observations >= 2 else None
 
     def _current(self, table: dict[str, LinearCost], kind: str, proposer: str) -> LinearCost | None:
         """`table`'s cost of `proposer`, forgotten once not measured over `stale_after_requests` (under the lock).
