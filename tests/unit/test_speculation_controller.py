@@ -840,7 +840,7 @@ def test_drafting_goes_on_near_break_even_where_it_would_not_start():
     costs = _costs()
 
     def edge(controller: SpeculationController) -> float:  # the best block's expected rate over plain decoding's
-        prices = costs.prices("draft_model")
+        prices = controller._prices()
         return max(controller.rate(k, prices) for k in range(1, 33)) / controller.rate(0, prices)
 
     def pinned(controller: SpeculationController, ratio: float) -> SpeculationController:

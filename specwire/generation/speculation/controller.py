@@ -20,9 +20,10 @@ no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each rou
   the block;
 - so a round emits `E(k) = 1 + f sum_j S(j)` tokens (draft model, at most `1 + N(k)`; prompt lookup:
   `c (1 + sum_j S(j)) + (1 - c)`): the accepted drafts plus the target's recovered or bonus token. `f >= 1`
-  is the target's measured ratio of a draft model's kept drafts to the kept drafts this model predicted for
-  the same blocks (`SharedCosts.kept_factor`): a draft model sure of many tokens in a row is mostly right, so
-  its long runs are kept more often than the product of per-token rates says;
+  is the measured ratio of a draft model's kept drafts to the kept drafts this model predicted for the same
+  blocks: a draft model sure of many tokens in a row is mostly right, so its long runs are kept more often than
+  the product of per-token rates says. The target's ratio (`SharedCosts.kept_factor`) is the prior of the
+  request's own (`_kept_factor`): how much the product undercounts depends on the text;
 - it costs `D + V(rows * (1 + N(k))) + L` (draft model; prompt lookup: `D + c * V(rows * (1 + k)) +
   (1 - c) * P(rows) + L`): `D = d0 + d1 * rows * N(k)` is the
   wall time of `drafter.propose(k)` for `N(k)` expected drafts per row, as the target sees it (a
@@ -117,7 +118,13 @@ from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import NamedTuple
 
-from specwire.generation.speculation.costs import ALL_OR_NOTHING, Prices, SharedCosts
+from specwire.generation.speculation.costs import (
+    ALL_OR_NOTHING,
+    KEPT_FACTOR_BOUNDS,
+    KEPT_PRIOR_DRAFTS,
+    Prices,
+    SharedCosts,
+)
 from specwire.generation.speculation.estimates import AcceptanceEstimate, RunLengths
 from specwire.vocabulary import DRAFT_LENGTH_CONTROLLER, DRAFT_LENGTH_SCHEDULE
 
@@ -142,6 +149,9 @@ SURE_DRAFT_BLOCKS = 4
 # the first 40 tokens sure and right, 0.91 after), with 0.95 (the last ~20) a look-back over 18 easy tokens still read
 # ~0.75, the harder ones before them weighing in, and drafting resumed ~40 tokens after the turn.
 HINDSIGHT_DECAY = 0.9
+# Evidence a request's own kept factor keeps at each row-round with drafts (`SpeculationController._kept_factor`):
+# about the last 10 count.
+KEPT_DECAY = 0.9
 
 
 @dataclass(frozen=True)
@@ -286,6 +296,7 @@ class SpeculationController:
     recheck: int = 0  # the block that measures a doubtful draft price again (`_doubted_length`), to draft next
     decided: bool = False  # `next_length` was called: the first round is decided
     length: int | None = None  # the tokens per row the request may generate, as its first decision was told
+    kept_seen: tuple[float, float] = (0.0, 0.0)  # drafts the model predicted kept and the target kept, recent rounds
     explored_s: float = 0.0  # what look-backs and probes cost over plain rounds since drafting last resumed
 
     def __post_init__(self) -> None:
@@ -378,6 +389,25 @@ class SpeculationController:
         its own token is the draft's greedy guess (kept as a first draft is, `c a + (1 - c) u`)."""
         return self._sums(k).hits[-1]
 
+    def _prices(self) -> Prices:
+        """The target's prices, with this request's kept factor (`_kept_factor`)."""
+        prices = self.costs.prices(self.proposer)
+        return replace(prices, kept_factor=self._kept_factor(prices.kept_factor))
+
+    def _kept_factor(self, target: float) -> float:
+        """Drafts this request's recent blocks kept over those the model predicted (`kept_seen`), from the target's
+        factor (`SharedCosts.kept_factor`) weighed as `KEPT_PRIOR_DRAFTS` predicted drafts; within
+        `KEPT_FACTOR_BOUNDS`.
+
+        The target's alone is the factor of whatever its requests drafted most: learned on chat answers, whose
+        sure runs are long and right, it doubled the kept drafts predicted on the code edit, whose draft keeps
+        0.59 of its blocks' drafts (SmolLM2's int8 draft, blocks of 5) where look-backs read its sure guesses right
+        at 0.88: an overlapped draft drafted there at a predicted 1.3x of plain decoding and ran at 0.89x of the
+        serial draft, which did not draft."""
+        predicted, kept = self.kept_seen
+        low, high = KEPT_FACTOR_BOUNDS
+        return min(max((kept + KEPT_PRIOR_DRAFTS * target) / (predicted + KEPT_PRIOR_DRAFTS), low), high)
+
     def _kept(self, k: int) -> float:
         """A draft model's expected drafts kept per row when asked for `k`, as the model predicts them (`sum S(j)`)."""
         return self._sums(k).kept[-1]
@@ -399,7 +429,7 @@ class SpeculationController:
             margin (`float`, *optional*): how much faster than plain decoding drafting must be (`options.margin`
                 by default).
         """
-        prices = prices if prices is not None else self.costs.prices(self.proposer)
+        prices = prices if prices is not None else self._prices()
         margin = self.options.margin if margin is None else margin
         others = self._others()
         plain_rate = self.rate(0, prices, others)
@@ -609,7 +639,10 @@ class SpeculationController:
         if asked and not self.all_or_nothing:  # what the model predicted of the blocks, before it learns from them
             for k, n, m in zip(wanted, drafted, accepted, strict=True):
                 if k and n:
-                    self.costs.observe_kept(self.proposer, self._kept(k), min(m, n))
+                    predicted = self._kept(k)
+                    self.costs.observe_kept(self.proposer, predicted, min(m, n))
+                    before, kept = self.kept_seen
+                    self.kept_seen = (before * KEPT_DECAY + predicted, kept * KEPT_DECAY + min(m, n))
         checked, kept, confident = hindsight or (0, 0, 0)
         if checked:
             # Each of the target's tokens the draft guessed is one after which it would have gone on or stopped
@@ -705,7 +738,7 @@ class SpeculationController:
         if self.all_or_nothing or self.costs.draft_blocks(self.proposer) >= SURE_DRAFT_BLOCKS:
             return 0
         forward = self.costs.forward_price(self.proposer)
-        prices = self.costs.prices(self.proposer)
+        prices = self._prices()
         d0, d1 = prices.draft
         if forward is None or d1 <= forward:  # a drafted token no dearer than a forward: nothing to doubt
             return 0
