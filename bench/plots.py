@@ -230,7 +230,7 @@ def _memory_figure(plt: Any, w: dict, subtitle: str) -> Any:
 # (label, name, baseline label): the matrix rows, each relative to plain greedy on its own services.
 _MATRIX_BARS = [
     ("prompt_lookup_on", "prompt lookup", "plain_greedy"),
-    ("colocated_on", "co-located", "plain_greedy"),
+    ("colocated_on", "co-located", "colocated_plain_greedy"),
     ("remote_overlapped_on", "remote overlapped", "pinned_plain_greedy"),
     ("remote_serial_on", "remote serial", "pinned_plain_greedy"),
     ("transformers_prompt_lookup", "transformers PL", "transformers_greedy"),

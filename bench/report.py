@@ -167,6 +167,7 @@ def _sweep_table(d: dict) -> list[str]:
 MATRIX_ROWS = [
     ("plain_greedy", "plain greedy"),
     ("pinned_plain_greedy", "plain greedy, pinned target"),
+    ("colocated_plain_greedy", "plain greedy, co-located target"),
     ("prompt_lookup_on", "prompt lookup, controller on"),
     ("prompt_lookup_off", "prompt lookup, controller off"),
     ("colocated_on", "draft co-located, controller on"),

@@ -6,8 +6,8 @@ Rows, per prompt (chat, code edit, and a low-acceptance one):
 
 - plain greedy (the main target) and transformers greedy;
 - prompt lookup (the main target) and transformers' prompt lookup;
-- draft model co-located (a target started with `--draft-model`) and transformers' assisted generation
-  with the same draft;
+- draft model co-located (a target started with `--draft-model`), with plain greedy on that target as its
+  baseline, and transformers' assisted generation with the same draft;
 - draft model remote, overlapped and serial: two targets that differ only by `--draft-overlap on`/`off`,
   pinned to one core while their draft service is pinned to another (`taskset`, same pinning for
   both; `on` explicitly: the target cannot see the pinning, and its `auto` does not overlap with a draft
@@ -67,8 +67,8 @@ RATIOS = [
     ("prompt lookup, controller on / plain greedy", "prompt_lookup_on", "plain_greedy"),
     ("prompt lookup, controller off / plain greedy", "prompt_lookup_off", "plain_greedy"),
     ("prompt lookup, controller on / transformers prompt lookup", "prompt_lookup_on", "transformers_prompt_lookup"),
-    ("co-located, controller on / plain greedy", "colocated_on", "plain_greedy"),
-    ("co-located, controller off / plain greedy", "colocated_off", "plain_greedy"),
+    ("co-located, controller on / plain greedy (same target)", "colocated_on", "colocated_plain_greedy"),
+    ("co-located, controller off / plain greedy (same target)", "colocated_off", "colocated_plain_greedy"),
     ("co-located, controller on / transformers assisted", "colocated_on", "transformers_assisted"),
     ("co-located, controller off / transformers assisted", "colocated_off", "transformers_assisted"),
     ("remote overlapped, controller on / pinned plain greedy", "remote_overlapped_on", "pinned_plain_greedy"),
@@ -207,6 +207,9 @@ def _prompt_rows(ctx: Context, services: MatrixServices, key: str) -> dict:
     rows: dict[str, Any] = {
         "plain_greedy": Runs(services.sides["main"], prompt, "plain_greedy", greedy["main"], **base),
         "pinned_plain_greedy": Runs(services.sides["serial"], prompt, "pinned_plain_greedy", greedy["serial"], **base),
+        "colocated_plain_greedy": Runs(
+            services.sides["colocated"], prompt, "colocated_plain_greedy", greedy["colocated"], **base
+        ),
     }
     for label, target, extra in SPECULATIVE:
         # The two pinned targets are one service each but the same model and pinning: one greedy baseline.

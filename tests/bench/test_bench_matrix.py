@@ -18,8 +18,9 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
     matrix = results["workloads"]["speculation_matrix"]
     assert matrix["status"] in ("ok", "partial"), matrix.get("reason")
     assert set(matrix["prompts"]) == set(PROMPTS)
+    baselines = ["plain_greedy", "pinned_plain_greedy", "colocated_plain_greedy"]
     for key, prompt in matrix["prompts"].items():
-        for label in ["plain_greedy", "pinned_plain_greedy", *(row[0] for row in SPECULATIVE)]:
+        for label in [*baselines, *(row[0] for row in SPECULATIVE)]:
             assert label in prompt["series"] or label in prompt["unavailable"], (key, label)
         for label in ("transformers_greedy", "transformers_prompt_lookup", "transformers_assisted"):
             assert prompt["series"][label]["tokens_per_second"]["median"] > 0
@@ -27,6 +28,7 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
         assert hits > 0, key  # the target's own weights: whole blocks accepted, the bonus guessed
         assert prompt["speculation"]["remote_serial_off"]["draft_ahead_hits"]["median"] == 0
         assert prompt["ratios"]["remote overlapped / remote serial, controller off (pinned)"] is not None
+        assert prompt["ratios"]["co-located, controller on / plain greedy (same target)"] is not None
         chosen = prompt["controller"]["colocated_on"]  # what the controller chose, for the plot
         assert sum(rounds for _, rounds in chosen["draft_lengths"]) > 0, chosen
     checks = matrix["checks"]
