@@ -267,6 +267,30 @@ def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(tiny_model_dir):
     assert (process.returncode, "stopped" in err, "Traceback" in err) == (130, True, False), err
 
 
+def test_ctrl_c_that_breaks_grpcs_lock_is_still_an_interrupt(monkeypatch, capsys):
+    """Ctrl-C inside grpc's wait for a streamed message can leave its condition's lock released; leaving grpc's `with`
+    then raises RuntimeError("cannot release un-acquired lock") in the middle of the KeyboardInterrupt (seen once in
+    the test above). The CLI says "stopped" and exits 130 for that too, and lets any other RuntimeError through."""
+    import specwire.client.cli as cli
+
+    def interrupted_in_grpcs_wait(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("cannot release un-acquired lock")  # noqa: B904 (threading chains it implicitly)
+
+    monkeypatch.setattr(cli, "generate_command", interrupted_in_grpcs_wait)
+    code, _, err = run(capsys, "generate", "Hello", "--address", "127.0.0.1:1")
+    assert (code, "stopped" in err, "Traceback" in err) == (130, True, False)
+
+    def broken(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "generate_command", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["generate", "Hello", "--address", "127.0.0.1:1"])
+
+
 def test_the_registry_warns_about_unknown_keys_refuses_them_strictly_and_stores_them_on_purpose(services, capsys):
     config, target = services
     base = ("config", "--address", config)
