@@ -822,25 +822,6 @@ def test_a_draft_price_from_too_few_blocks_is_measured_again_where_it_alone_keep
     assert costs.draft_blocks("draft_model") == blocks + 1
 
 
-def test_a_block_after_a_round_measuring_plain_decoding_still_prices_the_draft():
-    """A fresh target measures a plain round right after its first block (`SharedCosts.plain_due`); the drafter takes
-    that round's token along in the next block's first forward, so that block prices the draft, as the blocks after
-    it do. Time off does leave the drafter behind: the first block after it pays a catch-up."""
-    costs = SharedCosts()
-    controller = SpeculationController(costs, "draft_model")
-    controller.observe(2, [2], [2], [2], 0.30, 0.05, 3, behind=40)  # the first block: the prompt's catch-up
-    assert costs.draft_blocks("draft_model") == 0
-    assert not controller.off
-    controller.observe(0, [0], [0], [0], 0.0, 0.03, 1, behind=2)  # the round measuring plain decoding
-    controller.observe(2, [2], [2], [2], 0.06, 0.05, 3, behind=3)
-    assert costs.draft_blocks("draft_model") == 1
-    controller.off_period = controller.off_left = 4  # time off
-    controller.observe(0, [0], [0], [0], 0.0, 0.03, 1, behind=2)
-    controller.off_period = controller.off_left = 0
-    controller.observe(2, [2], [2], [2], 0.09, 0.05, 3, behind=6)  # after it: a catch-up, not a price
-    assert costs.draft_blocks("draft_model") == 1
-
-
 def test_a_probe_re_measures_a_doubtful_draft_price_too():
     """A sampling request probes instead of looking back; a probe's block pays a catch-up, so it measures no price
     either: where the forward says drafting pays, drafting resumes after it."""

@@ -684,13 +684,7 @@ class SpeculationController:
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
         if self.looking_back and behind:
             self.costs.observe_look_back(self.proposer, behind, draft_s)
-        if asked or self.looking_back or self.off_period:
-            # Not after a round measuring plain decoding between blocks (`plain_due`): the next block's first forward
-            # takes that round's token along and still prices the draft. Counted as a catch-up, the first blocks of a
-            # fresh target (a block, the plain round, a block) measured no draft price, which then stayed what its
-            # catch-ups said of a forward (`SharedCosts.forward_price`, which errs high): 40-58 ms a drafted token
-            # for SmolLM2's int8 draft on its co-located target's 2 cores, where a drafting step costs ~31 ms.
-            self.caught_up = asked > 0 or self.looking_back
+        self.caught_up = asked > 0 or self.looking_back
         if self.looking_back or self.probing:  # what trying cost over a plain round (`_probe_affordable`)
             plain_s = verify_s if self.looking_back else self.costs.prices(self.proposer).plain(self.rows)
             self.explored_s += max(draft_s + verify_s - plain_s, 0.0) * self._sharers()
