@@ -89,14 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("\nstopped", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except RuntimeError as exc:
+    except (KeyboardInterrupt, RuntimeError) as exc:
         # Ctrl-C landing inside grpc's wait for the next streamed message (`threading.Condition.wait`, while it hands
         # its lock back) leaves that lock released, and leaving grpc's `with` then raises "cannot release un-acquired
         # lock" with the KeyboardInterrupt as its context: still the user's Ctrl-C, not a failure.
-        if not isinstance(exc.__context__, KeyboardInterrupt):
+        if isinstance(exc, RuntimeError) and not isinstance(exc.__context__, KeyboardInterrupt):
             raise
         print("\nstopped", file=sys.stderr)
         return EXIT_INTERRUPTED
