@@ -4,12 +4,14 @@ The remote drafter (`DraftChannel`, `RemoteDrafter`) is in `specwire.target_serv
 
 Co-located draft (`--draft-model`, `DraftPolicy.draft_model`): `draft_model` requests get the draft
 service's own `ModelDrafter` (`open_model_drafter`) over a draft model loaded in this process, no RPC,
-as transformers' assisted generation drafts. Its forwards run on the thread that calls `propose`: in
-the batched scheduler the request's own thread (its lane thread in the lane), announced as a draft
-wait like a remote round, so the packed forwards of other requests go on meanwhile (the request is
-batched or in the lane by the same rules as with a remote draft); with the sequential scheduler the
-model thread; never the event loop. It excludes `--draft-address` (refused at start: one draft model
-per target, no precedence to guess).
+as transformers' assisted generation drafts. Its forwards run where the target's do, with the process's
+torch threads: posted to the batched scheduler's thread (`BatchScheduler.forward`, between packed
+forwards) from the request's own thread (its lane thread in the lane), which runs the rest of `propose`
+announced as a draft wait like a remote round; with the sequential scheduler on the model thread; never
+the event loop. Not on the request's thread: it runs torch single-threaded (`specwire.model_thread`), and
+there SmolLM2's int8 draft took ~38 ms a drafted token against ~30 on the scheduler's 2 threads (2-core
+CPU, blocks of 20 on the low-acceptance prompt), and drafting did not pay. It excludes `--draft-address`
+(refused at start: one draft model per target, no precedence to guess).
 
 Self-speculation, always in this process: `early_exit` (`assistant_early_exit=N`) drafts with a view of
 the target's first N layers; `mtp` (`use_mtp=True`) with the served model's multi-token prediction layers
@@ -38,6 +40,7 @@ from specwire.generation.speculation.dflash import dflash_hidden_layers, open_df
 from specwire.generation.speculation.drafters import (
     Drafter,
     DraftFailure,
+    ForwardRunner,
     PromptLookupDrafter,
     Proposal,
     open_model_drafter,
@@ -191,6 +194,7 @@ class DraftPolicy:
         stats: SpeculationStats | None = None,
         tokenizer: Any = None,
         speculates: bool = True,
+        run_forward: ForwardRunner | None = None,
     ):
         """`open_drafter(rows, resolved_config) -> Drafter` for the decoding loop.
 
@@ -206,6 +210,8 @@ class DraftPolicy:
             speculates (`bool`, defaults to `True`): whether the request speculates at all (beam search, for one,
                 decodes plainly): only then are the served model's MTP layers needed (transformers ignores
                 `use_mtp` with beam search, with a warning, whatever the model).
+            run_forward (`ForwardRunner`, *optional*): where the forwards of a drafter in this process run (the
+                batched scheduler's `forward`); the thread that calls `propose` without it (the model thread).
         """
         draft_view = mtp = None
         if proposer == PROPOSER_EARLY_EXIT:
@@ -215,7 +221,7 @@ class DraftPolicy:
 
         def open_drafter(rows: list[list[int]], config: Any) -> Drafter:
             if draft_view is not None:
-                return self._local(draft_view, rows, config, vocab_size)
+                return self._local(draft_view, rows, config, vocab_size, run_forward)
             if proposer == PROPOSER_DFLASH:
                 drafter = open_dflash_drafter(
                     self.dflash_model, target, rows, config, vocab_size, self._wants_probs(config)
@@ -228,7 +234,7 @@ class DraftPolicy:
             if proposer == PROPOSER_PROMPT_LOOKUP:
                 return PromptLookupDrafter(rows, config, vocab_size, self.prompt_lookup_rule)
             if self.colocated(proposer):
-                return self._colocated(rows, config, vocab_size)
+                return self._colocated(rows, config, vocab_size, run_forward)
             if self.draft_address is None:
                 raise DraftFailure("no draft model configured (start the target with --draft-model or --draft-address)")
             return RemoteDrafter(
@@ -246,16 +252,26 @@ class DraftPolicy:
 
         return open_drafter
 
-    def _colocated(self, rows: list[list[int]], config: Any, vocab_size: int) -> Drafter:
+    def _colocated(
+        self, rows: list[list[int]], config: Any, vocab_size: int, run_forward: ForwardRunner | None
+    ) -> Drafter:
         """A drafter over the co-located draft model (see `_local`)."""
-        return self._local(self.draft_model.model, rows, config, vocab_size)
+        return self._local(self.draft_model.model, rows, config, vocab_size, run_forward)
 
-    def _local(self, model: Any, rows: list[list[int]], config: Any, vocab_size: int) -> Drafter:
+    def _local(
+        self, model: Any, rows: list[list[int]], config: Any, vocab_size: int, run_forward: ForwardRunner | None
+    ) -> Drafter:
         """A drafter over a model in this process: the co-located draft model, or the target's early-exit view
-        (which shares the target's weights). Its forwards run where `propose` is called: the request's own
-        thread (the batched scheduler) or the model thread (sequential), never the event loop."""
+        (which shares the target's weights). Its forwards run through `run_forward` (the batched scheduler's
+        thread), else where `propose` is called (the model thread); never on the event loop."""
         drafter = open_model_drafter(
-            model, rows, config, vocab_size, self._wants_probs(config), forward=lean_draft_forward
+            model,
+            rows,
+            config,
+            vocab_size,
+            self._wants_probs(config),
+            forward=lean_draft_forward,
+            run_forward=run_forward,
         )
         return self._counted(drafter)
 

@@ -298,6 +298,9 @@ class Engine:
             stats=job.speculation,
             tokenizer=self.loaded.tokenizer,
             speculates=not blocker,
+            # A drafter in this process runs its forwards where the target's run: the batched scheduler's thread
+            # (batched and lane requests alike), else the model thread, which runs this request's steps.
+            run_forward=self._serving.forward if self._serving is not None else None,
         )
         open_drafter = _opener(opener, drafting, opened)
         controller = self.drafting.controller(

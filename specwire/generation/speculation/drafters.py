@@ -39,6 +39,7 @@ __all__ = [
     "PROMPT_LOOKUP_RULES",
     "DraftFailure",
     "DraftForward",
+    "ForwardRunner",
     "Drafter",
     "Hindsight",
     "ModelDrafter",
@@ -52,6 +53,9 @@ __all__ = [
 # (at least) the last `keep` new tokens, `[1, n, vocab]`, or None where the model's own forward must run. The
 # services pass `specwire.runtime.lean_draft.lean_draft_forward` (the pure core does not import the runtime).
 DraftForward = Callable[[Any, Any, list[int], int, int, Any], "torch.Tensor | None"]
+# `run(fn, *args)`: runs `fn(*args)` on the thread that runs the target's forwards and returns its result
+# (`BatchScheduler.forward`).
+ForwardRunner = Callable[..., Any]
 
 
 class DraftFailure(RuntimeError):
@@ -250,6 +254,8 @@ class ModelDrafter:
         return_probs (`bool`): return the draft's probabilities (the target samples).
         generator (`torch.Generator`, *optional*): randomness of the draft's own sampling.
         forward (`DraftForward`, *optional*): a faster forward of the same logits (the services' lean one).
+        run_forward (`ForwardRunner`, *optional*): where the draft's forwards run (a co-located draft: the thread of
+            the target's forwards, with the process's torch threads); the calling thread without it.
     """
 
     def __init__(
@@ -261,11 +267,13 @@ class ModelDrafter:
         return_probs: bool = False,
         generator: torch.Generator | None = None,
         forward: DraftForward | None = None,
+        run_forward: ForwardRunner | None = None,
     ):
         from transformers import DynamicCache
 
         self.model = model
         self.forward = forward
+        self.run_forward = run_forward
         self.vocab_size = vocab_size
         self.do_sample = bool(config.do_sample)
         self.return_probs = return_probs
@@ -302,8 +310,15 @@ class ModelDrafter:
         return all_logits[:, -1, :].float()  # [1, draft_vocab]
 
     def _forward(self, row: _RowCache, new_tokens: list[int], keep: int) -> torch.Tensor:
-        """The logits of (at least) the last `keep` of `new_tokens` run through the row's cache, `[1, n, draft_vocab]`:
-        through the `forward` given (a lean one, `DraftForward`) where it answers, else the model's own."""
+        """The logits of (at least) the last `keep` of `new_tokens` run through the row's cache, `[1, n, draft_vocab]`,
+        on the thread `run_forward` says (the calling thread without it)."""
+        if self.run_forward is not None:
+            return cast(torch.Tensor, self.run_forward(self._logits, row, new_tokens, keep))
+        return self._logits(row, new_tokens, keep)
+
+    def _logits(self, row: _RowCache, new_tokens: list[int], keep: int) -> torch.Tensor:
+        """`_forward`'s logits, through the `forward` given (a lean one, `DraftForward`) where it answers, else the
+        model's own."""
         if self.forward is not None:
             logits = self.forward(self.model, row.cache, new_tokens, row.cached, keep, self.device)
             if logits is not None:
@@ -465,6 +480,7 @@ def open_model_drafter(
     return_probs: bool,
     overlap: bool = False,
     forward: DraftForward | None = None,
+    run_forward: ForwardRunner | None = None,
 ) -> ModelDrafter:
     """A `ModelDrafter` with its own random stream when the request samples.
 
@@ -478,7 +494,7 @@ def open_model_drafter(
         return_probs (`bool`): return the draft's probabilities (the target samples, or mixes an ensemble).
         overlap (`bool`, defaults to `False`): an `OverlappingModelDrafter`, which can draft the next block
             ahead while the target verifies (the draft service's `DraftStart.overlap`).
-        forward (`DraftForward`, *optional*): as for `ModelDrafter`.
+        forward (`DraftForward`, *optional*), run_forward (`ForwardRunner`, *optional*): as for `ModelDrafter`.
     """
     generator = None
     if config.do_sample:
@@ -493,5 +509,5 @@ def open_model_drafter(
         # Imported here: draft_ahead builds on this module.
         from specwire.generation.speculation.draft_ahead import OverlappingModelDrafter
 
-        return OverlappingModelDrafter(model, rows, config, vocab_size, return_probs, generator, forward)
-    return ModelDrafter(model, rows, config, vocab_size, return_probs, generator, forward)
+        return OverlappingModelDrafter(model, rows, config, vocab_size, return_probs, generator, forward, run_forward)
+    return ModelDrafter(model, rows, config, vocab_size, return_probs, generator, forward, run_forward)
