@@ -787,6 +787,26 @@ def test_the_first_block_after_a_look_back_measures_the_draft():
     assert costs._drafts["draft_model"].observations == before + 1
 
 
+@pytest.mark.parametrize("shares_device", [True, False])
+def test_a_co_located_block_after_a_round_measuring_plain_decoding_still_prices_the_draft(shares_device):
+    """A fresh target measures a plain round right after its first block (`plain_due`). A co-located draft's next
+    block takes that round's token along in its first forward: it prices the draft (counted as a catch-up, no block
+    of a fresh target did, and the draft stayed priced at what catch-ups said of a forward). A remote draft's is a
+    catch-up still."""
+    costs = SharedCosts()
+    controller = _controller(costs, 0.95, shares_device=shares_device)
+    k = controller.next_length()
+    assert k > 0
+    # The first block caught the draft up on the prompt.
+    controller.observe(k, [k], [k], [k], 0.002 * k + 0.02, 0.03 + 0.002 * k, 1 + k, behind=40)
+    assert controller.next_length() == 0  # the round measuring plain decoding
+    controller.observe(0, [0], [0], [0], 0.0, 0.02, 1)
+    k = controller.next_length()
+    assert k > 0
+    controller.observe(k, [k], [k], [k], 0.002 * k, 0.03 + 0.002 * k, 1 + k, behind=2)
+    assert costs.draft_blocks("draft_model") == (1 if shares_device else 0)
+
+
 def _slow_first_blocks(blocks: int) -> SharedCosts:
     """A target whose draft's forward (its catch-ups) costs 5 ms a token, and whose first `blocks` blocks cost 40 ms
     a drafted token (a cold draft)."""

@@ -684,7 +684,16 @@ class SpeculationController:
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
         if self.looking_back and behind:
             self.costs.observe_look_back(self.proposer, behind, draft_s)
-        self.caught_up = asked > 0 or self.looking_back
+        between_blocks = not asked and not self.looking_back and not self.off_period  # a round measuring plain decoding
+        if not (between_blocks and self.shares_device):
+            # A co-located draft's next block still prices the draft after a round measuring plain decoding
+            # (`plain_due`): its first forward takes that round's token along for about nothing. Counted as a catch-up,
+            # a fresh target's first blocks (a block, the plain round, a block) measured no draft price, which then
+            # stayed what catch-ups said of a forward (`SharedCosts.forward_price`, which errs high): ~40 ms a drafted
+            # token for SmolLM2's int8 draft on its target's 2 cores where a block measured ~28, and no later request
+            # drafted. Not a remote draft's: its block after a plain round measured dear (a pinned serial target
+            # then drafted less on chat, 10.7 tok/s against 11.3).
+            self.caught_up = asked > 0 or self.looking_back
         if self.looking_back or self.probing:  # what trying cost over a plain round (`_probe_affordable`)
             plain_s = verify_s if self.looking_back else self.costs.prices(self.proposer).plain(self.rows)
             self.explored_s += max(draft_s + verify_s - plain_s, 0.0) * self._sharers()
