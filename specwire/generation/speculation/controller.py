@@ -100,10 +100,11 @@ drafts from the first round. Until a cost has been measured it is taken relative
 (`v1 = verify_slope_prior * v0`, `d1 = draft_slope_prior * p0`, or a one-token forward of the draft once a
 catch-up measured it, if more; `d0 = 0`; a drafting round is first assumed to cost what a plain one does).
 Draft times are learned only from rounds whose previous round drafted or looked back (the drafter lacked only that
-round's tokens): the first block of a request and a probe after time off include the catch-up, learned apart. So
-look-backs and probes never measure the draft's price: where a price from fewer than `SURE_DRAFT_BLOCKS` blocks is
-all that keeps drafting out after one, and the draft's forward (its catch-up) says drafting would pay, the next
-round drafts a block to measure it again (`_doubted_length`).
+round's tokens), or, for a co-located draft, measured plain decoding between blocks (`plain_due`: its one token rides
+along in the next block's first forward): the first block of a request and a probe after time off include the
+catch-up, learned apart. So look-backs and probes never measure the draft's price: where a price from fewer than
+`SURE_DRAFT_BLOCKS` blocks is all that keeps drafting out after one, and the draft's forward (its catch-up) says
+drafting would pay, the next round drafts a block to measure it again (`_doubted_length`).
 
 Pure Python, thread-safe where shared (`SharedCosts`); no services. Output never depends on it: the
 draft length changes how many tokens a round verifies, not which tokens are emitted.
