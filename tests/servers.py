@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -56,6 +57,14 @@ def threaded_server(build: Callable[[], object]):
 PORTS_PER_WORKER = 1000
 FIRST_PORT = 20000
 _next_port = itertools.count()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll `condition` until it holds: servers finish cancellations and releases on their own threads."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
 
 
 def free_port() -> int:

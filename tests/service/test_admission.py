@@ -22,7 +22,7 @@ from specwire.security.channels import secure_channel
 from specwire.target_service.__main__ import build_server
 from specwire.target_service.admission import PreparationPool
 from specwire.target_service.scheduler.options import SchedulerOptions
-from tests.servers import threaded_server
+from tests.servers import threaded_server, wait_for
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 BAD_IDS = torch.tensor([[5, 6, 10**6]])  # out of the vocabulary: INVALID_ARGUMENT once validated
@@ -131,6 +131,8 @@ def test_full_queue_refuses_before_preparation(recorded):
             finally:
                 gate.set()
                 stream.close()
+        # The cancellation frees the slot on the scheduler's thread, after close() returns.
+        wait_for(lambda: batcher.free_slots == 1)
         with TargetClient(server.address) as client:
             assert client.generate(PROMPT, max_new_tokens=2).sequences.shape == (1, 7)
 

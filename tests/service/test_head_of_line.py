@@ -9,7 +9,6 @@ timeout is longer than that deadline, so a lane loop blocking the scheduler thre
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from specwire.models import load_model
 from specwire.target_service.__main__ import build_server
 from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.scheduler.options import SchedulerOptions
-from tests.servers import threaded_server
+from tests.servers import threaded_server, wait_for
 
 PROMPT = [5, 6, 7, 8, 9]
 DRAFT_TIMEOUT_S = 120.0  # longer than the deadlines below: only the fix lets those requests finish
@@ -30,13 +29,6 @@ DEADLINE_S = 60.0
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
     return load_model(str(tiny_model_dir), progress=False)
-
-
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("path", ["batched", "lane"])

@@ -34,18 +34,11 @@ from specwire.target_service.__main__ import build_server
 from specwire.target_service.config_resolver import ConfigResolver, LruCache
 from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.scheduler.options import SchedulerOptions
-from tests.servers import free_port, threaded_server
+from tests.servers import free_port, threaded_server, wait_for
 
 PROMPT = [5, 6, 7, 8, 9]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 def health(address: str) -> int:

@@ -18,7 +18,7 @@ from specwire.target_service.__main__ import build_server
 from specwire.target_service.scheduler.batch_scheduler import BatchScheduler
 from specwire.target_service.scheduler.options import SchedulerOptions
 from specwire.target_service.scheduler.startup_probe import close_logits
-from tests.servers import threaded_server
+from tests.servers import threaded_server, wait_for
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26]]
 REPETITIVE = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]
@@ -82,13 +82,6 @@ def run_concurrently(address, cases):
         t.join(120)
     assert not errors, errors
     return outputs
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def test_batched_scheduler_is_enabled_on_the_tiny_model(batched):
