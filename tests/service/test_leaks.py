@@ -38,6 +38,7 @@ from tests.service.releases import (
     assert_released,
     cancel_after_two_deltas,
     concurrently,
+    reference,
     warmed_baseline,
 )
 
@@ -171,21 +172,23 @@ def _stream_to_the_end(address: str, kwargs: dict, started: threading.Barrier, o
         outputs.append([first, *stream][-1])
 
 
-# The draft service's process killed (a connection reset) on each scheduler; the test after this one stops a
-# draft service that serves in the test's process (a threaded server, cheaper than a process: what the target
-# sees differs only by how the stream ends).
-@pytest.mark.parametrize("scheduler, kwargs, remote", _params(REMOTE))
-def test_draft_service_killed_mid_stream_releases_everything(tiny_draft_dir, tiny_model_dir, scheduler, kwargs, remote):
+# The draft service's process killed (a connection reset) under a target of each scheduler at once (one process
+# to start, not three); the test after this one stops a draft service that serves in the test's process (a
+# threaded server, cheaper than a process: what the target sees differs only by how the stream ends).
+def test_draft_service_killed_mid_stream_releases_everything(tiny_draft_dir, tiny_model_dir):
     port = free_port()
     args = ["specwire.draft_service", "--port", str(port), "--model", str(tiny_draft_dir)]
     with ExitStack() as stack:
-        target = start_target(stack, tiny_model_dir, scheduler, f"127.0.0.1:{port}")
+        targets = [start_target(stack, tiny_model_dir, s, f"127.0.0.1:{port}") for s in SCHEDULERS]
         with subprocess_server(args, port) as draft:
-            baseline = warmed_baseline(target, kwargs)
+            for target in targets:
+                warmed_baseline(target, DRAFT_MODEL)
+            baselines = [reference(target) for target in targets]  # the process's threads after every warm-up
             outputs: list = []
-            started = threading.Barrier(3)
+            started = threading.Barrier(2 * len(targets) + 1)
             threads = [
-                threading.Thread(target=_stream_to_the_end, args=(target.address, kwargs, started, outputs))
+                threading.Thread(target=_stream_to_the_end, args=(target.address, DRAFT_MODEL, started, outputs))
+                for target in targets
                 for _ in range(2)
             ]
             for t in threads:
@@ -194,9 +197,10 @@ def test_draft_service_killed_mid_stream_releases_everything(tiny_draft_dir, tin
             draft.send_signal(signal.SIGKILL)
             for t in threads:
                 t.join(120)
-        assert len(outputs) == 2
+        assert len(outputs) == len(threads)
         assert all("draft failed mid-request" in o.speculation.fallback_reason for o in outputs)
-        assert_released(baseline, target)
+        for baseline, target in zip(baselines, targets, strict=True):
+            assert_released(baseline, target)
 
 
 @pytest.mark.parametrize("scheduler, kwargs, remote", _params(REMOTE))

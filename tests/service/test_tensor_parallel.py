@@ -244,7 +244,7 @@ def test_refused_with_the_lean_packed_forward(tiny_model_dir, tiny_draft_dir):
 
 
 def test_sigterm_stops_every_rank(services):
-    """Last in this module (it stops the shared sharded service): SIGTERM on rank 0 ends rank 1 too."""
+    """Near the end of this module (it stops the shared batched sharded service): SIGTERM on rank 0 ends rank 1 too."""
     sharded, sharded_address = services["batched"].process, services["batched"].address
     followers = _children(sharded.pid)
     assert len(followers) == 1, f"rank 0 should have started one follower, found {followers}"
@@ -261,19 +261,13 @@ def test_sigterm_stops_every_rank(services):
     )  # the follower left on rank 0's stop message, not by being killed
 
 
-def test_a_dead_follower_stops_the_service(tiny_model_dir, tiny_draft_dir):
-    """Rank 1 killed: rank 0 reports why and exits instead of waiting on collectives forever."""
-    process, address = _start(tiny_model_dir, tiny_draft_dir, "--tensor-parallel", "2")
-    try:
-        wait_healthy(address, timeout=120, process=process)
-        followers = _children(process.pid)
-        if len(followers) != 1:  # say what rank 0 printed: it starts its one follower before it serves
-            _stop(process)
-            output = process.stdout.read() if process.stdout else ""
-            pytest.fail(f"rank 0 should have one follower, found {followers}:\n{output}")
-        os.kill(followers[0], signal.SIGKILL)
-        assert process.wait(30) != 0
-        output = process.stdout.read() if process.stdout else ""
-        assert "tensor-parallel rank 1" in output and "exited with code -9" in output
-    finally:
-        _stop(process)
+def test_a_dead_follower_stops_the_service(services):
+    """Last in this module (it ends the shared sequential sharded service): rank 1 killed, rank 0 reports why
+    and exits instead of waiting on collectives forever."""
+    sharded = services["sequential"].process
+    followers = _children(sharded.pid)
+    assert len(followers) == 1, f"rank 0 should have started one follower, found {followers}"
+    os.kill(followers[0], signal.SIGKILL)
+    assert sharded.wait(30) != 0
+    output = services["sequential"].output()
+    assert "tensor-parallel rank 1" in output and "exited with code -9" in output
