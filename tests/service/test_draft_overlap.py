@@ -23,7 +23,7 @@ from specwire.models.tokenizer_digest import tokenizer_digest
 from specwire.target_service.__main__ import build_parser
 from specwire.target_service.__main__ import build_server as build_target_server
 from specwire.target_service.drafting import DraftPolicy, draft_overlap_choice
-from tests.servers import threaded_server
+from tests.servers import threaded_server, wait_for
 from tests.service.test_draft_service import Stream, feedback, servicer_of, start
 from tests.tiny_models import build_tokenizer
 
@@ -92,7 +92,7 @@ def test_greedy_equals_plain_greedy_with_overlap(stack, draft, draft_length, max
         kwargs = dict(max_new_tokens=max_new_tokens, num_assistant_tokens=draft_length, **DRAFT)
         _eventually(lambda: _generate(address, BATCH, **kwargs), lambda c: c.draft_ahead_hits > 0)
     assert s.draft_ahead_hits + s.draft_ahead_misses <= len(BATCH) * s.rounds
-    assert _settles(lambda: policy.open_streams == 0 and servicer_of(drafts).open_sessions == 0)
+    wait_for(lambda: policy.open_streams == 0 and servicer_of(drafts).open_sessions == 0)
 
 
 def test_eos_inside_a_block_drafted_ahead(stack, loaded):
@@ -148,15 +148,6 @@ def test_seeded_sampling_is_the_same_with_overlap_on_and_off(stack, draft):
     assert torch.equal(on.sequences, off.sequences)
 
 
-def _settles(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_cancel_while_drafting_ahead_frees_the_session(tiny_model_dir):
     """A stream cancelled (or half-closed) while its next block is drafted ahead: the drafting ahead stops
     at its next forward, the session closes, and the process keeps no thread."""
@@ -179,7 +170,7 @@ def test_cancel_while_drafting_ahead_frees_the_session(tiny_model_dir):
         warm = Stream(running.address)  # the model thread and the client's threads start once
         warm.send(start([[5, 6, 7]], pb.DRAFT_METHOD_MODEL, config, num_tokens=1))
         warm.close()
-        assert _settles(lambda: servicer.open_sessions == 0)
+        wait_for(lambda: servicer.open_sessions == 0)
         threads = threading.active_count()
         for ending in ("cancel", "half-close", "channel"):
             stream = Stream(running.address)
@@ -197,7 +188,7 @@ def test_cancel_while_drafting_ahead_frees_the_session(tiny_model_dir):
                 stream.close()
             else:
                 stream.channel.close()
-            assert _settles(lambda: servicer.open_sessions == 0)
+            wait_for(lambda: servicer.open_sessions == 0)
             stream.close()
             # The model thread is free again (the drafting ahead stopped): a new session answers at once.
             probe = Stream(running.address)
@@ -205,7 +196,7 @@ def test_cancel_while_drafting_ahead_frees_the_session(tiny_model_dir):
             probe.send(start([[5, 6, 7]], pb.DRAFT_METHOD_MODEL, config, num_tokens=1))
             assert time.monotonic() - began < 2.0
             probe.close()
-        assert _settles(lambda: servicer.open_sessions == 0 and threading.active_count() <= threads)
+        wait_for(lambda: servicer.open_sessions == 0 and threading.active_count() <= threads)
 
 
 def test_drafting_ahead_gives_way_to_another_sessions_answer(tiny_model_dir):
@@ -236,7 +227,7 @@ def test_drafting_ahead_gives_way_to_another_sessions_answer(tiny_model_dir):
         assert time.monotonic() - began < 2.0
         for stream in (busy, other):
             stream.close()
-        assert _settles(lambda: servicer_of(running).open_sessions == 0)
+        wait_for(lambda: servicer_of(running).open_sessions == 0)
 
 
 def test_a_block_drafted_ahead_is_cut_or_extended_to_the_length_asked(tiny_model_dir):

@@ -18,7 +18,7 @@ from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.draft_service.__main__ import build_server
 from specwire.wire.generation_config import dict_to_proto
 from specwire.wire.tensors import tensor_from_proto
-from tests.servers import threaded_server
+from tests.servers import threaded_server, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -211,16 +211,6 @@ def test_sessions_are_independent_under_concurrency(server):
     assert results == {i: [i + 2, i] for i in range(10, 30)}
 
 
-def _wait_for(predicate, timeout: float = 30.0) -> bool:
-    """Poll `predicate` until true or `timeout` passes (what the service releases, it releases async)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def servicer_of(running):
     return running.server.bindings[0].servicer
 
@@ -240,13 +230,13 @@ def test_sessions_are_counted_and_capped_with_a_retry_hint(tiny_draft):
         third.close()
         # A stream that ends (half-closed by the client) frees its place at once.
         first.close()
-        assert _wait_for(lambda: servicer.open_sessions == 1)
+        wait_for(lambda: servicer.open_sessions == 1)
         fourth = Stream(running.address)
         assert fourth.send(start([[1, 2, 1]], pb.DRAFT_METHOD_PROMPT_LOOKUP)).rows
         assert servicer.open_sessions == 2
         for stream in (second, fourth):
             stream.close()
-        assert _wait_for(lambda: servicer.open_sessions == 0)
+        wait_for(lambda: servicer.open_sessions == 0)
 
 
 def test_idle_sessions_are_ended_with_a_clear_status(tiny_draft):
@@ -260,7 +250,7 @@ def test_idle_sessions_are_ended_with_a_clear_status(tiny_draft):
             next(stream.responses)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "--session-idle-timeout" in info.value.details()
-        assert _wait_for(lambda: servicer.open_sessions == 0)
+        wait_for(lambda: servicer.open_sessions == 0)
         stream.close()
         # A stream that keeps talking is not idle, however long it lives.
         busy = Stream(running.address)
@@ -283,7 +273,7 @@ def test_cancelled_and_broken_streams_release_their_sessions(tiny_draft):
         with pytest.raises(grpc.RpcError):  # the target sends a bad feedback: the stream fails
             streams[2].send(feedback([99], [[1]]))
         streams[3].close()  # the target half-closes (its request finished)
-        assert _wait_for(lambda: servicer.open_sessions == 0)
+        wait_for(lambda: servicer.open_sessions == 0)
         for stream in streams:
             stream.close()
 

@@ -13,7 +13,7 @@ from specwire.draft_service.__main__ import build_server
 from specwire.generation.config import GenerationConfig
 from specwire.generation.speculation.drafters import open_model_drafter
 from specwire.target_service.remote_drafter import DraftChannel, RemoteDrafter
-from tests.servers import threaded_server
+from tests.servers import threaded_server, wait_for
 
 ROWS = [[5, 6, 7, 8, 9, 10, 5, 6], [20, 21, 22, 23, 20]]
 # The draft length asked each round; 0: a round of time off (no proposal, the target decodes plainly); LOOK: a
@@ -133,10 +133,7 @@ def test_a_session_closed_before_its_prefill_is_answered_ends_its_stream(channel
     remote = RemoteDrafter(channel, [list(r) for r in ROWS], config, 378, False, 30.0)
     remote.prefill()
     remote.close()  # at once: the stream waits for the prefill's answer, then ends politely
-    deadline = time.monotonic() + 30
-    while channel.open_streams and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert channel.open_streams == 0
+    wait_for(lambda: channel.open_streams == 0)
 
 
 @pytest.mark.parametrize("controlled", [True, False])

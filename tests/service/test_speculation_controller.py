@@ -10,7 +10,6 @@ so does every request with `--no-adaptive-speculation`. A cancelled stream leave
 
 from __future__ import annotations
 
-import time
 from contextlib import ExitStack
 
 import pytest
@@ -31,7 +30,7 @@ from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.requests import named_draft_fields
 from specwire.target_service.scheduler.options import SchedulerOptions
 from specwire.wire.generation_config import config_to_proto
-from tests.servers import threaded_server
+from tests.servers import threaded_server, wait_for
 from tests.service.releases import (
     PROMPT,
     Faults,
@@ -153,10 +152,7 @@ def test_controller_with_a_remote_draft_equals_plain_greedy(loaded, tiny_model_d
                 # The draft model's drafts are all accepted and pay. Prompt lookup finds little in the tiny
                 # model's text: the controller may stop asking (and not probe again in 30 tokens).
                 assert s.drafted_tokens > 0 if kwargs is DRAFT_MODEL else s.drafted_tokens or s.tokens_without_draft, s
-            deadline = time.monotonic() + 10
-            while policy.open_streams and time.monotonic() < deadline:  # streams end asynchronously
-                time.sleep(0.05)
-            assert policy.open_streams == 0
+            wait_for(lambda: policy.open_streams == 0, timeout=10)  # streams end asynchronously
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)

@@ -22,7 +22,7 @@ from specwire.client import AsyncTargetClient, ConfigClient, SpecwireRpcError, T
 from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.models import load_model
 from specwire.target_service.__main__ import build_server as build_target_server
-from tests.servers import threaded_server
+from tests.servers import threaded_server, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -331,10 +331,7 @@ def test_cancelled_stream_stops_within_a_step(stack, loaded):
         for _ in range(3):
             next(stream)
         stream.close()  # cancels the RPC
-    deadline = time.monotonic() + 10
-    while engine.active and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.active == 0
+    wait_for(lambda: engine.active == 0, timeout=10)
     steps = engine.steps_run
     time.sleep(0.3)
     assert engine.steps_run <= steps + 1
@@ -348,10 +345,7 @@ def test_deadline_exceeded_frees_the_request(stack):
         with pytest.raises(SpecwireRpcError) as info:
             client.generate(PROMPTS, max_new_tokens=5000, min_new_tokens=200, max_length=None)
     assert info.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT)
-    deadline = time.monotonic() + 10
-    while engine.active and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.active == 0
+    wait_for(lambda: engine.active == 0, timeout=10)
 
 
 def test_grpcurl_calls_generate_with_json(stack):

@@ -264,10 +264,10 @@ def test_sigterm_stops_every_rank(services):
 def test_a_dead_follower_stops_the_service(services):
     """Last in this module (it ends the shared sequential sharded service): rank 1 killed, rank 0 reports why
     and exits instead of waiting on collectives forever."""
-    sharded = services["sequential"].process
-    followers = _children(sharded.pid)
-    assert len(followers) == 1, f"rank 0 should have started one follower, found {followers}"
+    service = services["sequential"]
+    followers = _children(service.process.pid)
+    assert len(followers) == 1, f"rank 0 should have one follower, found {followers}:\n{service.output()}"
     os.kill(followers[0], signal.SIGKILL)
-    assert sharded.wait(30) != 0
-    output = services["sequential"].output()
+    assert service.process.wait(30) != 0
+    output = service.output()
     assert "tensor-parallel rank 1" in output and "exited with code -9" in output
