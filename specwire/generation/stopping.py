@@ -55,7 +55,11 @@ class MaxLengthCriteria:
         self._warned = False
 
     def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
-        cur_len = input_ids.shape[1]
+        done = self.reached(input_ids.shape[1])
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    def reached(self, cur_len: int) -> bool:
+        """Whether rows of `cur_len` tokens are done (every row is: they all have the same length)."""
         done = cur_len >= self.max_length
         if (
             not done
@@ -68,7 +72,7 @@ class MaxLengthCriteria:
                 "Generation passed the model's maximum length (%d tokens); the model may degrade or fail.",
                 self.max_position_embeddings,
             )
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+        return done
 
 
 class MaxTimeCriteria:
@@ -109,6 +113,7 @@ class EosTokenCriteria:
 
     def __init__(self, eos_token_id: int | list[int] | torch.Tensor):
         self.eos_token_id = torch.tensor(token_id_list(eos_token_id, "eos_token_id"), dtype=torch.long)
+        self.ids = frozenset(self.eos_token_id.tolist())
 
     def __call__(
         self, input_ids: torch.Tensor, scores: Any = None, new_token_length: int = 1, **kwargs: Any

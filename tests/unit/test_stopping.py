@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.generation import stopping_criteria as hf
 
+from specwire.generation.loops.stop_codes import StopCodes
 from specwire.generation.stopping import (
     ConfidenceCriteria,
     EosTokenCriteria,
@@ -150,6 +151,40 @@ def test_finish_reasons_first_criterion_in_list_order_wins():
     assert with_conf.finish_reasons(running, scores).tolist() == [FinishReason.NONE, FinishReason.EOS]
     assert crits.max_length == 4 and swapped.max_length == 4 and StoppingCriteriaList().max_length is None
     assert [int(r) for r in FinishReason] == [0, 1, 2, 3, 4, 6]  # 5 is the wire's CANCELLED
+
+
+@pytest.mark.parametrize("eos_first", [False, True])
+def test_stop_codes_by_last_token_equal_the_criteria_tensors(eos_first):
+    """`StopCodes`' Python path (a length limit and EOS ids) gives the codes of `finish_reasons` + the EOS rule."""
+    criteria = [MaxLengthCriteria(7), EosTokenCriteria([2, 7])]
+    stop = StopCodes(StoppingCriteriaList(criteria[::-1] if eos_first else criteria), [2, 7], torch.device("cpu"))
+    tensors = StopCodes(StoppingCriteriaList([*stop.criteria, MaxTimeCriteria(1e9)]), [2, 7], torch.device("cpu"))
+    assert stop.by_last_token and not tensors.by_last_token
+    seen = set()
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        for length in (1, 5, 6, 7, 9):
+            ids = torch.randint(0, 9, (6, length), generator=g)
+            codes = stop(ids, None)
+            assert codes.dtype == torch.long and torch.equal(codes, tensors(ids, None))
+            assert [stop.code(length, t) for t in ids[:, -1].tolist()] == codes.tolist()
+            seen.update(codes.tolist())
+    assert seen == {FinishReason.NONE, FinishReason.LENGTH, FinishReason.EOS}  # every branch was met
+    no_eos = StopCodes(StoppingCriteriaList([MaxLengthCriteria(3)]), None, torch.device("cpu"))
+    assert no_eos(torch.tensor([[1, 2, 2], [1, 2, 3]]), None).tolist() == [FinishReason.LENGTH] * 2
+    assert no_eos(torch.tensor([[1, 2]]), None).tolist() == [FinishReason.NONE]
+
+
+def test_stop_codes_past_the_context_warn_once_on_either_path(caplog):
+    for criteria in (
+        [MaxLengthCriteria(10, max_position_embeddings=3)],
+        [MaxLengthCriteria(10, 3), MaxTimeCriteria(1e9)],
+    ):
+        stop = StopCodes(StoppingCriteriaList(criteria), None, torch.device("cpu"))
+        caplog.clear()
+        for length in (3, 4, 5):
+            stop(torch.zeros((2, length), dtype=torch.long), None)
+        assert sum("maximum length" in r.getMessage() for r in caplog.records) == 1
 
 
 # ------------------------------------------------------------------------------------------ the factory

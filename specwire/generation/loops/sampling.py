@@ -8,6 +8,7 @@ seeded request reproduces transformers' `generate()` token for token.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -34,16 +35,31 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     """
-    The highest-scoring token of each row (first index on ties, as `torch.argmax`).
+    The highest-scoring token of each row: `torch.argmax(scores, dim=-1)`, the same indices (the first on ties,
+    a NaN counting as the highest).
+
+    On the CPU, float32 and float64 scores go through numpy's argmax: torch's takes ~145 us for one row of a
+    49k vocabulary on one thread, numpy's ~10 us, and a decoding step's argmax is part of the Python a request
+    runs between forwards (under load, every request's holds up the next packed forward).
 
     Args:
-        scores (`torch.FloatTensor` of shape `(rows, vocab_size)`):
+        scores (`torch.FloatTensor` of shape `(..., vocab_size)`):
             Processed scores.
 
     Returns:
-        `torch.LongTensor` of shape `(rows,)`.
+        `torch.LongTensor` of shape `(...)`.
     """
+    if (
+        scores.device.type == "cpu"
+        and scores.dtype in _NUMPY_ARGMAX_DTYPES
+        and scores.shape[-1]
+        and not scores.requires_grad
+    ):
+        return torch.from_numpy(np.asarray(scores.numpy().argmax(axis=-1)))
     return torch.argmax(scores, dim=-1)
+
+
+_NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64)
 
 
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

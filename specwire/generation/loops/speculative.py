@@ -58,7 +58,7 @@ def speculative_loop(
     rows: SpeculativeRows,
     input_ids: torch.Tensor,
     row_processors: list[Any],
-    row_stop_codes: Sequence[Callable[[torch.Tensor, Any], torch.Tensor]],
+    row_stop_codes: Sequence[StopCodes],
     generator: torch.Generator | None,
     open_drafter: Callable[[list[list[int]]], Drafter],
     stats: SpeculationStats,
@@ -74,7 +74,7 @@ def speculative_loop(
         rows (`SpeculativeRows`): the model-side state of the expanded rows (`RaggedRows`, `SlotRows`).
         input_ids (`torch.LongTensor` of shape `(rows, input_len)`): expanded, left-padded prompts.
         row_processors (`list`): each row's logits processors (built for a batch of one).
-        row_stop_codes (`list`): each row's stopping check, `(ids [1, len], scores) -> codes [1]`.
+        row_stop_codes (`list[StopCodes]`): each row's stopping check, `(ids [1, len], scores) -> codes [1]`.
         generator (`torch.Generator`, *optional*): the request's randomness (sampling).
         open_drafter (`Callable`): opens the drafting session for the rows' tokens so far
             (prompt without padding, plus the first generated token); may raise `DraftFailure`.

@@ -15,6 +15,8 @@ from typing import Any, cast
 
 import torch
 
+from specwire.generation.loops.sampling import greedy_tokens
+from specwire.generation.loops.stop_codes import StopCodes
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import GenerationPlan
 from specwire.generation.rows import SpeculativeRows
@@ -43,7 +45,7 @@ class _Row:
     prompt: torch.Tensor  # [input_len] (left padded as in the batch)
     generated: list[int]
     processors: Any
-    criteria: Any
+    criteria: StopCodes
     schedule: DraftSchedule
     finished: bool = False
     reason: str | None = None
@@ -75,6 +77,13 @@ class _Row:
         ids = torch.cat([self._ids, self.prompt.new_tensor(extra)[None]], dim=1)  # [1, len + extra]
         self._last = (list(extra), ids)
         return ids
+
+    def stop_code(self, extra: list[int], scores: torch.Tensor) -> int:
+        """The row's finish code (0: running) once it emitted `extra` after its tokens, `scores` the last one's."""
+        last = extra[-1] if extra else self.generated[-1] if self.generated else None
+        if self.criteria.by_last_token and last is not None:  # no `ids()` tensor to build
+            return self.criteria.code(self.prompt.shape[0] + len(self.generated) + len(extra), last)
+        return int(self.criteria(self.ids(extra), scores)[0])
 
 
 @dataclass
@@ -126,7 +135,7 @@ class SpeculativeRun:
         rows (`SpeculativeRows`): the model-side state of the expanded rows.
         input_ids (`torch.LongTensor` of shape `(rows, input_len)`): expanded, left-padded prompts.
         row_processors (`list`): each row's logits processors (built for a batch of one).
-        row_stop_codes (`list`): each row's stopping check, `(ids [1, len], scores) -> codes [1]`.
+        row_stop_codes (`list[StopCodes]`): each row's stopping check, `(ids [1, len], scores) -> codes [1]`.
         generator (`torch.Generator`, *optional*): the request's randomness (sampling).
         stats (`SpeculationStats`): filled in as the rounds go.
         reason_names (`dict`): finish-reason code -> name.
@@ -141,7 +150,7 @@ class SpeculativeRun:
         rows: SpeculativeRows,
         input_ids: torch.Tensor,
         row_processors: list[Any],
-        row_stop_codes: Sequence[Callable[[torch.Tensor, Any], torch.Tensor]],
+        row_stop_codes: Sequence[StopCodes],
         generator: torch.Generator | None,
         stats: SpeculationStats,
         reason_names: dict[int, str],
@@ -271,7 +280,7 @@ class SpeculativeRun:
                 row.scores.append(scores)
             if self.keep_logits:
                 row.logits.append(logits[r].clone())  # not a view: it would keep every row's logits alive
-            code = int(row.criteria(row.ids(), scores[None])[0])
+            code = row.stop_code([], scores[None])
             tokens.append([token])
             reasons.append(self._finish(row, code) if code else None)
         return StepEvent(step=0, tokens=tokens, finish_reasons=reasons, final=all(r.finished for r in self.state))
@@ -496,9 +505,9 @@ class SpeculativeRun:
         pays them every round, and under load its round's Python holds the model thread's forwards up)."""
         emitted, codes = [], []
         for r, row in enumerate(self.state):
-            token = int(scores[r][0].argmax())
+            token = int(greedy_tokens(scores[r][0]))
             emitted.append([token])
-            codes.append(int(row.criteria(row.ids([token]), scores[r][0:1])[0]))
+            codes.append(row.stop_code([token], scores[r][0:1]))
         return _Outcome(emitted, [0] * len(self.state), codes)
 
     def _stop_fn(
@@ -513,7 +522,7 @@ class SpeculativeRun:
                 row, code = self.state[r], 0
                 # A row's criteria run only where `crop_at_stops` reads them, as far as its first stop.
                 if not row.finished and i not in fired and j <= len(tokens[i]):
-                    code = int(row.criteria(row.ids(tokens[i][:j]), scores[r][j - 1 : j])[0])
+                    code = row.stop_code(tokens[i][:j], scores[r][j - 1 : j])
                     if code:
                         fired.add(i)
                 codes.append(code)
@@ -669,7 +678,7 @@ def _grammar_allowed(row: _Row, draft: list[int]) -> list[int]:
 def _greedy_or_sample(plan: GenerationPlan, scores: torch.Tensor, generator: torch.Generator | None) -> int:
     if plan.do_sample:
         return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
-    return int(scores.argmax(-1))
+    return int(greedy_tokens(scores))
 
 
 def _unpadded(row: _Row, mask: torch.Tensor | None) -> list[int]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from specwire.generation.stopping import build_stopping_criteria
+from specwire.generation.stopping import EosTokenCriteria, MaxLengthCriteria, build_stopping_criteria
 from specwire.vocabulary import FINISH_REASON_NAMES, FinishReason
 
 __all__ = ["StopCodes", "reason_names"]
@@ -36,6 +36,11 @@ class StopCodes:
     def __init__(self, criteria: Any, eos_token_ids: list[int] | None, device: torch.device):
         self.criteria = criteria
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device) if eos_token_ids else None
+        self._eos_ids = frozenset(eos_token_ids or ())
+        # A length limit and EOS ids (a request's usual criteria) decide from the rows' length and last tokens:
+        # in Python, not the dozen small tensor ops of `finish_reasons`, which were the costliest part of a
+        # decoding step's own work (under load, every request's holds up the next packed forward).
+        self.by_last_token = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in criteria)
 
     @classmethod
     def for_plan(
@@ -62,8 +67,23 @@ class StopCodes:
 
     def __call__(self, input_ids: torch.Tensor, scores: Any) -> torch.Tensor:
         """`FinishReason` code per row `[rows]` (0 = still running) for `input_ids` `[rows, len]`."""
+        if self.by_last_token and input_ids.shape[1]:
+            length = input_ids.shape[1]
+            by_row = [self.code(length, token) for token in input_ids[:, -1].tolist()]
+            return torch.tensor(by_row, dtype=torch.long, device=input_ids.device)
         codes: torch.Tensor = self.criteria.finish_reasons(input_ids, scores).to(input_ids.device)  # [rows]
         if self.eos is not None:
             ended_on_eos = torch.isin(input_ids[:, -1], self.eos)
             codes = torch.where((codes == FinishReason.LENGTH) & ended_on_eos, int(FinishReason.EOS), codes)
         return codes
+
+    def code(self, length: int, last_token: int) -> int:
+        """The code of a row of `length` tokens ending in `last_token`, for criteria decided `by_last_token`."""
+        code = 0
+        for criterion in self.criteria:
+            if criterion.reached(length) if type(criterion) is MaxLengthCriteria else last_token in criterion.ids:
+                code = int(criterion.finish_reason)
+                break
+        if code == FinishReason.LENGTH and last_token in self._eos_ids:
+            return int(FinishReason.EOS)
+        return code

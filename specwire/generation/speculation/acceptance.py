@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specwire.generation.loops.sampling import greedy_tokens
+
 __all__ = [
     "AcceptResult",
     "Generators",
@@ -190,7 +192,7 @@ def greedy_accept(
     lengths = _check_drafts(draft_tokens, draft_lengths)
     rows, k = draft_tokens.shape
     _check_target(target_logits, rows, k, "target_logits")
-    selected = target_logits.argmax(dim=-1)  # [rows, k + 1]
+    selected = greedy_tokens(target_logits)  # [rows, k + 1]
 
     weights = _row_weights(ensemble_weight, rows)
     if any(weight is not None for weight in weights) and k > 0:

@@ -27,6 +27,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from specwire.generation.loops.sampling import greedy_tokens
 from specwire.generation.speculation.drafters import DraftFailure, Proposal, _draft_processors
 from specwire.generation.speculation.mtp import FedByHiddenStates, HiddenStates, _fit, _Row
 
@@ -147,7 +148,7 @@ class DFlashDrafter(FedByHiddenStates):
             if self.do_sample:
                 token = int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator))
             else:
-                token = int(scores.argmax(-1))
+                token = int(greedy_tokens(scores))
             if self.return_probs:
                 row.probs.append(scores.softmax(-1)[0])
             row.drafted.append(token)

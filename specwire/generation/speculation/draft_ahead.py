@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from specwire.generation.loops.sampling import greedy_tokens
 from specwire.generation.speculation.drafters import ModelDrafter, Proposal
 
 __all__ = ["AHEAD_HIT", "AHEAD_MISS", "AHEAD_NONE", "OverlappingModelDrafter"]
@@ -141,7 +142,7 @@ class OverlappingModelDrafter(ModelDrafter):
             if self.finished[i] or self.ahead[i] is not None or (block and block[-1] in self.eos):
                 continue  # a block ending in EOS ends the row when accepted
             base = row.tokens + block
-            guess = int(self._processed(i, base).argmax(-1))
+            guess = int(greedy_tokens(self._processed(i, base)))
             ahead = _Ahead(block, guess, self.generator.get_state() if self.generator is not None else None)
             ahead.guess_ends = guess in self.eos
             if not ahead.guess_ends:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 
+from specwire.generation.loops.sampling import greedy_tokens
 from specwire.generation.rows import accepts_argument
 from specwire.generation.speculation.prompt_lookup import (
     BannedFn,
@@ -303,7 +304,7 @@ class ModelDrafter:
         if checks:
             offset = first - 1 - (end - all_logits.shape[1] + 1)  # the logits of position first - 1
             logits = all_logits[0, offset : offset + checks].float()
-            guessed = logits.argmax(-1)
+            guessed = greedy_tokens(logits)
             right = guessed == torch.tensor(row.tokens[first : first + checks], device=guessed.device)
             sure = ~self.confidence(guessed, logits) if self.confidence.enabled else torch.ones_like(right)
             row.hindsight += Hindsight(checks, int((right & sure).sum()), int(sure.sum()))
@@ -437,7 +438,7 @@ class ModelDrafter:
                 token = int(torch.multinomial(q, 1, generator=self.generator))
                 row_probs.append(q[0])
             else:
-                token = int(scores.argmax(-1))
+                token = int(greedy_tokens(scores))
                 if self.return_probs:
                     row_probs.append(scores.softmax(-1)[0])
             if states is not None and self.generator is not None:

@@ -29,6 +29,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from specwire.generation.loops.sampling import greedy_tokens
 from specwire.generation.speculation.drafters import DraftFailure, Proposal, _draft_processors
 
 __all__ = ["HiddenStates", "MtpDrafter", "bind_hidden_states", "mtp_layer_count", "open_mtp_drafter"]
@@ -205,7 +206,7 @@ class MtpDrafter(FedByHiddenStates):
             if self.do_sample:
                 token = int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator))
             else:
-                token = int(scores.argmax(-1))
+                token = int(greedy_tokens(scores))
             if self.return_probs:
                 row.probs.append(scores.softmax(-1)[0])
             row.drafted.append(token)
