@@ -18,7 +18,7 @@ def test_greedy_tokens_are_torch_argmax(shape, dtype):
 
 
 def test_greedy_tokens_ties_infinities_nan_and_views_as_torch():
-    scores = torch.randn(6, 100, generator=torch.Generator().manual_seed(1))
+    scores = torch.randn(5, 100, generator=torch.Generator().manual_seed(1))
     scores[0, [3, 7]] = float("nan")  # the first NaN counts as the highest
     scores[1, [5, 9]] = 1e9  # ties: the first index
     scores[2] = -float("inf")  # everything masked: index 0
@@ -26,7 +26,7 @@ def test_greedy_tokens_ties_infinities_nan_and_views_as_torch():
     scores[4, 60] = float("nan")
     scores[4, 10] = float("inf")
     expected = torch.argmax(scores, dim=-1)
-    assert greedy_tokens(scores).tolist() == expected.tolist() == [3, 5, 0, 2, 60, expected[5].item()]
+    assert greedy_tokens(scores).tolist() == expected.tolist() == [3, 5, 0, 2, 60]
     strided = scores[:, ::3]
     assert torch.equal(greedy_tokens(strided), torch.argmax(strided, dim=-1))
     with torch.inference_mode():

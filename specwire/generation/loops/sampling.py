@@ -33,6 +33,10 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+# The score dtypes `greedy_tokens` hands to numpy on the CPU (the loops pick from float32 scores; no bfloat16 in numpy).
+_NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64)
+
+
 def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     """
     The highest-scoring token of each row: `torch.argmax(scores, dim=-1)`, the same indices (the first on ties,
@@ -57,9 +61,6 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     ):
         return torch.from_numpy(np.asarray(scores.numpy().argmax(axis=-1)))
     return torch.argmax(scores, dim=-1)
-
-
-_NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64)
 
 
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
