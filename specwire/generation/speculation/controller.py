@@ -164,8 +164,9 @@ class ControllerOptions:
             `num_assistant_tokens` (20), which its heuristic schedule grows past while blocks are kept whole: on
             the low-acceptance prompt's answer, all kept after its first 20 tokens, blocks up to 32 made the
             co-located draft ~7% faster than blocks up to 20.
-        probe_length (`int`, *optional*, defaults to 3): the block drafted after time off (3, not 2: on a
-            CPU a verify forward of 4 tokens can cost less than one of 3, see `SizedCost`).
+        probe_length (`int`, *optional*, defaults to 5): the block drafted after time off (a probe; a greedy
+            request with a draft model looks back instead, `look_back`). Not 2: on a CPU a verify forward of
+            more tokens can cost less than one of 3 (see `SizedCost`).
         off_rounds (`int`, *optional*, defaults to 4): rounds of plain decoding before the first probe.
         max_off_rounds (`int`, *optional*, defaults to 256): the longest time off, after failed probes.
         margin (`float`, *optional*, defaults to 0.02): how much faster than plain decoding drafting must
