@@ -50,12 +50,12 @@ from typing import Any
 import torch
 
 from specwire.errors import Cancelled, DeadlineExceeded, FieldProblem, SpecwireError
-from specwire.generation.loops.sampling import make_generator
 from specwire.generation.loops.stop_codes import StopCodes, reason_names
 from specwire.generation.outputs import GenerationResult, outputs_wanted
 from specwire.generation.planning import GenerationPlan, model_limits
 from specwire.generation.plugins import Plugin, plugin_failed
 from specwire.generation.processors import build_logits_processors
+from specwire.generation.sampling import make_generator
 from specwire.generation.stopping import MaxTimeCriteria, StoppingCriteriaList
 from specwire.vocabulary import FINISH_LENGTH, FINISH_REASONS, FINISH_TIME
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specwire.generation.loops.sampling import greedy_tokens
+from specwire.generation.sampling import greedy_tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])

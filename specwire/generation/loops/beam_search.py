@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specwire.generation.loops.sampling import sample_without_replacement
+from specwire.generation.sampling import sample_without_replacement
 
 # Score given to impossible choices (unused beams at step 0, ended candidates, blocked slots).
 IMPOSSIBLE = -1.0e9

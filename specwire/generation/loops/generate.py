@@ -5,7 +5,7 @@ Generation is a sequence of *steps over a batch of rows* (`specwire.generation.r
 the processors (`processors`) and stopping criteria (`stopping`) are built, and one of the loops runs:
 greedy/multinomial sampling (`loops.sample`) or beam search and beam-sample (`loops.beam`);
 speculative decoding (`loops.speculative`) reuses this module's steps. A loop applies the logits
-processors, picks tokens (`loops.sampling`, or the vectorised `BeamSearch` of `loops.beam_search`),
+processors, picks tokens (`generation.sampling`, or the vectorised `BeamSearch` of `loops.beam_search`),
 runs the stopping criteria and records outputs. It is a Python generator: each step yields a
 `StepEvent`, and the final `GenerationResult` is the generator's return value (`StopIteration.value`).
 Cancellation is the caller closing or abandoning the generator: no work runs past the current step.
@@ -38,12 +38,12 @@ from specwire.generation.loops.contrastive import contrastive_loop
 from specwire.generation.loops.dola import DolaContrast
 from specwire.generation.loops.group_beam import group_beam_loop
 from specwire.generation.loops.sample import sample_loop
-from specwire.generation.loops.sampling import make_generator
 from specwire.generation.loops.stop_codes import StopCodes
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import GenerationPlan, model_limits, prepare_generation
 from specwire.generation.processors import build_logits_processors
 from specwire.generation.rows import RowBatch, Rows
+from specwire.generation.sampling import make_generator
 
 __all__ = ["drain", "generate", "generate_from_plan", "iter_generate"]
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from specwire.generation.loops.sampling import select_tokens
 from specwire.generation.loops.stop_codes import StopCodes, reason_names
 from specwire.generation.outputs import GenerationResult, StepEvent, outputs_wanted
 from specwire.generation.planning import GenerationPlan
 from specwire.generation.rows import Rows
+from specwire.generation.sampling import select_tokens
 from specwire.vocabulary import FINISH_LENGTH
 
 __all__ = ["StepStops", "sample_loop"]

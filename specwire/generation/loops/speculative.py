@@ -38,13 +38,13 @@ import torch
 from specwire.generation.config import GenerationMode, is_synthid_watermark, uses_static_cache
 from specwire.generation.healing import heal_same_shape
 from specwire.generation.loops.generate import generate_from_plan
-from specwire.generation.loops.sampling import make_generator
 from specwire.generation.loops.speculative_rounds import SpeculativeRun
 from specwire.generation.loops.stop_codes import StopCodes, reason_names
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import GenerationPlan, model_limits, prepare_generation
 from specwire.generation.processors import build_logits_processors
 from specwire.generation.rows import RaggedRows, SpeculativeRows
+from specwire.generation.sampling import make_generator
 from specwire.generation.speculation.controller import SpeculationController
 from specwire.generation.speculation.drafters import Drafter
 from specwire.generation.speculation.mtp import HiddenStates, bind_hidden_states

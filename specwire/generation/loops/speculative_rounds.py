@@ -15,11 +15,11 @@ from typing import Any, cast
 
 import torch
 
-from specwire.generation.loops.sampling import greedy_tokens
 from specwire.generation.loops.stop_codes import StopCodes
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import GenerationPlan
 from specwire.generation.rows import SpeculativeRows
+from specwire.generation.sampling import greedy_tokens
 from specwire.generation.speculation.acceptance import (
     AcceptResult,
     crop_at_stops,

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specwire.generation.loops.sampling import greedy_tokens
+from specwire.generation.sampling import greedy_tokens
 
 __all__ = [
     "AcceptResult",

@@ -27,7 +27,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from specwire.generation.loops.sampling import greedy_tokens
+from specwire.generation.sampling import greedy_tokens
 from specwire.generation.speculation.drafters import DraftFailure, Proposal, _draft_processors
 from specwire.generation.speculation.mtp import FedByHiddenStates, HiddenStates, _fit, _Row
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from specwire.generation.loops.sampling import greedy_tokens
+from specwire.generation.sampling import greedy_tokens
 from specwire.generation.speculation.drafters import ModelDrafter, Proposal
 
 __all__ = ["AHEAD_HIT", "AHEAD_MISS", "AHEAD_NONE", "OverlappingModelDrafter"]

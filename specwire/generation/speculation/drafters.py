@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 
-from specwire.generation.loops.sampling import greedy_tokens
 from specwire.generation.rows import accepts_argument
+from specwire.generation.sampling import greedy_tokens
 from specwire.generation.speculation.prompt_lookup import (
     BannedFn,
     SuffixMatcher,

@@ -29,7 +29,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from specwire.generation.loops.sampling import greedy_tokens
+from specwire.generation.sampling import greedy_tokens
 from specwire.generation.speculation.drafters import DraftFailure, Proposal, _draft_processors
 
 __all__ = ["HiddenStates", "MtpDrafter", "bind_hidden_states", "mtp_layer_count", "open_mtp_drafter"]
