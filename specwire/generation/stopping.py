@@ -55,11 +55,11 @@ class MaxLengthCriteria:
         self._warned = False
 
     def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
-        done = self.reached(input_ids.shape[1])
+        done = self.fires_on(input_ids.shape[1])
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
-    def reached(self, cur_len: int) -> bool:
-        """Whether rows of `cur_len` tokens are done (every row is: they all have the same length)."""
+    def fires_on(self, cur_len: int, last_token: int | None = None) -> bool:
+        """Whether a row of `cur_len` tokens is done (every row is: they all have the same length)."""
         done = cur_len >= self.max_length
         if (
             not done
@@ -121,6 +121,10 @@ class EosTokenCriteria:
         """Check the last `new_token_length` tokens of each row (> 1 after an accepted speculative block)."""
         eos = self.eos_token_id.to(input_ids.device)
         return torch.isin(input_ids[:, -new_token_length:], eos).any(dim=-1)
+
+    def fires_on(self, cur_len: int, last_token: int) -> bool:
+        """Whether a row ending in `last_token` is done (`new_token_length` 1)."""
+        return last_token in self.ids
 
 
 class ConfidenceCriteria:
@@ -505,12 +509,37 @@ class StoppingCriteriaList(list[Any]):
         return reasons
 
     @property
+    def decides_by_last_token(self) -> bool:
+        """Whether every criterion that names a finish reason is a length limit or EOS ids (a request's usual
+        list): `finish_reason_by_last_token` then gives `finish_reasons`' code of a row from its length and last
+        token, in Python, without the small tensor ops a decoding step would pay for them."""
+        return all(
+            type(criterion) in _DECIDED_BY_LAST_TOKEN
+            for criterion in self
+            if getattr(criterion, "finish_reason", FinishReason.NONE) != FinishReason.NONE
+        )
+
+    def finish_reason_by_last_token(self, cur_len: int, last_token: int) -> int:
+        """`finish_reasons`' code of a row of `cur_len` tokens ending in `last_token`, for a list that
+        `decides_by_last_token`: the first criterion in list order that fires, `NONE` (0) for a running row."""
+        for criterion in self:
+            reason = int(getattr(criterion, "finish_reason", FinishReason.NONE))
+            if reason != FinishReason.NONE and criterion.fires_on(cur_len, last_token):
+                return reason
+        return int(FinishReason.NONE)
+
+    @property
     def max_length(self) -> int | None:
         """The `max_length` of the first `MaxLengthCriteria`, or None."""
         for criterion in self:
             if isinstance(criterion, MaxLengthCriteria):
                 return criterion.max_length
         return None
+
+
+# The criteria `StoppingCriteriaList.finish_reason_by_last_token` decides for (exactly these types: a subclass may
+# change what `__call__` does).
+_DECIDED_BY_LAST_TOKEN = (MaxLengthCriteria, EosTokenCriteria)
 
 
 def build_stopping_criteria(

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from specwire.generation.stopping import EosTokenCriteria, MaxLengthCriteria, build_stopping_criteria
+from specwire.generation.stopping import StoppingCriteriaList, build_stopping_criteria
 from specwire.vocabulary import FINISH_REASON_NAMES, FinishReason
 
 __all__ = ["StopCodes", "reason_names"]
@@ -33,14 +33,14 @@ class StopCodes:
             The device of the sequences the codes are computed for.
     """
 
-    def __init__(self, criteria: Any, eos_token_ids: list[int] | None, device: torch.device):
+    def __init__(self, criteria: StoppingCriteriaList, eos_token_ids: list[int] | None, device: torch.device):
         self.criteria = criteria
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device) if eos_token_ids else None
         self._eos_ids = frozenset(eos_token_ids or ())
         # A length limit and EOS ids (a request's usual criteria) decide from the rows' length and last tokens:
         # in Python, not the dozen small tensor ops of `finish_reasons`, which were the costliest part of a
         # decoding step's own work (under load, every request's holds up the next packed forward).
-        self.by_last_token = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in criteria)
+        self.by_last_token = criteria.decides_by_last_token
 
     @classmethod
     def for_plan(
@@ -79,11 +79,7 @@ class StopCodes:
 
     def code(self, length: int, last_token: int) -> int:
         """The code of a row of `length` tokens ending in `last_token`, for criteria decided `by_last_token`."""
-        code = 0
-        for criterion in self.criteria:
-            if criterion.reached(length) if type(criterion) is MaxLengthCriteria else last_token in criterion.ids:
-                code = int(criterion.finish_reason)
-                break
+        code = self.criteria.finish_reason_by_last_token(length, last_token)
         if code == FinishReason.LENGTH and last_token in self._eos_ids:
             return int(FinishReason.EOS)
         return code
