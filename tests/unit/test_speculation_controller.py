@@ -93,7 +93,8 @@ def test_prior_before_any_measurement_drafts_a_few_tokens():
 def test_time_off_then_probes_that_back_off_then_resume(budget, first_gaps):
     costs = _costs(draft=(0.005, 0.030))
     # A probe costs 0.06 s more than a plain round of 0.032 s: within a 5 % budget, 38 plain rounds (capped at 8).
-    options = ControllerOptions(off_rounds=2, max_off_rounds=8, probe_length=2, probe_budget=budget)
+    # The estimates decide (`loss_budget=None`): this test's rounds are not what the shared costs say.
+    options = ControllerOptions(off_rounds=2, max_off_rounds=8, probe_length=2, probe_budget=budget, loss_budget=None)
     always = AcceptanceEstimate(prior_mean=0.999, prior_strength=1e6)
     controller = SpeculationController(costs, "draft_model", options=options, continuation=always)
 
@@ -488,7 +489,7 @@ def test_a_look_back_under_load_counts_the_wait_of_those_sharing_the_draft():
     when they wait, not for requests that only share the target's forwards."""
     costs = _curve_costs(draft_per_token=0.005)
     costs.observe_catch_up("draft_model", 400, 0.4)  # 1 ms a token
-    options = ControllerOptions(off_rounds=2)
+    options = ControllerOptions(off_rounds=2, loss_budget=None)  # alone, a co-located draft would draft at once
 
     def look_back_made(**kwargs) -> bool:
         controller = SpeculationController(costs, "draft_model", options=options, look_back=True, **kwargs)
@@ -856,8 +857,10 @@ def test_a_probe_re_measures_a_doubtful_draft_price_too():
 
 def test_drafting_goes_on_near_break_even_where_it_would_not_start():
     """Hysteresis: a block needs `margin` over plain decoding to start drafting and only `keep_margin` to go on, so
-    estimates hovering at the break-even point do not stop and resume drafting (each stop a time off) every block."""
+    estimates hovering at the break-even point do not stop and resume drafting (each stop a time off) every block.
+    (`loss_budget=None`: alone, the rounds would decide, `test_drafting_alone_goes_on_by_its_rounds...`.)"""
     costs = _costs()
+    by_estimates = ControllerOptions(loss_budget=None)
 
     def edge(controller: SpeculationController) -> float:  # the best block's expected rate over plain decoding's
         prices = controller._prices()
@@ -874,19 +877,57 @@ def test_drafting_goes_on_near_break_even_where_it_would_not_start():
         assert edge(controller) == pytest.approx(ratio, abs=1e-3)
         return controller
 
-    def after_a_block(**kwargs) -> SpeculationController:
-        controller = _controller(costs, 0.5, **kwargs)
+    def after_a_block(options: ControllerOptions = by_estimates) -> SpeculationController:
+        controller = _controller(costs, 0.5, options=options)
         controller.observe(2, [2], [2], [1], 0.010 * 2, 0.030 + 0.002 * 3, 3)  # on the measured lines
         return controller
 
-    fresh = pinned(_controller(costs, 0.5), 1.01)  # 1% faster than plain decoding: within the 2% margin
+    fresh = pinned(_controller(costs, 0.5, options=by_estimates), 1.01)  # 1% faster than plain: within the 2% margin
     assert fresh.next_length() == 0 and fresh.off  # does not start
     going = pinned(after_a_block(), 1.01)
     assert going.next_length() > 0 and not going.off  # goes on
     slower = pinned(after_a_block(), 0.99)
     assert slower.next_length() == 0 and slower.off  # stops where plain decoding is expected faster
-    strict = pinned(after_a_block(options=ControllerOptions(keep_margin=0.02)), 1.01)
+    strict = pinned(after_a_block(ControllerOptions(keep_margin=0.02, loss_budget=None)), 1.01)
     assert strict.next_length() == 0  # without the hysteresis it would stop
+
+
+def test_drafting_alone_goes_on_by_its_rounds_within_the_loss_budget():
+    """A co-located request alone on the target drafts from its first round and goes on by what its rounds gain or
+    lose, asking for the longest block (the drafter ends it where it is unsure), where its estimates say plain decoding
+    wins: until the rounds have lost `loss_budget` of the request's plain decoding (gains refunding up to that much).
+    With another request on the target, the estimates decide."""
+    budget = 0.03 * 0.032 * 100  # of 100 plain rounds
+
+    def alone_and_drafting(**kwargs) -> SpeculationController:
+        # Costs of its own (a plain round 32 ms, a drafted token 10 ms): a target measures a plain round every
+        # `plain_every` rounds with drafts, which would fall among the rounds below.
+        controller = _controller(_costs(), 0.3, shares_device=True, look_back=True, **kwargs)
+        k = controller.next_length(remaining=100, behind=10)
+        controller.observe(k, [k], [1], [0], 0.5, 0.034, 2, behind=10)  # the prompt's catch-up: not counted
+        return controller
+
+    def losing_round(controller: SpeculationController) -> int:  # one token in 42 ms, 10 ms over a plain round
+        k = controller.next_length(remaining=100, behind=1)
+        if k:
+            controller.observe(k, [k], [1], [0], 0.008, 0.034, 2, behind=1)
+        return k
+
+    controller = alone_and_drafting()
+    assert controller.best_length(100) == 0  # the estimates: plain decoding wins
+    assert controller.excess_s == 0.0 and not controller.off
+    lengths = [losing_round(controller) for _ in range(11)]
+    assert lengths == [32] * 10 + [0] and controller.off  # 10 ms a round: past the budget after the tenth
+    assert controller.excess_s == pytest.approx(0.100) and controller.excess_s > budget
+
+    refunded = alone_and_drafting()
+    k = refunded.next_length(remaining=100, behind=1)
+    refunded.observe(k, [k], [19], [19], 0.19, 0.11, 20, behind=1)  # 20 tokens in 0.3 s, 0.64 s of plain rounds
+    assert refunded.excess_s == pytest.approx(-budget)  # gains bank no more than the budget
+    assert [losing_round(refunded) for _ in range(21)] == [32] * 20 + [0]  # twice the budget to lose
+
+    loaded = alone_and_drafting(load=lambda: 1)
+    assert losing_round(loaded) == 0 and loaded.off  # under load, the estimates decide
 
 
 def test_the_debug_line_names_the_best_block_even_when_plain_decoding_wins(caplog):

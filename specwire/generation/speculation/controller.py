@@ -59,6 +59,14 @@ probe after which drafting still does not pay at least doubles the time off (up 
 it long enough that the probe's extra cost stays within `probe_budget` of it; a probe that pays resumes drafting
 and resets it.
 
+Drafting judged by its rounds. A draft model's request alone on the target and on its draft (`_by_rounds`), once
+drafting, goes on by what its own rounds did instead of by the estimates: it asks for the longest block (the drafter
+ends it after a draft it is unsure of) for as long as its drafting rounds have cost no more than `loss_budget` of the
+request's plain decoding over plain decoding of the tokens they emitted (rounds that gain refund, up to that much),
+and takes time off past it (`_length_by_rounds`). The estimates read the past, and an answer that starts hard for the
+draft and turns easy (chat) had stopped drafting before the turn. Under load the estimates decide: a block's price
+there is also what it costs the others, which a request's own rounds do not show.
+
 Look-backs. A greedy draft model's request (`look_back`) ends its time off with a look-back instead: the drafter
 only catches up on the target's tokens and reports how many of them it would have drafted itself, and whether it
 would have gone on after each (`drafters.Hindsight`: its greedy guesses, checked against tokens the target
@@ -72,10 +80,11 @@ look-back after which drafting would not pay is followed by the time off after w
 measured them, `SharedCosts.look_back_line`), or after twice the last time off where that is shorter (and at
 least a quarter of it): the next one may see a later part of the answer, and an answer's start is where acceptance
 changes most. One that would pay resumes drafting. Such a request with a co-located draft drafts from its first
-round where the draft's prefill of the prompt costs no more than `probe_budget` of the rest and drafting pays at its
-estimates (the target's priors, `_drafts_at_once`): a verify of a few drafts costs about a plain round
-(`specwire.runtime.lean_decoder`, small blocks) and a draft unsure of the answer's first tokens stops after one or
-two, so a first block costs a draft forward or two where it is rejected. Otherwise (a remote draft, a long prompt)
+round where the draft's prefill of the prompt costs no more than `probe_budget` of the rest and its rounds judge
+its drafting (alone on the target) or drafting pays at its estimates (the target's priors, `_drafts_at_once`): a
+verify of a few drafts costs about a plain round (`specwire.runtime.lean_decoder`, small blocks) and a draft unsure
+of the answer's first tokens stops after one or two, so a first block costs a draft forward or two where it is
+rejected. Otherwise (a remote draft, a long prompt)
 it starts with time off, and its first look-back checks the draft on the answer's first tokens; it is skipped, like
 any look-back, where the rest of the request cannot repay the draft's prefill of the prompt (a long prompt, a short
 answer). A look-back that reports nothing (a draft service without hindsight) turns the request to probes.
@@ -188,6 +197,10 @@ class ControllerOptions:
             A co-located draft's probe or look-back delays every request waiting for the device, a remote
             one every request drafting with the same draft service: its extra cost counts once per request
             (`shares_device`, `draft_load`).
+        loss_budget (`float`, *optional*, defaults to 0.03): a draft model's request alone on the target (and on
+            its draft) drafts on, whatever the estimates say, until its drafting rounds have cost this much of the
+            plain decoding of the whole request more than plain decoding of the tokens they emitted (`_by_rounds`);
+            None: the estimates alone decide.
     """
 
     max_length: int = 32
@@ -198,6 +211,7 @@ class ControllerOptions:
     keep_margin: float = 0.0
     probe_budget: float = 0.05
     plain_every: int = 32
+    loss_budget: float | None = 0.03
 
     def __post_init__(self) -> None:
         if self.max_length < 1 or self.probe_length < 1 or self.off_rounds < 1:
@@ -205,6 +219,8 @@ class ControllerOptions:
                 f"max_length, probe_length and off_rounds must be >= 1, got {self.max_length}, "
                 f"{self.probe_length}, {self.off_rounds}."
             )
+        if self.loss_budget is not None and self.loss_budget < 0:
+            raise ValueError(f"loss_budget must be >= 0 (or None), got {self.loss_budget}.")
         if self.max_off_rounds < self.off_rounds:
             raise ValueError(f"max_off_rounds ({self.max_off_rounds}) must be >= off_rounds ({self.off_rounds}).")
 
@@ -300,6 +316,7 @@ class SpeculationController:
     length: int | None = None  # the tokens per row the request may generate, as its first decision was told
     kept_seen: tuple[float, float] = (0.0, 0.0)  # drafts the model predicted kept and the target kept, recent rounds
     explored_s: float = 0.0  # what look-backs and probes cost over plain rounds since drafting last resumed
+    excess_s: float = 0.0  # drafting rounds' seconds over plain decoding of their tokens (`_by_rounds`)
 
     def __post_init__(self) -> None:
         self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
@@ -505,6 +522,7 @@ class SpeculationController:
             self.length = remaining
         if self.look_back and not self.decided and self._drafts_at_once(remaining, behind):
             self.off_period = self.off_left = 0  # no time off first: the first round drafts
+            self.drafting = self._by_rounds()  # its rounds judge it from the first block on
         self.decided = True
         if self.off_left > 0:
             self.off_left -= 1
@@ -525,7 +543,10 @@ class SpeculationController:
         if self.recheck:  # drafted whatever the measured price says: it measures that price again
             k, self.recheck = self.recheck, 0
             return _within(k, remaining)
-        k = self.best_length(remaining, behind, margin=self.options.keep_margin if self.drafting else None)
+        if self.drafting and self._by_rounds():
+            k = self._length_by_rounds(remaining)
+        else:
+            k = self.best_length(remaining, behind, margin=self.options.keep_margin if self.drafting else None)
         if k == 0:  # this round is the first of the time off
             self.off_period = self.options.off_rounds
             self.off_left = self.off_period - 1
@@ -534,7 +555,8 @@ class SpeculationController:
     def _drafts_at_once(self, remaining: int | None, behind: int) -> bool:
         """Whether a look-back request drafts from its first round instead of starting with time off: its draft is
         co-located (`shares_device`), the draft's prefill of the prompt is within what a first look-back may cost
-        (`_probe_affordable`), and drafting pays at the request's estimates (the target's priors, `best_length`).
+        (`_probe_affordable`), and its rounds judge its drafting (`_by_rounds`) or drafting pays at the request's
+        estimates (the target's priors, `best_length`).
 
         Time off first cost the low-acceptance prompt's answer its start: 4 plain rounds and a look-back for 5
         tokens, then blocks of one or two drafts, where transformers' constant schedule had drafted those from the
@@ -548,7 +570,48 @@ class SpeculationController:
         drafting at once."""
         if not self.shares_device or remaining is None or not self._probe_affordable(remaining, behind):
             return False
-        return self.best_length(remaining, behind) > 0
+        # Alone, its rounds judge the drafting from the first block (`_by_rounds`): the priors need not say it pays.
+        return self._by_rounds() or self.best_length(remaining, behind) > 0
+
+    def _by_rounds(self) -> bool:
+        """Whether this request's drafting goes on by what its own drafting rounds gained or lost
+        (`_length_by_rounds`) rather than by the estimates: a draft model's request (prompt lookup's rounds without a
+        match are plain ones), with a `loss_budget`, alone on the target and on its draft (with others waiting, a
+        block also costs them, which its own rounds do not show), whose drafted token costs less than a plain round
+        (a dearer one never pays, and one longest block of it could cost more than the budget)."""
+        if self.options.loss_budget is None or self.all_or_nothing or self._others() or self._sharers() != 1.0:
+            return False
+        prices = self.costs.prices(self.proposer)
+        return prices.draft[1] * self.rows < prices.plain(self.rows)
+
+    def _length_by_rounds(self, remaining: int | None) -> int:
+        """The longest block while the drafting rounds' seconds over plain decoding of their tokens (`excess_s`, gains
+        refunding up to the budget) are within `loss_budget` of the whole request's plain decoding; 0 past it.
+
+        The longest: the drafter ends a block after a draft it is unsure of, so a long one costs only where the draft
+        is sure, and is mostly kept there. The estimates read the past and the answer turns: SmolLM2's int8 draft is
+        sure and right of ~0.44 of a chat answer's first 16 tokens and of nearly all after token ~50, and requests
+        whose estimates had read the start stopped drafting and missed the easy rest (co-located, 6 alternating
+        triples on 2 cores, twice: 0.92x and 1.00x of plain greedy, where drafting on by its rounds ran 1.11x and
+        1.29x; the low-acceptance prompt 1.18x and 1.07x against 1.31x and 1.24x). The budget bounds what drafting
+        on costs where the answer stays hard: a few percent of the request, as a look-back's."""
+        plain_s = self.costs.prices(self.proposer).plain(self.rows)
+        budget = self._loss_budget()
+        k = _within(self.options.max_length, remaining) if self.excess_s <= budget else 0
+        log.debug(
+            "%s: k=%d by its rounds (%.1f ms over plain decoding's %.1f ms rounds, budget %.1f ms)",
+            self.proposer,
+            k,
+            self.excess_s * 1e3,
+            plain_s * 1e3,
+            budget * 1e3,
+        )
+        return k
+
+    def _loss_budget(self) -> float:
+        """`loss_budget` of the plain decoding of the whole request (`length` tokens per row), in seconds."""
+        budget = self.options.loss_budget or 0.0
+        return budget * self.costs.prices(self.proposer).plain(self.rows) * (self.length or 0)
 
     def _probe_affordable(self, remaining: int, behind: int) -> bool:
         """Whether a probe's expected extra cost (over a plain round) is within `probe_budget` of the plain
@@ -684,6 +747,11 @@ class SpeculationController:
         elif (asked or self.looking_back) and behind > 1:  # the drafter caught up: what drafting does not explain
             d0, d1 = self.costs.prices(self.proposer).draft
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
+        if asked and not self.probing and behind <= 1:  # a drafting round (a prefill is a one-off, afforded apart)
+            plain_s = self.costs.prices(self.proposer).plain(self.rows)
+            emitted = sum(min(m, n) + 1 for k, n, m in zip(wanted, drafted, accepted, strict=True) if k)
+            excess = self.excess_s + draft_s + verify_s - emitted * plain_s / self.rows
+            self.excess_s = max(excess, -self._loss_budget())  # gains bank no more than the budget
         if self.looking_back and behind:
             self.costs.observe_look_back(self.proposer, behind, draft_s)
         between_blocks = not asked and not self.looking_back and not self.off_period  # a round measuring plain decoding
