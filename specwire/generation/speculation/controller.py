@@ -84,10 +84,10 @@ round where the draft's prefill of the prompt costs no more than `probe_budget` 
 its drafting (alone on the target) or drafting pays at its estimates (the target's priors, `_drafts_at_once`): a
 verify of a few drafts costs about a plain round (`specwire.runtime.lean_decoder`, small blocks) and a draft unsure
 of the answer's first tokens stops after one or two, so a first block costs a draft forward or two where it is
-rejected. Otherwise (a remote draft, a long prompt)
-it starts with time off, and its first look-back checks the draft on the answer's first tokens; it is skipped, like
-any look-back, where the rest of the request cannot repay the draft's prefill of the prompt (a long prompt, a short
-answer). A look-back that reports nothing (a draft service without hindsight) turns the request to probes.
+rejected. Otherwise (a remote draft, a long prompt) it starts with time off, and its first look-back checks the
+draft on the answer's first tokens; it is skipped, like any look-back, where the rest of the request cannot repay
+the draft's prefill of the prompt (a long prompt, a short answer). A look-back that reports nothing (a draft service
+without hindsight) turns the request to probes.
 
 The rest of the request. The loop tells the controller how many tokens the request may still generate
 and how many tokens the drafter has not seen yet (`behind`: the whole context before its first block,
