@@ -596,22 +596,23 @@ class SpeculationController:
         1.29x; the low-acceptance prompt 1.18x and 1.07x against 1.31x and 1.24x). The budget bounds what drafting
         on costs where the answer stays hard: a few percent of the request, as a look-back's."""
         plain_s = self.costs.prices(self.proposer).plain(self.rows)
-        budget = self._loss_budget()
+        budget = self._loss_budget(plain_s)
         k = _within(self.options.max_length, remaining) if self.excess_s <= budget else 0
-        log.debug(
-            "%s: k=%d by its rounds (%.1f ms over plain decoding's %.1f ms rounds, budget %.1f ms)",
-            self.proposer,
-            k,
-            self.excess_s * 1e3,
-            plain_s * 1e3,
-            budget * 1e3,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s: k=%d by its rounds (%.1f ms over plain decoding's %.1f ms rounds, budget %.1f ms)",
+                self.proposer,
+                k,
+                self.excess_s * 1e3,
+                plain_s * 1e3,
+                budget * 1e3,
+            )
         return k
 
-    def _loss_budget(self) -> float:
-        """`loss_budget` of the plain decoding of the whole request (`length` tokens per row), in seconds."""
-        budget = self.options.loss_budget or 0.0
-        return budget * self.costs.prices(self.proposer).plain(self.rows) * (self.length or 0)
+    def _loss_budget(self, plain_s: float) -> float:
+        """`loss_budget` of the plain decoding of the whole request (`length` tokens per row, a round `plain_s`
+        seconds), in seconds."""
+        return (self.options.loss_budget or 0.0) * plain_s * (self.length or 0)
 
     def _probe_affordable(self, remaining: int, behind: int) -> bool:
         """Whether a probe's expected extra cost (over a plain round) is within `probe_budget` of the plain
@@ -747,11 +748,12 @@ class SpeculationController:
         elif (asked or self.looking_back) and behind > 1:  # the drafter caught up: what drafting does not explain
             d0, d1 = self.costs.prices(self.proposer).draft
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
-        if asked and not self.probing and behind <= 1:  # a drafting round (a prefill is a one-off, afforded apart)
+        judged = self.options.loss_budget is not None and not self.all_or_nothing  # `_by_rounds` may read `excess_s`
+        if judged and asked and not self.probing and behind <= 1:  # a drafting round (a prefill is afforded apart)
             plain_s = self.costs.prices(self.proposer).plain(self.rows)
             emitted = sum(min(m, n) + 1 for k, n, m in zip(wanted, drafted, accepted, strict=True) if k)
             excess = self.excess_s + draft_s + verify_s - emitted * plain_s / self.rows
-            self.excess_s = max(excess, -self._loss_budget())  # gains bank no more than the budget
+            self.excess_s = max(excess, -self._loss_budget(plain_s))  # gains bank no more than the budget
         if self.looking_back and behind:
             self.costs.observe_look_back(self.proposer, behind, draft_s)
         between_blocks = not asked and not self.looking_back and not self.off_period  # a round measuring plain decoding
