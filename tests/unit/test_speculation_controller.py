@@ -671,30 +671,6 @@ def test_a_cost_not_measured_again_over_16_requests_is_forgotten():
     assert _draft_block(costs, 2) == pytest.approx(0.024, rel=0.05)  # the line through their mean
 
 
-def test_a_cost_not_measured_again_for_a_minute_is_forgotten_at_the_next_request():
-    """A price measured in a slow spell of the machine (a co-located draft at ~200 ms a token) stops every request
-    from drafting, however few requests follow: `stale_after_s` seconds on, the next request starts from the prior and
-    measures it anew. The request that measured it keeps it, however long it runs."""
-    now = [0.0]
-    costs = SharedCosts(stale_after_s=60.0, clock=lambda: now[0])
-    SpeculationController(costs, "draft_model")
-    for k in (1, 2, 3, 4):
-        costs.observe_draft("draft_model", k, 0.2 * k)
-        costs.observe_catch_up("draft_model", 10 * k, 0.1 + 0.01 * k)
-        costs.observe_verify(1 + k, 0.3, drafted=True)
-    now[0] = 600.0
-    assert _draft_block(costs, 3) == pytest.approx(0.6, rel=0.05)  # the same request: still known
-    assert costs.verify() is not None and costs.catch_up_line("draft_model") is not None
-    SpeculationController(costs, "draft_model")
-    now[0] = 601.0
-    assert costs.draft("draft_model", 0.03) == pytest.approx((0.0, 0.2 * 0.03))  # the prior again
-    assert costs.catch_up_line("draft_model") is None and costs.verify() is None
-    costs.observe_draft("draft_model", 2, 0.024)
-    SpeculationController(costs, "draft_model")
-    now[0] = 660.0  # 59 s later, another request: measured recently enough
-    assert _draft_block(costs, 2) == pytest.approx(0.024, rel=0.05)
-
-
 def _draft_block(costs: SharedCosts, k: int) -> float:
     d0, d1 = costs.draft("draft_model", 0.03)
     return d0 + d1 * k

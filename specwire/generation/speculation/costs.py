@@ -8,7 +8,6 @@ Pure Python, thread-safe; no services.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -47,10 +46,9 @@ KEPT_FACTOR_BOUNDS = (1.0, 2.0)
 # first (short) blocks: 2 drafts in 58 ms priced a drafted token at 29 ms where it costs ~17 (SmolLM2's int8 draft,
 # co-located on 2 cores, the first block on a fresh target).
 DRAFT_FIXED_RATIO = 1.0
-# How long a draft, catch-up or verify cost stays known for without being measured again (`SharedCosts._stale`):
-# this many requests, or this many seconds once a later request has started.
+# How many requests a draft, catch-up or verify cost stays known for without being measured again
+# (`SharedCosts._current`).
 STALE_AFTER_REQUESTS = 16
-STALE_AFTER_S = 60.0
 
 
 class _Measured(NamedTuple):
@@ -109,9 +107,6 @@ class SharedCosts:
             14.3 serial on the same pinned cores).
         stale_after_requests (`int`, *optional*, defaults to `STALE_AFTER_REQUESTS`): a draft, catch-up or
             verify cost not measured again over this many requests (`new_request`) is forgotten.
-        stale_after_s (`float`, *optional*, defaults to `STALE_AFTER_S`): such a cost not measured again for this
-            many seconds is forgotten too, once a request has started since (`_stale`).
-        clock (`Callable[[], float]`, *optional*, defaults to `time.monotonic`): seconds, for `stale_after_s`.
     """
 
     def __init__(
@@ -120,18 +115,14 @@ class SharedCosts:
         draft_slope_prior: float = 0.2,
         look_back_slope_prior: float = 0.05,
         stale_after_requests: int = STALE_AFTER_REQUESTS,
-        stale_after_s: float = STALE_AFTER_S,
-        clock: Callable[[], float] = time.monotonic,
     ):
         self.verify_slope_prior = verify_slope_prior
         self.draft_slope_prior = draft_slope_prior
         self.look_back_slope_prior = look_back_slope_prior
         self.stale_after_requests = stale_after_requests
-        self.stale_after_s = stale_after_s
-        self._clock = clock
         self._requests = 0  # controllers made on this target (`new_request`)
-        # (draft | ahead | catch_up | look_back | verify, proposer) -> (`_requests`, clock) when last measured
-        self._measured_at: dict[tuple[str, str], tuple[int, float]] = {}
+        # (draft | ahead | catch_up | look_back | verify, proposer) -> `_requests` when last measured
+        self._measured_at: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._verify = SizedCost()  # rounds with drafts
         self._plain = SizedCost()  # rounds without
@@ -148,20 +139,21 @@ class SharedCosts:
         with self._lock:
             if drafted:
                 self._forget_stale_verify()
-                self._stamp("verify", "")
+                self._measured_at[("verify", "")] = self._requests
             (self._verify if drafted else self._plain).observe(tokens, seconds)
             self._since_plain = self._since_plain + 1 if drafted else 0
 
     def _forget_stale_verify(self) -> None:
-        """Rounds with drafts, once stale, are forgotten (under the lock), as a draft cost is (`_stale`): measured in a
-        burst, each request's verify waits for the others' in the packed forward, and such a price keeps every
-        request off drafting once the burst is over."""
-        if self._stale("verify", ""):
+        """Rounds with drafts not measured for `stale_after_requests` are forgotten (under the lock), as a draft cost is
+        (`_current`): measured in a burst, each request's verify waits for the others' in the packed forward, and
+        such a price keeps every request off drafting once the burst is over."""
+        at = self._measured_at.get(("verify", ""))
+        if at is not None and self._requests - at > self.stale_after_requests:
             self._verify = SizedCost()
             del self._measured_at[("verify", "")]
 
     def new_request(self) -> None:
-        """A request's controller was made: unmeasured costs age by one request (`_stale`)."""
+        """A request's controller was made: unmeasured costs age by one request (`stale_after_requests`)."""
         with self._lock:
             self._requests += 1
 
@@ -198,7 +190,7 @@ class SharedCosts:
         with self._lock:
             self._current(table, kind, proposer)  # a stale line is not extended
             table.setdefault(proposer, LinearCost()).observe(k, seconds)
-            self._stamp(kind, proposer)
+            self._measured_at[(kind, proposer)] = self._requests
 
     def ahead(self, proposer: str) -> tuple[float, float] | None:
         """`(h0, h1)`: a round whose drafts were drafted ahead costs about `h0 + h1 * k` for `k` drafts; None until
@@ -212,7 +204,7 @@ class SharedCosts:
         with self._lock:
             self._current(self._catch_up, "catch_up", proposer)
             self._catch_up.setdefault(proposer, LinearCost()).observe(tokens, max(seconds, 0.0))
-            self._stamp("catch_up", proposer)
+            self._measured_at[("catch_up", proposer)] = self._requests
 
     def observe_look_back(self, proposer: str, tokens: int, seconds: float) -> None:
         """A look-back caught the drafter up on `tokens` in `seconds`: its whole wall time, the call and a forward's
@@ -220,7 +212,7 @@ class SharedCosts:
         with self._lock:
             self._current(self._look_backs, "look_back", proposer)
             self._look_backs.setdefault(proposer, LinearCost()).observe(tokens, seconds)
-            self._stamp("look_back", proposer)
+            self._measured_at[("look_back", proposer)] = self._requests
 
     def look_back_line(self, proposer: str) -> tuple[float, float] | None:
         """`(fixed, per token)` seconds of a look-back over that many tokens; None until two were measured (one,
@@ -230,33 +222,18 @@ class SharedCosts:
             return cost.fit(self.look_back_slope_prior) if cost is not None and cost.observations >= 2 else None
 
     def _current(self, table: dict[str, LinearCost], kind: str, proposer: str) -> LinearCost | None:
-        """`table`'s cost of `proposer`, forgotten once stale (`_stale`; under the lock)."""
+        """`table`'s cost of `proposer`, forgotten once not measured over `stale_after_requests` (under the lock).
+
+        A cost measured under a burst (8 clients' drafts served in turn by one draft service: ~20x a single
+        request's) stops every request from drafting, so nothing measures it again: it would outlive the burst
+        for as long as the target runs. Forgotten, the next request drafts or looks back from the prior and
+        measures it anew (a few rounds every `stale_after_requests` requests where drafting does not pay). Counted
+        in requests, not seconds: sparse traffic that drafts keeps its costs between requests."""
         cost = table.get(proposer)
-        if cost is not None and self._stale(kind, proposer):
+        if cost is not None and self._requests - self._measured_at[(kind, proposer)] > self.stale_after_requests:
             del table[proposer]
             return None
         return cost
-
-    def _stamp(self, kind: str, proposer: str) -> None:
-        """`kind`'s cost of `proposer` was measured now (under the lock)."""
-        self._measured_at[(kind, proposer)] = (self._requests, self._clock())
-
-    def _stale(self, kind: str, proposer: str) -> bool:
-        """Whether `kind`'s cost of `proposer` went unmeasured over `stale_after_requests` requests, or for
-        `stale_after_s` seconds with a request started since (under the lock).
-
-        A cost measured under a burst (8 clients' drafts served in turn by one draft service: ~20x a single
-        request's) or in a slow spell of a shared machine stops every request from drafting, so nothing measures it
-        again: it would outlive the burst or the spell for as long as the target runs (a co-located draft priced at
-        ~206 ms a drafted token in one slow request drafted in no later request of a benchmark run, at 2.5x that
-        speed). Forgotten, the next request drafts or looks back from the prior and measures it anew: a few rounds
-        of one request a minute, or every `stale_after_requests` requests, where drafting does not pay. Never within
-        the request that measured it: a long request's time off keeps the prices it decided on."""
-        at = self._measured_at.get((kind, proposer))
-        if at is None:
-            return False
-        requests, seconds = self._requests - at[0], self._clock() - at[1]
-        return requests > self.stale_after_requests or (requests > 0 and seconds > self.stale_after_s)
 
     def draft(self, proposer: str, verify_intercept: float) -> tuple[float, float]:
         """`(d0, d1)`: draft seconds = `d0 + d1 * k`, from the prior until `proposer` was measured.
