@@ -920,6 +920,16 @@ def test_drafting_alone_goes_on_by_its_rounds_within_the_loss_budget():
     assert lengths == [32] * 10 + [0] and controller.off  # 10 ms a round: past the budget after the tenth
     assert controller.excess_s == pytest.approx(0.100) and controller.excess_s > budget
 
+    # Rounds that keep a draft lose too (two tokens in 76 ms, 12 ms over two plain rounds); the drafter then lacks
+    # both tokens the round emitted (`behind` 2), and such rounds count as well.
+    keeping = alone_and_drafting()
+    lengths = []
+    for _ in range(10):
+        lengths.append(keeping.next_length(remaining=100, behind=2))
+        if lengths[-1]:
+            keeping.observe(lengths[-1], [lengths[-1]], [2], [1], 0.016, 0.060, 3, behind=2)
+    assert lengths == [32] * 9 + [0] and keeping.excess_s == pytest.approx(0.108)
+
     refunded = alone_and_drafting()
     k = refunded.next_length(remaining=100, behind=1)
     refunded.observe(k, [k], [19], [19], 0.19, 0.11, 20, behind=1)  # 20 tokens in 0.3 s, 0.64 s of plain rounds

@@ -749,7 +749,11 @@ class SpeculationController:
             d0, d1 = self.costs.prices(self.proposer).draft
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
         judged = self.options.loss_budget is not None and not self.all_or_nothing  # `_by_rounds` may read `excess_s`
-        if judged and asked and not self.probing and behind <= 1:  # a drafting round (a prefill is afforded apart)
+        # Every drafting round whose drafter lacked only the last round's tokens (the catch-up on a prompt or after
+        # time off is afforded apart). Not `behind <= 1`: after a round that kept drafts the drafter lacks those too
+        # (`behind` is the tokens the last round emitted), and counting only the rounds after a rejected first draft,
+        # a pinned serial target drafted a code edit on at 0.76x of plain decoding, its count 0.06 s over plain.
+        if judged and asked and not self.probing and self.caught_up:
             plain_s = self.costs.prices(self.proposer).plain(self.rows)
             emitted = sum(min(m, n) + 1 for k, n, m in zip(wanted, drafted, accepted, strict=True) if k)
             excess = self.excess_s + draft_s + verify_s - emitted * plain_s / self.rows
