@@ -579,10 +579,20 @@ class SpeculationController:
         match are plain ones), with a `loss_budget`, alone on the target and on its draft (with others waiting, a
         block also costs them, which its own rounds do not show), whose drafted token costs less than a plain round
         (a dearer one never pays, and one longest block of it could cost more than the budget)."""
-        if self.options.loss_budget is None or self.all_or_nothing or self._others() or self._sharers() != 1.0:
+        if not self._rounds_may_judge or self._others() or self._sharers() != 1.0:
             return False
         prices = self.costs.prices(self.proposer)
         return prices.draft[1] * self.rows < prices.plain(self.rows)
+
+    @property
+    def _rounds_may_judge(self) -> bool:
+        """Whether `_by_rounds` can ever hold for this request (a draft model's, with a `loss_budget`): only then is
+        `excess_s` kept."""
+        return self.options.loss_budget is not None and not self.all_or_nothing
+
+    def _plain_round(self) -> float:
+        """Seconds of a round without drafts for this request's rows, at the target's current prices."""
+        return self.costs.prices(self.proposer).plain(self.rows)
 
     def _length_by_rounds(self, remaining: int | None) -> int:
         """The longest block while the drafting rounds' seconds over plain decoding of their tokens (`excess_s`, gains
@@ -595,7 +605,7 @@ class SpeculationController:
         triples on 2 cores, twice: 0.92x and 1.00x of plain greedy, where drafting on by its rounds ran 1.11x and
         1.29x; the low-acceptance prompt 1.18x and 1.07x against 1.31x and 1.24x). The budget bounds what drafting
         on costs where the answer stays hard: a few percent of the request, as a look-back's."""
-        plain_s = self.costs.prices(self.proposer).plain(self.rows)
+        plain_s = self._plain_round()
         budget = self._loss_budget(plain_s)
         k = _within(self.options.max_length, remaining) if self.excess_s <= budget else 0
         if log.isEnabledFor(logging.DEBUG):
@@ -748,13 +758,12 @@ class SpeculationController:
         elif (asked or self.looking_back) and behind > 1:  # the drafter caught up: what drafting does not explain
             d0, d1 = self.costs.prices(self.proposer).draft
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
-        judged = self.options.loss_budget is not None and not self.all_or_nothing  # `_by_rounds` may read `excess_s`
         # Every drafting round whose drafter lacked only the last round's tokens (the catch-up on a prompt or after
         # time off is afforded apart). Not `behind <= 1`: after a round that kept drafts the drafter lacks those too
         # (`behind` is the tokens the last round emitted), and counting only the rounds after a rejected first draft,
         # a pinned serial target drafted a code edit on at 0.76x of plain decoding, its count 0.06 s over plain.
-        if judged and asked and not self.probing and self.caught_up:
-            plain_s = self.costs.prices(self.proposer).plain(self.rows)
+        if self._rounds_may_judge and asked and not self.probing and self.caught_up:
+            plain_s = self._plain_round()
             emitted = sum(min(m, n) + 1 for k, n, m in zip(wanted, drafted, accepted, strict=True) if k)
             excess = self.excess_s + draft_s + verify_s - emitted * plain_s / self.rows
             self.excess_s = max(excess, -self._loss_budget(plain_s))  # gains bank no more than the budget
@@ -771,7 +780,7 @@ class SpeculationController:
             # then drafted less on chat, 10.7 tok/s against 11.3).
             self.caught_up = asked > 0 or self.looking_back
         if self.looking_back or self.probing:  # what trying cost over a plain round (`_probe_affordable`)
-            plain_s = verify_s if self.looking_back else self.costs.prices(self.proposer).plain(self.rows)
+            plain_s = verify_s if self.looking_back else self._plain_round()
             self.explored_s += max(draft_s + verify_s - plain_s, 0.0) * self._sharers()
         if self.looking_back:
             if not checked:
