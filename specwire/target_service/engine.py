@@ -563,7 +563,7 @@ class _AnnouncedDrafter:
         self.drafter = drafter
         self.drafting = drafting
 
-    def __getattr__(self, name: str) -> Any:  # a drafter's optional parts (`RemoteDrafter.prefill`, `catch_up`)
+    def __getattr__(self, name: str) -> Any:  # a drafter's optional parts (`RemoteDrafter.prefill`, `prefilled`)
         return getattr(self.drafter, name)
 
     def propose(self, num_tokens: int) -> Proposal:

@@ -18,9 +18,6 @@ Prefill apart (`prefill()`): a session opened on the prompt alone, before the ta
 `DraftStart` at once and reads the answer at the first `propose`, so the draft service prefills the prompt on its
 own device while the target prefills (the target service opens an overlapped draft's sessions so,
 `DraftPolicy.prefills_apart`: where the draft service shares the target's cores, early prefills slow the target).
-Catching up apart (`catch_up()`) does the same for the tokens of the speculation controller's time off: the pending
-feedback goes out at once, asking for no drafts, and the answer (the draft's hindsight of those tokens) is read once
-it is there, without waiting for it.
 
 Overlap (`DraftPolicy.draft_overlap`, `--draft-overlap`, `drafting.draft_overlap_choice`): draft-model
 streams ask the draft service to draft the next block ahead while this target verifies
@@ -215,8 +212,7 @@ class RemoteDrafter:
         self.call: Any = None
         self.closed = False
         self.failed = False  # a round failed: close() cancels instead of ending politely
-        # The answer to a request sent apart (`prefill()`'s DraftStart, `catch_up()`'s feedback), not read yet.
-        self.early: concurrent.futures.Future | None = None
+        self.early: concurrent.futures.Future | None = None  # the answer to a DraftStart sent by `prefill()`
         self.channel.run(self._open())
 
     async def _open(self) -> None:
@@ -247,43 +243,18 @@ class RemoteDrafter:
         self.early = self.channel.begin(self._exchange(pb.DraftRequest(start=start)))
 
     @property
-    def answered(self) -> bool:
-        """Whether the draft service has answered what was sent apart (`prefill()`, `catch_up()`), or none was sent."""
+    def prefilled(self) -> bool:
+        """Whether the draft service has answered the `DraftStart` sent by `prefill()` (or none was sent)."""
         return self.early is None or self.early.done()
 
-    def catch_up(self) -> tuple[list[Hindsight] | None, bool]:
-        """Catch the draft service up on the target's tokens now, asking for no drafts, without waiting for it: the
-        pending feedback goes out unless an answer to a request sent apart is still on its way (one at a time).
-
-        Returns the hindsight of the answer it read (None: none was there), and whether it sent a request. That
-        hindsight is the caller's (the next proposal does not carry it); an answer still on its way is read by the
-        next `propose`, whose proposal then carries its hindsight too."""
-        if self.closed or self.start is not None or not self.answered:
-            return None, False
-        heard = self.wait_apart()
-        if self.pending is None:
-            return heard, False
-        feedback, self.pending = self.pending, None
-        feedback.num_tokens = 0
-        self.early = self.channel.begin(self._exchange(pb.DraftRequest(feedback=feedback)))
-        return heard, True
-
-    def wait_apart(self) -> list[Hindsight] | None:
-        """Wait for the answer to what was sent apart, if anything (within the round deadline), and check it: its
-        hindsight (None: nothing was sent)."""
-        if self.early is None:
-            return None
-        early, self.early = self.early, None
-        return self._answer_apart(early).hindsight
-
-    def _answer_apart(self, early: concurrent.futures.Future) -> Proposal:
-        """Wait for the answer to a request sent apart (within the round deadline) and check it."""
+    def _answer_to_prefill(self, early: concurrent.futures.Future) -> None:
+        """Wait for the answer to `prefill()`'s `DraftStart` (within the round deadline) and check it."""
         timeout = remaining(self.timeout, deadline=self.deadline)
         try:
-            return self._proposal(early.result(timeout), 0)
+            self._proposal(early.result(timeout), 0)
         except concurrent.futures.TimeoutError:
             self.failed = True
-            raise DraftFailure(f"the draft's catch-up took longer than the {timeout:.2f}s round deadline") from None
+            raise DraftFailure(f"the draft's prefill took longer than the {timeout:.2f}s round deadline") from None
         except (DraftFailure, concurrent.futures.CancelledError) as exc:
             self.failed = True
             raise DraftFailure(str(exc) or "the draft stream was cancelled") from None
@@ -291,7 +262,9 @@ class RemoteDrafter:
     def propose(self, num_tokens: int) -> Proposal:
         if self.closed:
             raise DraftFailure("the draft stream is closed")
-        heard = self.wait_apart()
+        if self.early is not None:
+            early, self.early = self.early, None
+            self._answer_to_prefill(early)
         if self.start is not None and num_tokens == 0 and any(self.before_start):
             # A look-back before any block: the session opens on the prompt alone, then hears the target's
             # tokens as feedback, so the draft service checks its guesses of them (hindsight) rather than
@@ -310,15 +283,11 @@ class RemoteDrafter:
             message = pb.DraftRequest(start=self.start)
             self.start = None
         else:
-            # Nothing pending: the last round's tokens went out apart (`catch_up`), so no row has news.
-            feedback = self.pending or pb.DraftFeedback(rows=[pb.RowFeedback() for _ in range(self.num_rows)])
+            feedback = self.pending or pb.DraftFeedback()
             feedback.num_tokens = num_tokens
             message = pb.DraftRequest(feedback=feedback)
             self.pending = None
-        proposal = self._ask(message, num_tokens)
-        if heard is not None and proposal.hindsight is not None:  # the catch-up read first checked tokens too
-            proposal.hindsight = [a + b for a, b in zip(heard, proposal.hindsight, strict=True)]
-        return proposal
+        return self._ask(message, num_tokens)
 
     def _ask(self, message: pb.DraftRequest, num_tokens: int) -> Proposal:
         timeout = remaining(self.timeout, deadline=self.deadline)  # min(--draft-timeout, the caller's time)
@@ -393,7 +362,7 @@ class RemoteDrafter:
     async def _goodbye(self) -> None:
         call = self.call
         try:
-            if self.early is not None and not self.failed:  # one read at a time: the answer sent apart first
+            if self.early is not None and not self.failed:  # one read at a time: the prefill's answer first
                 await asyncio.wait_for(asyncio.wrap_future(self.early), _GOODBYE_S)
             if not self.failed:
                 # Half-close and wait for the service's OK: the session ends cleanly (and the stream's

@@ -92,25 +92,19 @@ def test_a_proposal_drafted_ahead_says_so(tiny_draft, channel):
         local.close()
 
 
-def _prefilled_apart(tiny_draft, channel, overlap: bool) -> tuple:
-    """A local drafter past the prompt's prefill, and a remote one whose `prefill()` was sent (not waited for)."""
-    config = GenerationConfig(eos_token_id=2, assistant_confidence_threshold=0.0)
-    local = open_model_drafter(tiny_draft.model, [list(r) for r in ROWS], config, 378, return_probs=False)
-    remote = RemoteDrafter(channel, [list(r) for r in ROWS], config, 378, False, 30.0, overlap=overlap)
-    local.propose(0)  # the prompt's prefill, as the draft service makes it for `prefill()`
-    remote.prefill()
-    return local, remote
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_session_prefilled_apart_drafts_what_one_started_later_does(tiny_draft, channel, overlap):
     """`prefill()` sends the DraftStart before the target's first token: the draft service catches up on the prompt
     meanwhile, hears the time off as feedback, and then checks and drafts as a session started on the same tokens."""
-    local, remote = _prefilled_apart(tiny_draft, channel, overlap)
+    config = GenerationConfig(eos_token_id=2, assistant_confidence_threshold=0.0)
+    local = open_model_drafter(tiny_draft.model, [list(r) for r in ROWS], config, 378, return_probs=False)
+    remote = RemoteDrafter(channel, [list(r) for r in ROWS], config, 378, False, 30.0, overlap=overlap)
+    local.propose(0)  # the prompt's prefill, as the draft service makes it for `prefill()`
     try:
+        remote.prefill()
         assert remote.early is not None and remote.start is None  # sent, not waited for
         remote.early.result(30)
-        assert remote.answered
+        assert remote.prefilled
         checked = 0
         for round_, length in enumerate([0, 0, 0, LOOK, 3, 0, 2]):
             accepted = [0, 0]
@@ -145,9 +139,8 @@ def test_a_session_closed_before_its_prefill_is_answered_ends_its_stream(channel
 @pytest.mark.parametrize("controlled", [True, False])
 def test_a_remote_draft_prefills_the_prompt_while_the_target_does(tiny_model_dir, channel, controlled):
     """With `prefill_apart` the decoding loop opens the session on the prompt before the target's prefill and tells it
-    the first token as feedback; with the controller, the tokens of its time off then reach the draft service apart
-    the round before its look-back (`catch_up`), which catches up on nothing more. The output is plain greedy's, with
-    the controller and with transformers' schedule named."""
+    the first token as feedback; the controller then prices its first look-back by the tokens after the prompt. The
+    output is plain greedy's, with the controller and with transformers' schedule named."""
     from specwire.generation.config import merge
     from specwire.generation.loops.generate import drain, generate
     from specwire.generation.loops.speculative import iter_speculative
@@ -166,13 +159,6 @@ def test_a_remote_draft_prefills_the_prompt_while_the_target_does(tiny_model_dir
             events.append(("prefill", [list(row.ids) for row in self.start.rows]))
             super().prefill()
             self.early.result(30)  # the draft service's prefill is done before the target's: no race in the test
-
-        def catch_up(self):
-            heard, sent = super().catch_up()
-            events.append(("catch_up", sent))
-            if sent:
-                self.early.result(30)  # caught up before the next round, as a draft on its own device mostly is
-            return heard, sent
 
         def feedback(self, num_accepted, appended, finished):
             events.append(("feedback", appended))
@@ -207,43 +193,6 @@ def test_a_remote_draft_prefills_the_prompt_while_the_target_does(tiny_model_dir
     if controlled:
         behind = [value for kind, value in events if kind == "behind"]
         assert behind[0] == 1  # the first token: the prompt was prefilled apart, not `len(prompt) + 1` tokens
-        # The time off's tokens went out apart the round before its look-back, which then lacks none of them.
-        sent = events.index(("catch_up", True))
-        assert next(value for kind, value in events[sent:] if kind == "behind") == 0
-        assert stats.probes >= 1
+        assert stats.probes >= 1  # the time off ended in a look-back, priced by the tokens after the prompt
     else:
         assert events[2] == ("propose", 4) and stats.drafted_tokens > 0  # the schedule drafts from the first round
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_session_caught_up_apart_drafts_what_one_caught_up_at_once_does(tiny_draft, channel, overlap):
-    """`catch_up()` in the rounds of time off sends their tokens at once, asking for no drafts, and reads the answer
-    without waiting: the next proposals are the ones a session that heard the whole time off with them makes, and the
-    hindsight of the time off's tokens comes with the answers read (and with the proposal, for one still on its way)."""
-    local, remote = _prefilled_apart(tiny_draft, channel, overlap)
-    try:
-        heard, checked, sent_any = [], 0, False
-        for round_, length in enumerate([0, 0, 0, 3, 0, 0, 0, 0, 2, 0, LOOK, 4]):
-            accepted = [0, 0]
-            if length == LOOK or length:
-                want, got = local.propose(max(length, 0)), remote.propose(max(length, 0))
-                assert got.tokens == want.tokens, f"round {round_}"
-                checked += sum(h.checked for h in got.hindsight)
-                if length > 0:
-                    accepted = [len(want.tokens[0]), 0]
-            appended = [[(31 * round_ + 7 * r) % 300 + 3] for r in range(len(ROWS))]
-            local.feedback(accepted, appended, [False, False])
-            remote.feedback(accepted, appended, [False, False])
-            if length == 0:
-                answer, sent = remote.catch_up()
-                sent_any = sent_any or sent
-                if answer is not None:
-                    heard.append(answer)
-                if round_ % 2 and remote.early is not None:
-                    remote.early.result(30)  # answered before the next round: read by the next catch-up
-        checked += sum(h.checked for answer in heard for h in answer)
-        assert sent_any and heard
-        assert checked > 0
-    finally:
-        remote.close()
-        local.close()

@@ -446,32 +446,6 @@ def test_look_backs_end_the_time_off_and_resume_drafting_where_it_would_have_pai
     assert costs.priors("draft_model")[0] != SpeculationController(SharedCosts(), "draft_model").acceptance.mean
 
 
-def test_a_drafter_on_its_own_device_catches_up_the_round_before_a_look_back_and_is_heard():
-    """`catches_up_apart` holds in the last round of a time off only (the next one looks back), for a request alone on
-    its draft; what the catch-up apart reports is learned as a look-back's hindsight (`hear`), and the look-back after
-    it, catching up on one token, decides on both."""
-    costs = _curve_costs(draft_per_token=0.005)
-    options = ControllerOptions(off_rounds=3, max_off_rounds=64)
-    controller = SpeculationController(costs, "draft_model", options=options, look_back=True)
-    wanted = []
-    for _ in range(3):
-        assert controller.next_length(remaining=500) == 0 and not controller.looking_back
-        controller.observe(0, [0], [0], [0], 0.0, 0.036, 1)
-        wanted.append(controller.catches_up_apart)
-    assert wanted == [False, False, True]
-    before = controller.acceptance.mean
-    controller.hear((3, 3, 3))  # the draft would have had all three tokens of the time off
-    assert controller.acceptance.mean > before and controller.off  # learned; the look-back decides
-    assert controller.next_length(remaining=500) == 0 and controller.looking_back
-    controller.observe(0, [0], [0], [0], 0.005, 0.036, 1, behind=1, hindsight=(1, 1, 1))
-    assert not controller.off and controller.next_length(remaining=500) > 0
-    crowded = SpeculationController(costs, "draft_model", options=options, look_back=True, draft_load=lambda: 2)
-    for _ in range(3):
-        crowded.next_length(remaining=500)
-        crowded.observe(0, [0], [0], [0], 0.0, 0.036, 1)
-    assert not crowded.catches_up_apart  # others drafting there would wait for it
-
-
 @pytest.mark.parametrize(
     "prompt, colocated, at_once", [(40, True, True), (400, True, False), (40, False, False)], ids=str
 )

@@ -180,12 +180,7 @@ class SpeculativeRun:
         self._prompt_lengths = [0] * input_ids.shape[0]
         self._seen = [0] * input_ids.shape[0]
         self._behind = 0  # this round's tokens the drafter had not seen
-        # A drafter on a device of its own (`open_drafter(prefill=True)`) catches up apart: on the prompt while the
-        # target prefills it, and on the tokens of the controller's time off (`_catch_up_apart`). `_sent`: per row,
-        # the context tokens of the last request sent apart, seen once it is answered.
-        self._apart = False
-        self._sent: list[int] | None = None
-        self._catching_up = False  # the last request sent apart is a catch-up (`_catch_up_apart`), not the prefill
+        self._prefilling = False  # the drafter catches up on the prompt on its own (`open_drafter(prefill=True)`)
 
         # Every row has its own draft schedule (schedule state never leaks between requests or rows).
         def schedule() -> DraftSchedule:
@@ -306,7 +301,7 @@ class SpeculativeRun:
             start_prefill = getattr(self.drafter, "prefill", None) if prefill else None
             if start_prefill is not None:
                 start_prefill()
-                self._apart, self._sent = True, list(self._prompt_lengths)
+                self._prefilling = True
             self.stats.draft_seconds += time.perf_counter() - started
         except DraftFailure as exc:
             self.stats.fallback_reason = f"draft unavailable: {exc}"
@@ -356,72 +351,9 @@ class SpeculativeRun:
             end_ns=time.time_ns(),
         )
         self._feedback(outcome)
-        self._catch_up_apart()
         return StepEvent(
             step=step, tokens=[e[0] for e in events], finish_reasons=[e[1] for e in events], final=self.done()
         )
-
-    def _context_lengths(self) -> list[int]:
-        """Per row, the tokens of its context: the prompt without padding and the generated tokens."""
-        return [self._prompt_lengths[r] + len(row.generated) for r, row in enumerate(self.state)]
-
-    def _catch_up_apart(self) -> None:
-        """The round before a look-back or probe ends the controller's time off, a drafter on a device of its own
-        catches up on the time off's tokens apart (`RemoteDrafter.catch_up`, `SpeculationController.catches_up_apart`):
-        its answer comes while the target decodes that round, and the controller learns its hindsight (`hear`). The
-        look-back then catches up on that round's token alone.
-
-        Made by the look-back itself, the catch-up was the target's wait: an overlapped draft service pinned to a core
-        of its own caught up at ~4 ms a token (SmolLM2's int8 draft), near the 5% of a plain round a look-back may
-        cost, so after the low-acceptance prompt's hard first tokens the next look-back was budgeted 64 rounds later
-        and did not fit in the request (plain decoding throughout, 0.98x; drafting after a second look-back, 1.40x).
-        Not every round's tokens as they come: the controller then decided on the hindsight of each token alone, and
-        chat answers resumed drafting where they should not have (0.89x of plain greedy, against 1.25x)."""
-        controller, catch_up = self.controller, getattr(self.drafter, "catch_up", None)
-        if not self._apart or controller is None or catch_up is None or not controller.catches_up_apart:
-            return
-        try:
-            heard, sent = catch_up()
-        except DraftFailure as exc:
-            self._drafter_failed(exc)
-            return
-        self._heard(heard)
-        if sent:
-            self._sent, self._catching_up = self._context_lengths(), True
-
-    def _heard(self, heard: list[Hindsight] | None) -> None:
-        """A catch-up apart was answered: the drafter saw what was sent, and the controller hears its hindsight."""
-        if heard is None:
-            return
-        if self._sent is not None:
-            self._seen, self._sent = self._sent, None
-        self._catching_up = False
-        if self.controller is not None:
-            self.controller.hear(sum(heard, Hindsight()))
-
-    def _wait_for_catch_up(self) -> None:
-        """Before a proposal, the answer to a catch-up apart still on its way, waited for apart: the wait is the
-        drafter's (`stats.draft_seconds`) but not its drafting, and the round's drafter is then behind by nothing.
-        Timed with the block, a wait for a catch-up of one token priced the next block's catch-up at ~116 ms a token
-        (a pinned SmolLM2 int8 draft's forward is ~45 ms), and the request never drafted again."""
-        wait_apart = getattr(self.drafter, "wait_apart", None)
-        if not self._catching_up or wait_apart is None:
-            return
-        started = time.perf_counter()
-        try:
-            heard = wait_apart()
-        except DraftFailure as exc:
-            self._drafter_failed(exc)
-            return
-        finally:
-            self.stats.draft_seconds += time.perf_counter() - started
-        self._heard(heard)
-        self._behind = self._unseen()
-
-    def _unseen(self) -> int:
-        """The running rows' tokens the drafter has not seen."""
-        context = self._context_lengths()
-        return sum(context[r] - self._seen[r] for r, row in enumerate(self.state) if not row.finished)
 
     def _observe(
         self, block: _Block, outcome: _Outcome, events: list[tuple[list[int], str | None]], verify_s: float
@@ -450,9 +382,9 @@ class SpeculativeRun:
         """Each row's draft length this round: the controller's choice, or the row's schedule."""
         chosen = None
         running = [r for r, row in enumerate(self.state) if not row.finished]
-        if self._sent is not None and getattr(self.drafter, "answered", True):
-            self._seen, self._sent = self._sent, None
-        self._behind = self._unseen()
+        if self._prefilling and getattr(self.drafter, "prefilled", True):
+            self._seen, self._prefilling = list(self._prompt_lengths), False
+        self._behind = sum(self._prompt_lengths[r] + len(self.state[r].generated) - self._seen[r] for r in running)
         if self.controller is not None:
             remaining = max((room[r] for r in running), default=0)
             chosen = self.controller.next_length(remaining, self._behind)
@@ -474,8 +406,6 @@ class SpeculativeRun:
         draft_s, proposed = 0.0, False
         looking_back = self.controller is not None and self.controller.looking_back
         if self.drafter is not None and (asked > 0 or looking_back):
-            self._wait_for_catch_up()
-        if self.drafter is not None and (asked > 0 or looking_back):
             proposed = True
             started = time.perf_counter()
             try:
@@ -484,7 +414,7 @@ class SpeculativeRun:
                 self._drafter_failed(exc)
             draft_s = time.perf_counter() - started
             self.stats.draft_seconds += draft_s
-            self._seen, self._sent = self._context_lengths(), None
+            self._seen = [self._prompt_lengths[r] + len(row.generated) for r, row in enumerate(state)]
         drafts = [list(proposal.tokens[r][: want[r]]) for r in range(len(state))]
         # A draft sampled with probabilities keeps its forbidden tokens when sampling: rejection sampling
         # rejects them (the masked target gives them p = 0) and draws from the residual, which is exact;

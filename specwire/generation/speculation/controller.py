@@ -87,9 +87,7 @@ of the answer's first tokens stops after one or two, so a first block costs a dr
 rejected. Otherwise (a remote draft, a long prompt) it starts with time off, and its first look-back checks the
 draft on the answer's first tokens; it is skipped, like any look-back, where the rest of the request cannot repay
 the draft's prefill of the prompt (a long prompt, a short answer). A look-back that reports nothing (a draft service
-without hindsight) turns the request to probes. A drafter on a device of its own (an overlapped draft service) catches
-up on the time off apart in its last round (`catches_up_apart`; its hindsight is learned as the look-back's, `hear`),
-so the look-back that follows waits only for that round's token, and look-backs cost such a target next to nothing.
+without hindsight) turns the request to probes.
 
 The rest of the request. The loop tells the controller how many tokens the request may still generate
 and how many tokens the drafter has not seen yet (`behind`: the whole context before its first block,
@@ -721,7 +719,18 @@ class SpeculationController:
                     self.costs.observe_kept(self.proposer, predicted, min(m, n))
                     before, kept = self.kept_seen
                     self.kept_seen = (before * KEPT_DECAY + predicted, kept * KEPT_DECAY + min(m, n))
-        checked = self._learn_hindsight(hindsight or (0, 0, 0))
+        checked, kept, confident = hindsight or (0, 0, 0)
+        if checked:
+            # Each of the target's tokens the draft guessed is one after which it would have gone on or stopped
+            # (continuation), and each sure guess a draft it would have gone on after and had kept or not
+            # (acceptance: the rate counts a draft kept and gone on after as c * a, see `Hindsight`).
+            self.acceptance.observe_counts(kept, confident - kept, per_token_decay=HINDSIGHT_DECAY)
+            self.continuation.observe_counts(confident, checked - confident, per_token_decay=HINDSIGHT_DECAY)
+            # Where in a block the drafts stop being kept is learned from blocks only: those before the checked
+            # tokens are that much older, forgotten as the estimates forget them (blocks rejected early where the
+            # answer was hard otherwise kept pricing long blocks out once it had turned easy).
+            self.runs.forget(HINDSIGHT_DECAY**checked)
+            self.costs.observe_hindsight(self.proposer, checked, kept, confident)
         for k, n, m in zip(wanted, drafted, accepted, strict=True):
             if self.all_or_nothing:
                 self.continuation.observe(1 if asked and k else 0, 1 if n else 0)
@@ -803,38 +812,6 @@ class SpeculationController:
                 self.off_left = self.off_period
         if asked or self.off_period:  # a round measuring plain decoding (`plain_due`) leaves it as it was
             self.drafting = asked > 0 and not self.off_period
-
-    def _learn_hindsight(self, hindsight: tuple[int, int, int]) -> int:
-        """Learn from `(checked, kept, confident)` of the target's tokens the drafter caught up on (`Hindsight`);
-        returns `checked`."""
-        assert self.acceptance is not None and self.continuation is not None
-        checked, kept, confident = hindsight
-        if checked:
-            # Each of the target's tokens the draft guessed is one after which it would have gone on or stopped
-            # (continuation), and each sure guess a draft it would have gone on after and had kept or not
-            # (acceptance: the rate counts a draft kept and gone on after as c * a, see `Hindsight`).
-            self.acceptance.observe_counts(kept, confident - kept, per_token_decay=HINDSIGHT_DECAY)
-            self.continuation.observe_counts(confident, checked - confident, per_token_decay=HINDSIGHT_DECAY)
-            # Where in a block the drafts stop being kept is learned from blocks only: those before the checked
-            # tokens are that much older, forgotten as the estimates forget them (blocks rejected early where the
-            # answer was hard otherwise kept pricing long blocks out once it had turned easy).
-            self.runs.forget(HINDSIGHT_DECAY**checked)
-            self.costs.observe_hindsight(self.proposer, checked, kept, confident)
-        return checked
-
-    @property
-    def catches_up_apart(self) -> bool:
-        """Whether a drafter that computes on a device of its own should catch up on the time off now, apart
-        (`SpeculativeRun._catch_up_apart`): the next round ends the time off with a look-back or probe, a draft
-        model's request alone on its draft (with others drafting there, the catch-up would delay their drafts, as a
-        look-back does: `_sharers`). Its answer comes back while the target decodes that round, and the look-back or
-        probe then catches up on that round's token alone (`hear`)."""
-        return bool(self.off_period) and not self.off_left and not self.all_or_nothing and self._sharers() == 1.0
-
-    def hear(self, hindsight: tuple[int, int, int]) -> None:
-        """Hindsight from a catch-up the drafter made apart (`catches_up_apart`), learned as a look-back's: the
-        look-back that follows checks one token itself and decides on both."""
-        self._learn_hindsight(hindsight)
 
     def _resumes(self) -> bool:
         """Whether drafting resumes after a look-back or probe: it pays, or only a doubtful price keeps it out
