@@ -22,8 +22,9 @@ if "SPECWIRE_CACHE_DIR" not in os.environ:
 def pytest_configure(config):
     """One torch thread in each test process. The suite runs in two workers (pyproject's `-n`) beside the services
     their tests start, on 2 cores in CI; torch's intra-op pool waits for its threads at every op, and with the cores
-    taken by the other worker, a 14-token beam search on a tiny model took 7.5 s instead of 0.2. Services keep their
-    own counts, and tests of threading set theirs."""
+    taken by the other worker, a 14-token beam search on a tiny model took 7.5 s instead of 0.2. Servers a test runs
+    in its own process share this count; those it starts through `tests.servers.subprocess_server` get one thread as
+    well; tests of threading set their own counts."""
     import torch
 
     torch.set_num_threads(1)

@@ -21,7 +21,7 @@ def _in_new_thread(fn):
 
 
 @pytest.fixture
-def restore_threads():
+def two_threads():
     """Two torch threads for the test (the suite's processes run one, `tests/conftest.py`), the count before after."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -29,8 +29,7 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def test_claim_keeps_the_count_after_another_thread_set_one(restore_threads):
-
+def test_claim_keeps_the_count_after_another_thread_set_one(two_threads):
     def helper():
         torch.set_num_threads(1)  # a request thread going single-threaded
         return torch.get_num_threads()
@@ -40,17 +39,17 @@ def test_claim_keeps_the_count_after_another_thread_set_one(restore_threads):
     assert _in_new_thread(torch.get_num_threads) == 1
 
     def claimed():
-        claim_torch_threads(restore_threads)
+        claim_torch_threads(two_threads)
         return torch.get_num_threads()
 
-    assert _in_new_thread(claimed) == restore_threads
+    assert _in_new_thread(claimed) == two_threads
 
 
-def test_model_executor_threads_get_the_count_of_its_creator(restore_threads):
+def test_model_executor_threads_get_the_count_of_its_creator(two_threads):
     executor = model_executor("test-model")
     try:
         _in_new_thread(lambda: torch.set_num_threads(1))
-        assert executor.submit(torch.get_num_threads).result(30) == restore_threads
+        assert executor.submit(torch.get_num_threads).result(30) == two_threads
         assert executor.submit(lambda: threading.current_thread().name).result(30).startswith("test-model")
     finally:
         executor.shutdown()
