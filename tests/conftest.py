@@ -12,6 +12,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread in every process of the suite: the test processes (`pytest_configure` below) and whatever they
+# start, services, the CLI, the README's blocks and the benchmarks, which inherit this environment. The suite runs
+# two workers beside the services their tests start, on 2 cores in CI; torch's intra-op pool waits for its threads at
+# every op, and with the cores taken by the other worker, a 14-token beam search on a tiny model took 7.5 s instead of
+# 0.2. Tests of threading set their own counts.
+os.environ["OMP_NUM_THREADS"] = "1"
 # GGUF conversions (specwire.models.gguf_cache) of this session go to a folder of its own, shared with
 # the services it starts and removed at the end: tests neither read nor fill the user's cache.
 if "SPECWIRE_CACHE_DIR" not in os.environ:
@@ -20,11 +26,7 @@ if "SPECWIRE_CACHE_DIR" not in os.environ:
 
 
 def pytest_configure(config):
-    """One torch thread in each test process. The suite runs in two workers (pyproject's `-n`) beside the services
-    their tests start, on 2 cores in CI; torch's intra-op pool waits for its threads at every op, and with the cores
-    taken by the other worker, a 14-token beam search on a tiny model took 7.5 s instead of 0.2. Servers a test runs
-    in its own process share this count; those it starts through `tests.servers.subprocess_server` get one thread as
-    well; tests of threading set their own counts."""
+    """This process's torch thread count, in case torch was imported before the environment above was set."""
     import torch
 
     torch.set_num_threads(1)

@@ -87,9 +87,8 @@ def free_port() -> int:
 
 @contextmanager
 def subprocess_server(args: list[str], port: int, service: str = "", timeout: float = 180.0, env=None):
-    """Run a console-script server (`python -m pkg ...`) until the block ends, then SIGTERM it. One torch thread, as
-    the test processes run (`tests/conftest.py`), unless `env` says otherwise."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    """Run a console-script server (`python -m pkg ...`) until the block ends, then SIGTERM it."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(
         [sys.executable, "-m", *args],
         env=full_env,
