@@ -593,7 +593,9 @@ def test_look_backs_that_never_resume_cost_a_request_at_most_the_budget_of_its_p
     fixed, per_token = 0.020, 0.001
     for behind in (5, 60) * 3:
         costs.observe_look_back("draft_model", behind, fixed + per_token * behind)
-    options = ControllerOptions(off_rounds=4)
+    # `probe_budget`'s own bound (the loss budget, 3%, would not afford the first look-back here: see
+    # `test_look_backs_and_probes_count_against_the_loss_budget_drafting_spends`).
+    options = ControllerOptions(off_rounds=4, loss_budget=None)
     length, prompt = 64, 55
 
     def run(controller: SpeculationController, each_alone: bool = False) -> float:
@@ -938,6 +940,48 @@ def test_drafting_alone_goes_on_by_its_rounds_within_the_loss_budget():
 
     loaded = alone_and_drafting(load=lambda: 1)
     assert losing_round(loaded) == 0 and loaded.off  # under load, the estimates decide
+
+
+def test_look_backs_and_probes_count_against_the_loss_budget_drafting_spends():
+    """What a draft model's request loses to speculation is bounded by one loss budget: a look-back's wait counts
+    with the drafting rounds' losses, and once they have cost the budget no look-back or probe follows. Each
+    look-back was within its own budget, so a request that had lost its budget drafting looked back and drafted
+    again (a pinned overlapped code edit: 0.89x of plain greedy)."""
+    length = 100
+    plain_s = 0.032  # `_costs()`: a round without drafts
+    budget = 0.03 * plain_s * length
+    wait, loss = 0.05, 0.010  # a look-back's catch-up; a drafting round's seconds over plain decoding of its token
+
+    def run(controller: SpeculationController) -> tuple[list[str], list[float]]:
+        """The request, round by round: what each round was, and the ledger after it."""
+        kinds, ledger, behind = [], [], 5
+        for done in range(length):
+            k = controller.next_length(remaining=length - done, behind=behind)
+            if controller.looking_back:
+                kinds.append("look-back")
+                controller.observe(0, [0], [0], [0], wait, plain_s, 1, behind=behind, hindsight=(behind,) * 3)
+            elif k:
+                kinds.append("draft")
+                controller.observe(k, [k], [1], [0], loss, plain_s, 2, behind=behind)
+            else:
+                kinds.append("plain")
+                controller.observe(0, [0], [0], [0], 0.0, plain_s, 1)
+            behind = 1 if kinds[-1] != "plain" else behind + 1
+            ledger.append(controller.excess_s)
+        return kinds, ledger
+
+    # A remote draft whose estimates say drafting pays (a look-back resumes it) and whose rounds lose: after the first
+    # look-back's wait, its rounds may lose what is left of the budget, and nothing follows them.
+    kinds, ledger = run(_controller(_costs(), 0.9, look_back=True))
+    assert kinds[:5] == ["plain"] * 4 + ["look-back"] and ledger[4] == pytest.approx(wait)
+    over = next(i for i, x in enumerate(ledger) if x > budget)
+    assert kinds[5 : over + 1] == ["draft"] * (math.floor((budget - wait) / loss) + 1)
+    assert kinds[over + 1 :] == ["plain"] * (length - over - 1)  # no look-back, probe or block once it is spent
+    assert ledger[-1] <= budget + loss + 1e-9  # at most one round's loss past the budget
+
+    # Without a loss budget, look-backs go on resuming drafting for as long as their own budget allows.
+    unbounded = run(_controller(_costs(), 0.9, look_back=True, options=ControllerOptions(loss_budget=None)))[0]
+    assert unbounded.count("look-back") > 2 and unbounded.count("draft") > kinds.count("draft")
 
 
 def test_the_debug_line_names_the_best_block_even_when_plain_decoding_wins(caplog):

@@ -61,11 +61,14 @@ and resets it.
 
 Drafting judged by its rounds. A draft model's request alone on the target and on its draft (`_by_rounds`), once
 drafting, goes on by what its own rounds did instead of by the estimates: it asks for the longest block (the drafter
-ends it after a draft it is unsure of) for as long as its drafting rounds have cost no more than `loss_budget` of the
-request's plain decoding over plain decoding of the tokens they emitted (rounds that gain refund, up to that much),
-and takes time off past it (`_length_by_rounds`). The estimates read the past, and an answer that starts hard for the
-draft and turns easy (chat) had stopped drafting before the turn. Under load the estimates decide: a block's price
-there is also what it costs the others, which a request's own rounds do not show.
+ends it after a draft it is unsure of) for as long as its drafting rounds, look-backs and probes have cost no more
+than `loss_budget` of the request's plain decoding over plain decoding of the tokens they emitted (rounds that gain
+refund, up to that much), and takes time off past it (`_length_by_rounds`). The estimates read the past, and an answer
+that starts hard for the draft and turns easy (chat) had stopped drafting before the turn. Under load the estimates
+decide: a block's price there is also what it costs the others, which a request's own rounds do not show. Loaded or
+not, no look-back or probe takes a draft model's request past its loss budget: each one alone is within its own
+budget, so a request that had lost the budget drafting would look back, resume at its estimates and lose a block
+more, again and again (`observe`).
 
 Look-backs. A greedy draft model's request (`look_back`) ends its time off with a look-back instead: the drafter
 only catches up on the target's tokens and reports how many of them it would have drafted itself, and whether it
@@ -197,10 +200,12 @@ class ControllerOptions:
             A co-located draft's probe or look-back delays every request waiting for the device, a remote
             one every request drafting with the same draft service: its extra cost counts once per request
             (`shares_device`, `draft_load`).
-        loss_budget (`float`, *optional*, defaults to 0.03): a draft model's request alone on the target (and on
-            its draft) drafts on, whatever the estimates say, until its drafting rounds have cost this much of the
-            plain decoding of the whole request more than plain decoding of the tokens they emitted (`_by_rounds`);
-            None: the estimates alone decide.
+        loss_budget (`float`, *optional*, defaults to 0.03): what a draft model's request may lose to speculation:
+            its drafting rounds, look-backs and probes may cost this much of the plain decoding of the whole request
+            more than plain decoding of the tokens they emitted (`excess_s`, gains refunding up to as much). Alone on
+            the target (and on its draft) it drafts on within it, whatever the estimates say (`_by_rounds`); no
+            look-back or probe takes it past it (`_probe_affordable`). None: the estimates and `probe_budget`
+            alone decide.
     """
 
     max_length: int = 32
@@ -316,7 +321,7 @@ class SpeculationController:
     length: int | None = None  # the tokens per row the request may generate, as its first decision was told
     kept_seen: tuple[float, float] = (0.0, 0.0)  # drafts the model predicted kept and the target kept, recent rounds
     explored_s: float = 0.0  # what look-backs and probes cost over plain rounds since drafting last resumed
-    excess_s: float = 0.0  # drafting rounds' seconds over plain decoding of their tokens (`_by_rounds`)
+    excess_s: float = 0.0  # drafting, look-back and probe rounds' seconds over plain decoding of their tokens
 
     def __post_init__(self) -> None:
         self.runs = RunLengths(self.options.max_length, chained=self.all_or_nothing)
@@ -595,8 +600,9 @@ class SpeculationController:
         return self.costs.prices(self.proposer).plain(self.rows)
 
     def _length_by_rounds(self, remaining: int | None) -> int:
-        """The longest block while the drafting rounds' seconds over plain decoding of their tokens (`excess_s`, gains
-        refunding up to the budget) are within `loss_budget` of the whole request's plain decoding; 0 past it.
+        """The longest block while the seconds its drafting rounds, look-backs and probes took over plain decoding of
+        their tokens (`excess_s`, gains refunding up to the budget) are within `loss_budget` of the whole request's
+        plain decoding; 0 past it.
 
         The longest: the drafter ends a block after a draft it is unsure of, so a long one costs only where the draft
         is sure, and is mostly kept there. The estimates read the past and the answer turns: SmolLM2's int8 draft is
@@ -604,7 +610,7 @@ class SpeculationController:
         whose estimates had read the start stopped drafting and missed the easy rest (co-located, 6 alternating
         triples on 2 cores, twice: 0.92x and 1.00x of plain greedy, where drafting on by its rounds ran 1.11x and
         1.29x; the low-acceptance prompt 1.18x and 1.07x against 1.31x and 1.24x). The budget bounds what drafting
-        on costs where the answer stays hard: a few percent of the request, as a look-back's."""
+        on, and trying again after it, cost where the answer stays hard: a few percent of the request."""
         plain_s = self._plain_round()
         budget = self._loss_budget(plain_s)
         k = _within(self.options.max_length, remaining) if self.excess_s <= budget else 0
@@ -647,6 +653,8 @@ class SpeculationController:
             extra = line[0] + line[1] * behind if line is not None else 0.0
         else:
             extra = prices.catch_up * behind + d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s
+        if self._rounds_may_judge and self.excess_s + extra > self._loss_budget(plain_s):
+            return False  # this request's speculation has cost it its loss budget (`observe`)
         extra *= self._sharers()
         budget = self.options.probe_budget * plain_s
         return extra <= budget * remaining and self.explored_s + extra <= budget * max(self.length or 0, remaining)
@@ -758,15 +766,22 @@ class SpeculationController:
         elif (asked or self.looking_back) and behind > 1:  # the drafter caught up: what drafting does not explain
             d0, d1 = self.costs.prices(self.proposer).draft
             self.costs.observe_catch_up(self.proposer, behind, draft_s - d0 - d1 * sum(drafted))
-        # Every drafting round whose drafter lacked only the last round's tokens (the catch-up on a prompt or after
-        # time off is afforded apart). Not `behind <= 1`: after a round that kept drafts the drafter lacks those too
-        # (`behind` is the tokens the last round emitted), and counting only the rounds after a rejected first draft,
-        # a pinned serial target drafted a code edit on at 0.76x of plain decoding, its count 0.06 s over plain.
-        if self._rounds_may_judge and asked and not self.probing and self.caught_up:
+        # The loss budget's ledger: every drafting round whose drafter lacked only the last round's tokens, every
+        # probe, and every look-back's wait (its round is a plain one). Not a first block's catch-up on the prompt,
+        # afforded apart (`_drafts_at_once`). Not `behind <= 1`: after a round that kept drafts the drafter lacks those
+        # too (`behind` is the tokens the last round emitted), and counting only the rounds after a rejected first
+        # draft, a pinned serial target drafted a code edit on at 0.76x of plain decoding, its count 0.06 s over
+        # plain. Look-backs and probes count since each one was within its own budgets while drafting took the loss
+        # budget after them: a pinned overlapped code edit looked back, drafted on to 0.49 s over plain decoding (its
+        # budget 0.35 s), then looked back twice more, and ran at 0.89x of plain greedy.
+        if self._rounds_may_judge and (self.looking_back or (asked and (self.caught_up or self.probing))):
             plain_s = self._plain_round()
-            emitted = sum(min(m, n) + 1 for k, n, m in zip(wanted, drafted, accepted, strict=True) if k)
-            excess = self.excess_s + draft_s + verify_s - emitted * plain_s / self.rows
-            self.excess_s = max(excess, -self._loss_budget(plain_s))  # gains bank no more than the budget
+            if self.looking_back:
+                spent = draft_s
+            else:
+                emitted = sum(min(m, n) + 1 for k, n, m in zip(wanted, drafted, accepted, strict=True) if k)
+                spent = draft_s + verify_s - emitted * plain_s / self.rows
+            self.excess_s = max(self.excess_s + spent, -self._loss_budget(plain_s))  # gains bank at most the budget
         if self.looking_back and behind:
             self.costs.observe_look_back(self.proposer, behind, draft_s)
         between_blocks = not asked and not self.looking_back and not self.off_period  # a round measuring plain decoding
