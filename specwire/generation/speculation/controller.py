@@ -203,9 +203,9 @@ class ControllerOptions:
         loss_budget (`float`, *optional*, defaults to 0.03): what a draft model's request may lose to speculation:
             its drafting rounds, look-backs and probes may cost this much of the plain decoding of the whole request
             more than plain decoding of the tokens they emitted (`excess_s`, gains refunding up to as much). Alone on
-            the target (and on its draft) it drafts on within it, whatever the estimates say (`_by_rounds`); no
-            look-back or probe takes it past it (`_probe_affordable`). None: the estimates and `probe_budget`
-            alone decide.
+            the target (and on its draft) it drafts on within it, whatever the estimates say (`_by_rounds`); where
+            a `probe_budget` bounds look-backs and probes, none takes it past it (`_probe_affordable`). None: the
+            estimates and `probe_budget` alone decide.
     """
 
     max_length: int = 32
@@ -771,9 +771,9 @@ class SpeculationController:
         # afforded apart (`_drafts_at_once`). Not `behind <= 1`: after a round that kept drafts the drafter lacks those
         # too (`behind` is the tokens the last round emitted), and counting only the rounds after a rejected first
         # draft, a pinned serial target drafted a code edit on at 0.76x of plain decoding, its count 0.06 s over
-        # plain. Look-backs and probes count since each one was within its own budgets while drafting took the loss
-        # budget after them: a pinned overlapped code edit looked back, drafted on to 0.49 s over plain decoding (its
-        # budget 0.35 s), then looked back twice more, and ran at 0.89x of plain greedy.
+        # plain. Look-backs and probes count too: with only their own budgets, a pinned overlapped code edit looked
+        # back, drafted on to 0.49 s over plain decoding (its budget 0.35 s), looked back twice more, and ran at 0.89x
+        # of plain greedy.
         if self._rounds_may_judge and (self.looking_back or (asked and (self.caught_up or self.probing))):
             plain_s = self._plain_round()
             if self.looking_back:
