@@ -982,6 +982,41 @@ def test_look_backs_and_probes_count_against_the_loss_budget_drafting_spends():
     # Without a loss budget, look-backs go on resuming drafting for as long as their own budget allows.
     unbounded = run(_controller(_costs(), 0.9, look_back=True, options=ControllerOptions(loss_budget=None)))[0]
     assert unbounded.count("look-back") > 2 and unbounded.count("draft") > kinds.count("draft")
+    # Nor does a `probe_budget` of 0 (no bound of their own) lift the loss budget's.
+    free = run(_controller(_costs(), 0.9, look_back=True, options=ControllerOptions(probe_budget=0.0)))
+    assert free == (kinds, ledger)
+
+
+@pytest.mark.parametrize("probe_budget", [0.05, 0.0])
+def test_probes_count_against_the_loss_budget_too(probe_budget):
+    """A request whose drafter reports no hindsight (no look-backs) tries drafting again by probing: each probe's
+    seconds over plain decoding of its tokens count in the same ledger as the drafting rounds' losses, and no probe
+    takes the request past its budget, with `probe_budget` 0 (no bound of its own) too."""
+    length = 400
+    plain_s = 0.032  # `_costs()`: a round without drafts
+    budget = 0.03 * plain_s * length
+
+    def probes(loss_budget: float | None) -> list[tuple[int, float]]:
+        """Where the request probed, and the ledger after each probe."""
+        options = ControllerOptions(off_rounds=2, probe_budget=probe_budget, loss_budget=loss_budget)
+        controller = _controller(_costs(draft=(0.005, 0.030)), 0.3, options=options)  # drafting never pays
+        tried = []
+        for done in range(length):
+            probing = controller.off
+            k = controller.next_length(remaining=length - done, behind=1)
+            # A probe drafts at the draft's price and keeps nothing: ~0.16 s over a plain round's token.
+            controller.observe(k, [k], [k], [0], 0.005 + 0.030 * k if k else 0.0, plain_s, 1 + k, behind=1)
+            if k:
+                assert probing
+                tried.append((done, controller.excess_s))
+        return tried
+
+    bounded, unbounded = probes(0.03), probes(None)
+    loss = 0.005 + 0.030 * ControllerOptions().probe_length  # one probe: its draft (its verify ran at a plain round's)
+    assert [spent for _, spent in bounded] == pytest.approx([loss * (i + 1) for i in range(len(bounded))])
+    assert bounded[-1][1] <= budget < bounded[-1][1] + loss  # no probe past the budget, and the next one would be
+    assert [at for at, _ in bounded] == [at for at, _ in unbounded[: len(bounded)]]  # the same probes until then
+    assert len(unbounded) > len(bounded)  # which only the loss budget stopped
 
 
 def test_the_debug_line_names_the_best_block_even_when_plain_decoding_wins(caplog):

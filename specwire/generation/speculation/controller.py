@@ -203,8 +203,8 @@ class ControllerOptions:
         loss_budget (`float`, *optional*, defaults to 0.03): what a draft model's request may lose to speculation:
             its drafting rounds, look-backs and probes may cost this much of the plain decoding of the whole request
             more than plain decoding of the tokens they emitted (`excess_s`, gains refunding up to as much). Alone on
-            the target (and on its draft) it drafts on within it, whatever the estimates say (`_by_rounds`); where
-            a `probe_budget` bounds look-backs and probes, none takes it past it (`_probe_affordable`). None: the
+            the target (and on its draft) it drafts on within it, whatever the estimates say (`_by_rounds`), and no
+            look-back or probe takes it past it (`_probe_affordable`, `probe_budget` 0 included). None: the
             estimates and `probe_budget` alone decide.
     """
 
@@ -641,9 +641,9 @@ class SpeculationController:
         before them (`observe`), so a short answer paid the budget several times over. The demo's 54 tokens (a
         remote draft on the target's 2 cores, never drafting) paid ~0.2 s of look-backs in ~2.7 s, 7% against
         plain decoding: the first one caught up on the prompt at about the budget, the second came ~10 tokens
-        later. Exploration that resumes drafting is repaid by it, so `explored_s` starts again from there."""
-        if not self.options.probe_budget:
-            return True
+        later. Exploration that resumes drafting is repaid by it, so `explored_s` starts again from there.
+
+        Before both, and with `probe_budget` 0 too: none takes the request past its loss budget (`excess_s`)."""
         prices = self.costs.prices(self.proposer)
         k = self.options.probe_length
         plain_s = prices.plain(self.rows)
@@ -655,6 +655,8 @@ class SpeculationController:
             extra = prices.catch_up * behind + d0 + d1 * self.rows * k + prices.verify(self.rows * (1 + k)) - plain_s
         if self._rounds_may_judge and self.excess_s + extra > self._loss_budget(plain_s):
             return False  # this request's speculation has cost it its loss budget (`observe`)
+        if not self.options.probe_budget:
+            return True
         extra *= self._sharers()
         budget = self.options.probe_budget * plain_s
         return extra <= budget * remaining and self.explored_s + extra <= budget * max(self.length or 0, remaining)
