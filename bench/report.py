@@ -221,7 +221,13 @@ def _matrix_tables(m: dict) -> list[str]:
         lines += ["", f"{c['clients']} concurrent clients, chat prompt, speculation on:", ""]
         lines += ["| case | aggregate tokens/s |", "|---|---|"]
         lines += [f"| {label} | {_fmt(summary)} |" for label, summary in c["aggregate_tokens_per_second"].items()]
-        lines += [f"| {name} | {_num(value, 2, 'x')} |" for name, value in c["ratios"].items()]
+        pairs = c.get("pair_ratios") or {}
+        lines += [
+            f"| {name} | {_num(value, 2, 'x')}"
+            + (f" (pairs {_fmt(pairs[name], digits=2)})" if pairs.get(name) else "")
+            + " |"
+            for name, value in c["ratios"].items()
+        ]
     return lines
 
 

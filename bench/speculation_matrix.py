@@ -17,7 +17,8 @@ Controller "off" requests name transformers' defaults explicitly (`num_assistant
 `num_assistant_tokens_schedule="constant"`; prompt lookup: `prompt_lookup_num_tokens=10`), which the
 controller leaves alone; "on" requests name none. Every speculative output is checked token for token
 against plain greedy on the same service. Last, `clients` concurrent clients (8; 2 in quick mode)
-with speculation on, against the same clients decoding plainly.
+with speculation on, against the same clients decoding plainly on the same target: a pair of waves a repeat
+per case, the ratio the median of the pairs' (`_concurrency`).
 
 First requests. Before the timed runs, every speculative row sends one request with the chat prompt
 (`_first_requests`), so each target's first speculative request is not one of the repeats: a fresh target's
@@ -246,35 +247,47 @@ def _prompt_rows(ctx: Context, services: MatrixServices, key: str) -> dict:
     }
 
 
+# The 8-client waves: each speculative case, and the plain case on the same target it is paired with.
+WAVE_PAIRS = {
+    "prompt_lookup_on": ("main", {"proposer": "prompt_lookup"}, "plain_greedy"),
+    "remote_draft_on": ("main", {"proposer": "draft_model"}, "plain_greedy"),
+    "colocated_on": ("colocated", {"proposer": "draft_model"}, "colocated_plain_greedy"),
+}
+WAVE_RATIOS = {
+    "prompt_lookup_on": "prompt lookup / plain greedy",
+    "remote_draft_on": "remote draft / plain greedy",
+    "colocated_on": "co-located draft / plain greedy (same target)",
+}
+
+
 def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
-    """`clients` concurrent requests with speculation on (controller on) against the same clients plain."""
+    """`clients` concurrent requests with speculation on (controller on) against the same clients plain, in
+    pairs: each speculative wave runs next to a plain wave on the same target (which goes first alternates), and a
+    case's ratio is the median of its pairs' ratios. Compared by the medians of waves run minutes apart (each case
+    once a repeat, the cases in turn), a case and its baseline saw different spells of the shared box: the waves'
+    ranges spanned 15-20%, and the remote draft read 0.87x of plain greedy in a run (`f7c3660`) after which 8
+    alternating pairs on one target read 0.99x (0.92x-1.31x), none of their 64 speculative requests drafting
+    (`bench.speculation_waves`)."""
     prompt = ctx.prompt("chat")
     base = {"do_sample": False, "max_new_tokens": ctx.max_new_tokens}
-    cases = {
-        "plain_greedy": ("main", base),
-        "prompt_lookup_on": ("main", {**base, "proposer": "prompt_lookup"}),
-        "remote_draft_on": ("main", {**base, "proposer": "draft_model"}),
-        "colocated_plain_greedy": ("colocated", base),
-        "colocated_on": ("colocated", {**base, "proposer": "draft_model"}),
-    }
-    throughput: dict[str, list[float]] = {label: [] for label in cases}
+    throughput: dict[str, list[float]] = {}
+    pair_ratios: dict[str, list[float]] = {label: [] for label in WAVE_PAIRS}
     for repeat in range(ctx.repeats):
-        for label in cases if repeat % 2 == 0 else list(cases)[::-1]:
-            target, args = cases[label]
-            wall, _, tokens = client_wave(services.sides[target].address, prompt, clients, args)
-            throughput[label].append(tokens / wall)
-            log(f"  matrix {clients} clients [{repeat + 1}/{ctx.repeats}] {label}: {tokens / wall:.1f} tok/s aggregate")
-    summaries = {label: summarize(values) for label, values in throughput.items()}
+        for i, (label, (target, extra, plain)) in enumerate(WAVE_PAIRS.items()):
+            wave = {}
+            for case in (plain, label) if (repeat + i) % 2 == 0 else (label, plain):
+                args = {**base, **extra} if case == label else base
+                wall, _, tokens = client_wave(services.sides[target].address, prompt, clients, args)
+                wave[case] = tokens / wall
+                throughput.setdefault(case, []).append(wave[case])
+                log(f"  matrix {clients} clients [{repeat + 1}/{ctx.repeats}] {case}: {wave[case]:.1f} tok/s aggregate")
+            pair_ratios[label].append(wave[label] / wave[plain])
+    pairs = {WAVE_RATIOS[label]: summarize(values) for label, values in pair_ratios.items()}
     return {
         "clients": clients,
-        "aggregate_tokens_per_second": summaries,
-        "ratios": {
-            "prompt lookup / plain greedy": ratio(summaries["prompt_lookup_on"], summaries["plain_greedy"]),
-            "remote draft / plain greedy": ratio(summaries["remote_draft_on"], summaries["plain_greedy"]),
-            "co-located draft / plain greedy (same target)": ratio(
-                summaries["colocated_on"], summaries["colocated_plain_greedy"]
-            ),
-        },
+        "aggregate_tokens_per_second": {label: summarize(values) for label, values in throughput.items()},
+        "pair_ratios": pairs,
+        "ratios": {name: summary["median"] if summary else None for name, summary in pairs.items()},
     }
 
 

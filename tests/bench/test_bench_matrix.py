@@ -38,6 +38,16 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
     assert first and set(first) <= {row[0] for row in SPECULATIVE} and all(v > 0 for v in first.values())
     concurrency = matrix["concurrency"]
     assert concurrency["clients"] == 2 and all(v is not None for v in concurrency["ratios"].values())
+    # Each speculative wave ran beside a plain wave on its target: one pair a repeat, the ratio their median.
+    waves = concurrency["aggregate_tokens_per_second"]
+    repeats = waves["colocated_on"]["n"]
+    assert waves["plain_greedy"]["n"] == 2 * repeats and waves["colocated_plain_greedy"]["n"] == repeats
+    for name, pairs in concurrency["pair_ratios"].items():
+        assert pairs["n"] == repeats and concurrency["ratios"][name] == pairs["median"]
+    colocated = concurrency["pair_ratios"]["co-located draft / plain greedy (same target)"]["values"]
+    assert colocated == [
+        a / b for a, b in zip(waves["colocated_on"]["values"], waves["colocated_plain_greedy"]["values"], strict=True)
+    ]
     names = {t["name"] for t in results["targets"]}
     assert "controller: slowest speculative row vs plain greedy" in names
     assert "remote overlapped vs remote serial, same pinning (chat)" in names
@@ -46,6 +56,7 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
     markdown = (out / "results.md").read_text()
     assert "### 11. Speculation matrix" in markdown and "draft remote overlapped (pinned)" in markdown
     assert "First request on each fresh target" in markdown
+    assert "| remote draft / plain greedy | " in markdown and "(pairs " in markdown
     assert "speculation_matrix.png" in results["plots"]
     assert "controller_draft_length.png" in results["plots"]
     assert (out / "controller_draft_length.png").read_bytes()[:4] == b"\x89PNG"
