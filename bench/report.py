@@ -224,7 +224,7 @@ def _matrix_tables(m: dict) -> list[str]:
         pairs = c.get("pair_ratios") or {}
         lines += [
             f"| {name} | {_num(value, 2, 'x')}"
-            + (f" (pairs {_fmt(pairs[name], digits=2)})" if pairs.get(name) else "")
+            + (f" (pairs {pairs[name]['min']:.2f}x-{pairs[name]['max']:.2f}x)" if pairs.get(name) else "")
             + " |"
             for name, value in c["ratios"].items()
         ]
