@@ -247,16 +247,17 @@ def _prompt_rows(ctx: Context, services: MatrixServices, key: str) -> dict:
     }
 
 
-# The 8-client waves: each speculative case, and the plain case on the same target it is paired with.
+# The 8-client waves: each speculative case's target and options, the plain case on that target it is paired with,
+# and the name of their ratio.
 WAVE_PAIRS = {
-    "prompt_lookup_on": ("main", {"proposer": "prompt_lookup"}, "plain_greedy"),
-    "remote_draft_on": ("main", {"proposer": "draft_model"}, "plain_greedy"),
-    "colocated_on": ("colocated", {"proposer": "draft_model"}, "colocated_plain_greedy"),
-}
-WAVE_RATIOS = {
-    "prompt_lookup_on": "prompt lookup / plain greedy",
-    "remote_draft_on": "remote draft / plain greedy",
-    "colocated_on": "co-located draft / plain greedy (same target)",
+    "prompt_lookup_on": ("main", {"proposer": "prompt_lookup"}, "plain_greedy", "prompt lookup / plain greedy"),
+    "remote_draft_on": ("main", {"proposer": "draft_model"}, "plain_greedy", "remote draft / plain greedy"),
+    "colocated_on": (
+        "colocated",
+        {"proposer": "draft_model"},
+        "colocated_plain_greedy",
+        "co-located draft / plain greedy (same target)",
+    ),
 }
 
 
@@ -273,7 +274,7 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
     throughput: dict[str, list[float]] = {}
     pair_ratios: dict[str, list[float]] = {label: [] for label in WAVE_PAIRS}
     for repeat in range(ctx.repeats):
-        for i, (label, (target, extra, plain)) in enumerate(WAVE_PAIRS.items()):
+        for i, (label, (target, extra, plain, _)) in enumerate(WAVE_PAIRS.items()):
             wave = {}
             for case in (plain, label) if (repeat + i) % 2 == 0 else (label, plain):
                 args = {**base, **extra} if case == label else base
@@ -282,7 +283,7 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
                 throughput.setdefault(case, []).append(wave[case])
                 log(f"  matrix {clients} clients [{repeat + 1}/{ctx.repeats}] {case}: {wave[case]:.1f} tok/s aggregate")
             pair_ratios[label].append(wave[label] / wave[plain])
-    pairs = {WAVE_RATIOS[label]: summarize(values) for label, values in pair_ratios.items()}
+    pairs = {WAVE_PAIRS[label][3]: summarize(values) for label, values in pair_ratios.items()}
     return {
         "clients": clients,
         "aggregate_tokens_per_second": {label: summarize(values) for label, values in throughput.items()},
