@@ -30,7 +30,7 @@ is reported apart, as what the first request after a deploy gets.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.progress import log
 from bench.service_workloads import client_wave
@@ -252,12 +252,20 @@ def _prompt_rows(ctx: Context, services: MatrixServices, key: str) -> dict:
 # for both (`e74e40a`).
 WAVE_PAIR_COUNT = 5
 
-# The 8-client waves: each speculative case's target and options, the plain case on that target it is paired with,
-# and the name of their ratio.
+
+class WavePair(NamedTuple):
+    """One speculative case of the 8-client waves, and the plain case it is paired with."""
+
+    target: str  # the side both run on
+    options: dict[str, Any]  # the speculative case's request options, over plain greedy's
+    plain: str  # the plain case on that target
+    ratio: str  # the name of their ratio in the report
+
+
 WAVE_PAIRS = {
-    "prompt_lookup_on": ("main", {"proposer": "prompt_lookup"}, "plain_greedy", "prompt lookup / plain greedy"),
-    "remote_draft_on": ("main", {"proposer": "draft_model"}, "plain_greedy", "remote draft / plain greedy"),
-    "colocated_on": (
+    "prompt_lookup_on": WavePair("main", {"proposer": "prompt_lookup"}, "plain_greedy", "prompt lookup / plain greedy"),
+    "remote_draft_on": WavePair("main", {"proposer": "draft_model"}, "plain_greedy", "remote draft / plain greedy"),
+    "colocated_on": WavePair(
         "colocated",
         {"proposer": "draft_model"},
         "colocated_plain_greedy",
@@ -280,16 +288,16 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
     pair_ratios: dict[str, list[float]] = {label: [] for label in WAVE_PAIRS}
     count = ctx.repeats if ctx.quick else max(ctx.repeats, WAVE_PAIR_COUNT)
     for repeat in range(count):
-        for i, (label, (target, extra, plain, _)) in enumerate(WAVE_PAIRS.items()):
+        for i, (label, pair) in enumerate(WAVE_PAIRS.items()):
             wave = {}
-            for case in (plain, label) if (repeat + i) % 2 == 0 else (label, plain):
-                args = {**base, **extra} if case == label else base
-                wall, _, tokens = client_wave(services.sides[target].address, prompt, clients, args)
+            for case in (pair.plain, label) if (repeat + i) % 2 == 0 else (label, pair.plain):
+                args = {**base, **pair.options} if case == label else base
+                wall, _, tokens = client_wave(services.sides[pair.target].address, prompt, clients, args)
                 wave[case] = tokens / wall
                 throughput.setdefault(case, []).append(wave[case])
                 log(f"  matrix {clients} clients [{repeat + 1}/{count}] {case}: {wave[case]:.1f} tok/s aggregate")
-            pair_ratios[label].append(wave[label] / wave[plain])
-    pairs = {WAVE_PAIRS[label][3]: summarize(values) for label, values in pair_ratios.items()}
+            pair_ratios[label].append(wave[label] / wave[pair.plain])
+    pairs = {WAVE_PAIRS[label].ratio: summarize(values) for label, values in pair_ratios.items()}
     return {
         "clients": clients,
         "aggregate_tokens_per_second": {label: summarize(values) for label, values in throughput.items()},
