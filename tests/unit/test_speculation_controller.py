@@ -417,6 +417,64 @@ def test_a_co_located_draft_under_load_charges_its_draft_time_to_the_others():
     assert _controller(costs, 0.9, shares_device=True).best_length() > 0  # alone it drafts
 
 
+def test_under_load_rounds_are_priced_as_rounds_alone_priced_the_packed_forward():
+    """8 co-located chat clients after single-client requests (their DEBUG lines' prices): rounds measured under
+    load (a plain round while the others prefill, a block packed with them) do not reprice rounds measured alone,
+    and a loaded round is priced as a lone forward of its tokens and the others' (one each). There a block of the
+    co-located draft costs everyone its draft time, and plain decoding wins; alone, drafting does."""
+    costs = SharedCosts()
+    for _ in range(20):
+        for tokens in range(2, 34):
+            costs.observe_verify(tokens, 0.037 + 0.003 * (tokens - 1))  # alone
+        costs.observe_verify(1, 0.035, drafted=False)
+        for k in range(1, 7):
+            costs.observe_draft("draft_model", k, 0.003 + 0.0155 * k)
+    for _ in range(200):
+        costs.observe_kept("draft_model", 1.0, 2)  # chat's long sure runs, kept twice as often as predicted
+    alone_prices = costs.prices("draft_model")
+    for _ in range(5):  # what the first loaded rounds measured
+        costs.observe_verify(1, 0.290, drafted=False, loaded=True)
+        costs.observe_verify(2, 0.170, loaded=True)
+    prices = costs.prices("draft_model")
+    assert prices.plain(1) == pytest.approx(alone_prices.plain(1)) == pytest.approx(0.035)
+    assert prices.verify(2) == pytest.approx(alone_prices.verify(2))
+
+    def controller(**kwargs) -> SpeculationController:
+        acceptance, continuation, last = (
+            AcceptanceEstimate(prior_mean=m, prior_strength=1e6) for m in (0.99, 0.92, 0.68)
+        )
+        return SpeculationController(
+            costs,
+            "draft_model",
+            acceptance=acceptance,
+            continuation=continuation,
+            last=last,
+            shares_device=True,
+            **kwargs,
+        )
+
+    loaded = controller(load=lambda: 7)
+    assert loaded.expect(0, prices, others=7).verify_s == pytest.approx(prices.verify(8))  # 8 tokens, not 1
+    proposed = sum(0.92**i for i in range(4))  # of 4 asked
+    assert loaded.expect(4, prices, others=7).verify_s == pytest.approx(prices.verify(1 + proposed + 7))
+    assert loaded.best_length() == 0
+    alone = controller()
+    assert alone.expect(1, prices).verify_s == pytest.approx(prices.verify(2))
+    assert alone.best_length() > 0
+
+
+def test_loaded_rounds_price_rounds_until_rounds_alone_are_measured():
+    """A target that only ever ran loaded still prices rounds in seconds (its draft price is in seconds too)."""
+    costs = SharedCosts()
+    costs.observe_verify(1, 0.100, drafted=False, loaded=True)
+    costs.observe_verify(3, 0.150, loaded=True)
+    assert costs.prices("draft_model").plain(1) == pytest.approx(0.100)
+    assert costs.prices("draft_model").verify(3) == pytest.approx(0.150)
+    costs.observe_verify(1, 0.030, drafted=False)  # alone: from here on, loaded rounds no longer reprice
+    costs.observe_verify(1, 0.300, drafted=False, loaded=True)
+    assert costs.prices("draft_model").plain(1) < 0.100
+
+
 def _plain_rounds(controller: SpeculationController, count: int) -> None:
     for _ in range(count):
         assert controller.next_length(remaining=500) == 0 and not controller.looking_back

@@ -47,7 +47,14 @@ no `prompt_lookup_num_tokens`) gets one `SpeculationController`. Before each rou
   batched scheduler) or in turn on the model thread, a block's extra tokens make each of them wait
   `v1` (the slope of `V`'s line) per token; `others` comes from a callable the target passes in. A draft
   model co-located on the target's device (`shares_device`) takes the device from them as well while it
-  drafts: `L` then adds `others * D`.
+  drafts: `L` then adds `others * D`. Under load this request's own rounds are the packed forward too, priced as
+  rounds alone priced a forward of that many tokens, each other request's one included: `P' = max(P(rows),
+  V(rows + others))` a plain round, `max(V(rows * (1 + N(k)) + others), P' + v1 * rows * N(k))` one with drafts.
+  Not as loaded rounds measured them: their seconds are mostly the others' (their prefills, a co-located draft's
+  forwards) and change from round to round, so they do not price rounds once rounds alone did
+  (`SharedCosts.observe_verify`). Loaded prices set against prices learned alone made drafting look cheap, and with
+  the loaded plain round alone (a block of 32 drafts amortizing a 290 ms plain round measured while the others
+  prefilled), 8 co-located chat clients drafted at 0.67x of plain decoding.
 
 `k = 0` is plain decoding (one target forward per round, no draft). Plain rounds are measured now and
 then even where drafting pays (`SharedCosts.plain_due`), so the choice compares against what plain
@@ -359,6 +366,8 @@ class SpeculationController:
         without it)."""
         rows = self.rows
         plain_s = prices.plain(rows)
+        if others:  # the packed forward, as rounds alone priced it: the others' tokens and this request's
+            plain_s = max(plain_s, prices.verify(rows + others))
         if k == 0:
             return Expected(1.0, 0.0, plain_s, 0.0)
         sums = sums if sums is not None else self._sums(k)
@@ -379,7 +388,11 @@ class SpeculationController:
             hit = sums.hits[k - 1] ** rows  # every row's block drafted ahead, or the round waits for a draft
             draft_s = hit * (h0 + h1 * rows * drafted) + (1.0 - hit) * draft_s
         with_block = 1.0 if not self.all_or_nothing else c
-        verify_s = with_block * prices.verify(rows * (1.0 + block)) + (1.0 - with_block) * plain_s
+        if others:
+            block_s = max(prices.verify(rows * (1.0 + block) + others), plain_s + prices.slope * rows * block)
+        else:
+            block_s = prices.verify(rows * (1.0 + block))
+        verify_s = with_block * block_s + (1.0 - with_block) * plain_s
         load_s = others * (prices.slope * rows * drafted + (draft_s if self.shares_device else 0.0))
         return Expected(tokens, draft_s, verify_s, load_s)
 
@@ -762,7 +775,7 @@ class SpeculationController:
             # Prompt lookup's runs count its proposed drafts (a block or none is `c`); a draft model's
             # count every draft asked, proposed and kept (a draft it did not propose ends the run).
             self.runs.observe(n if self.all_or_nothing else (k if asked else 0), min(m, n))
-        self.costs.observe_verify(verify_tokens, verify_s, drafted=any(drafted))
+        self.costs.observe_verify(verify_tokens, verify_s, drafted=any(drafted), loaded=self._others() > 0)
         if asked and self.caught_up and not self.probing:
             self.costs.observe_draft(self.proposer, sum(drafted), draft_s, ahead_hit=ahead_hit)
         elif (asked or self.looking_back) and behind > 1:  # the drafter caught up: what drafting does not explain
