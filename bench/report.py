@@ -218,7 +218,8 @@ def _matrix_tables(m: dict) -> list[str]:
         ]
     c = m.get("concurrency")
     if c:
-        lines += ["", f"{c['clients']} concurrent clients, chat prompt, speculation on:", ""]
+        prompts = ", ".join(c.get("prompts", ["chat"]))  # results before `prompts` waved on chat only
+        lines += ["", f"{c['clients']} concurrent clients, speculation on (prompts: {prompts}):", ""]
         lines += ["| case | aggregate tokens/s |", "|---|---|"]
         lines += [f"| {label} | {_fmt(summary)} |" for label, summary in c["aggregate_tokens_per_second"].items()]
         pairs = c.get("pair_ratios") or {}

@@ -17,8 +17,9 @@ Controller "off" requests name transformers' defaults explicitly (`num_assistant
 `num_assistant_tokens_schedule="constant"`; prompt lookup: `prompt_lookup_num_tokens=10`), which the
 controller leaves alone; "on" requests name none. Every speculative output is checked token for token
 against plain greedy on the same service. Last, `clients` concurrent clients (8; 2 in quick mode)
-with speculation on, against the same clients decoding plainly on the same target: `WAVE_PAIR_COUNT` pairs of
-waves per case (the repeats in quick mode), the ratio the median of the pairs' (`_concurrency`).
+with speculation on, against the same clients decoding plainly on the same target, on each prompt:
+`WAVE_PAIR_COUNT` pairs of waves per case and prompt (the repeats in quick mode), the ratio the median of the
+pairs' (`_concurrency`).
 
 First requests. Before the timed runs, every speculative row sends one request with the chat prompt
 (`_first_requests`), so each target's first speculative request is not one of the repeats: a fresh target's
@@ -275,35 +276,45 @@ WAVE_PAIRS = {
 
 
 def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
-    """`clients` concurrent requests with speculation on (controller on) against the same clients plain, in
-    pairs: each speculative wave runs next to a plain wave on the same target (which goes first alternates), and a
-    case's ratio is the median of its pairs' ratios. Compared by the medians of waves run minutes apart (each case
-    once a repeat, the cases in turn), a case and its baseline saw different spells of the shared box: the waves'
-    ranges spanned 15-20%, and the remote draft read 0.87x of plain greedy in a run (`f7c3660`) after which 8
-    alternating pairs on one target read 0.99x (0.92x-1.31x), none of their 64 speculative requests drafting
-    (`bench.speculation_waves`)."""
-    prompt = ctx.prompt("chat")
+    """`clients` concurrent requests with speculation on (controller on) against the same clients plain, on each
+    prompt, in pairs: each speculative wave runs next to a plain wave on the same target (which goes first
+    alternates), and a case's ratio is the median of its pairs' ratios. Compared by the medians of waves run minutes
+    apart (each case once a repeat, the cases in turn), a case and its baseline saw different spells of the shared
+    box: the waves' ranges spanned 15-20%, and the remote draft read 0.87x of plain greedy in a run (`f7c3660`)
+    after which 8 alternating pairs on one target read 0.99x (0.92x-1.31x), none of their 64 speculative requests
+    drafting (`bench.speculation_waves`). Cases and ratios are named with their prompt (`_on_prompt`)."""
     base = {"do_sample": False, "max_new_tokens": ctx.max_new_tokens}
     throughput: dict[str, list[float]] = {}
-    pair_ratios: dict[str, list[float]] = {label: [] for label in WAVE_PAIRS}
+    pair_ratios: dict[str, list[float]] = {}
     count = ctx.repeats if ctx.quick else max(ctx.repeats, WAVE_PAIR_COUNT)
     for repeat in range(count):
-        for i, (label, pair) in enumerate(WAVE_PAIRS.items()):
-            wave = {}
-            for case in (pair.plain, label) if (repeat + i) % 2 == 0 else (label, pair.plain):
-                args = {**base, **pair.options} if case == label else base
-                wall, _, tokens = client_wave(services.sides[pair.target].address, prompt, clients, args)
-                wave[case] = tokens / wall
-                throughput.setdefault(case, []).append(wave[case])
-                log(f"  matrix {clients} clients [{repeat + 1}/{count}] {case}: {wave[case]:.1f} tok/s aggregate")
-            pair_ratios[label].append(wave[label] / wave[pair.plain])
-    pairs = {WAVE_PAIRS[label].ratio: summarize(values) for label, values in pair_ratios.items()}
+        for key in PROMPTS:
+            prompt = ctx.prompt(key)
+            for i, (label, pair) in enumerate(WAVE_PAIRS.items()):
+                wave = {}
+                for case in (pair.plain, label) if (repeat + i) % 2 == 0 else (label, pair.plain):
+                    args = {**base, **pair.options} if case == label else base
+                    wall, _, tokens = client_wave(services.sides[pair.target].address, prompt, clients, args)
+                    wave[case] = tokens / wall
+                    throughput.setdefault(_on_prompt(case, key), []).append(wave[case])
+                    log(
+                        f"  matrix {clients} clients, {key} [{repeat + 1}/{count}] {case}: "
+                        f"{wave[case]:.1f} tok/s aggregate"
+                    )
+                pair_ratios.setdefault(_on_prompt(pair.ratio, key), []).append(wave[label] / wave[pair.plain])
+    pairs = {name: summarize(values) for name, values in pair_ratios.items()}
     return {
         "clients": clients,
+        "prompts": list(PROMPTS),
         "aggregate_tokens_per_second": {label: summarize(values) for label, values in throughput.items()},
         "pair_ratios": pairs,
         "ratios": {name: summary["median"] if summary else None for name, summary in pairs.items()},
     }
+
+
+def _on_prompt(name: str, key: str) -> str:
+    """A case or ratio of the concurrent waves, named with its prompt."""
+    return f"{name}, {key}"
 
 
 def _first_requests(ctx: Context, services: MatrixServices) -> dict[str, float]:

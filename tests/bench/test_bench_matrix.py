@@ -39,15 +39,20 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
     concurrency = matrix["concurrency"]
     assert concurrency["clients"] == 2 and all(v is not None for v in concurrency["ratios"].values())
     # Each speculative wave ran beside a plain wave on its target: one pair a repeat, the ratio their median.
+    # On every prompt, for every case.
     waves = concurrency["aggregate_tokens_per_second"]
-    repeats = waves["colocated_on"]["n"]
-    assert waves["plain_greedy"]["n"] == 2 * repeats and waves["colocated_plain_greedy"]["n"] == repeats
+    assert concurrency["prompts"] == list(PROMPTS) and len(concurrency["pair_ratios"]) == 3 * len(PROMPTS)
+    repeats = waves["colocated_on, chat"]["n"]
+    for key in PROMPTS:
+        assert (
+            waves[f"plain_greedy, {key}"]["n"] == 2 * repeats
+            and waves[f"colocated_plain_greedy, {key}"]["n"] == repeats
+        )
+        colocated = concurrency["pair_ratios"][f"co-located draft / plain greedy (same target), {key}"]["values"]
+        on, plain = waves[f"colocated_on, {key}"]["values"], waves[f"colocated_plain_greedy, {key}"]["values"]
+        assert colocated == [a / b for a, b in zip(on, plain, strict=True)]
     for name, pairs in concurrency["pair_ratios"].items():
         assert pairs["n"] == repeats and concurrency["ratios"][name] == pairs["median"]
-    colocated = concurrency["pair_ratios"]["co-located draft / plain greedy (same target)"]["values"]
-    assert colocated == [
-        a / b for a, b in zip(waves["colocated_on"]["values"], waves["colocated_plain_greedy"]["values"], strict=True)
-    ]
     names = {t["name"] for t in results["targets"]}
     assert "controller: slowest speculative row vs plain greedy" in names
     assert "remote overlapped vs remote serial, same pinning (chat)" in names
@@ -56,7 +61,7 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
     markdown = (out / "results.md").read_text()
     assert "### 11. Speculation matrix" in markdown and "draft remote overlapped (pinned)" in markdown
     assert "First request on each fresh target" in markdown
-    assert "| remote draft / plain greedy | " in markdown and "(pairs " in markdown
+    assert "| remote draft / plain greedy, code | " in markdown and "(pairs " in markdown
     assert "speculation_matrix.png" in results["plots"]
     assert "controller_draft_length.png" in results["plots"]
     assert (out / "controller_draft_length.png").read_bytes()[:4] == b"\x89PNG"
