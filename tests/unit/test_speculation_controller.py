@@ -470,9 +470,10 @@ def test_loaded_rounds_price_rounds_until_rounds_alone_are_measured():
     costs.observe_verify(3, 0.150, loaded=True)
     assert costs.prices("draft_model").plain(1) == pytest.approx(0.100)
     assert costs.prices("draft_model").verify(3) == pytest.approx(0.150)
-    costs.observe_verify(1, 0.030, drafted=False)  # alone: from here on, loaded rounds no longer reprice
+    costs.observe_verify(1, 0.030, drafted=False)  # alone: replaces what loaded rounds said, and they stop repricing
     costs.observe_verify(1, 0.300, drafted=False, loaded=True)
-    assert costs.prices("draft_model").plain(1) < 0.100
+    assert costs.prices("draft_model").plain(1) == pytest.approx(0.030)
+    assert costs.prices("draft_model").verify(3) == pytest.approx(0.150)  # no round with drafts alone yet
 
 
 def _plain_rounds(controller: SpeculationController, count: int) -> None:

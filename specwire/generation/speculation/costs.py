@@ -140,11 +140,11 @@ class SharedCosts:
 
         `loaded`: other requests shared the round. Its seconds are then mostly theirs (their tokens in the packed
         forward, their prefills, a co-located draft's forwards on the device) and change from round to round, so it
-        prices rounds only until a round alone was measured (`_alone`); the controller prices a loaded round from
-        rounds alone (`SpeculationController.expect`). Learned together, the prices of blocks measured alone met a
-        plain round's measured under load: 8 co-located chat clients after single-client requests priced a block of
-        one draft at 40 ms against a plain round's 112, drafted, and ran at 0.83x-0.88x of plain decoding in 3 of 4
-        paired waves."""
+        prices rounds only until a round alone is measured (`_alone`), which replaces what they said; the controller
+        prices a loaded round from rounds alone (`SpeculationController.expect`). Learned together, the prices of
+        blocks measured alone met a plain round's measured under load: 8 co-located chat clients after single-client
+        requests priced a block of one draft at 40 ms against a plain round's 112, drafted, and ran at 0.83x-0.88x of
+        plain decoding in 3 of 4 paired waves."""
         with self._lock:
             kind = "verify" if drafted else "plain"
             if drafted:
@@ -153,8 +153,12 @@ class SharedCosts:
             self._since_plain = self._since_plain + 1 if drafted else 0
             if loaded and kind in self._alone:
                 return
-            if not loaded:
+            if not loaded and kind not in self._alone:  # the first round alone: what loaded rounds said goes
                 self._alone.add(kind)
+                if drafted:
+                    self._verify = SizedCost()
+                else:
+                    self._plain = SizedCost()
             (self._verify if drafted else self._plain).observe(tokens, seconds)
 
     def _forget_stale_verify(self) -> None:
