@@ -65,3 +65,6 @@ LOW_ACCEPTANCE_PROMPT = (
     "Write thirty random passwords, each twelve characters long, mixing upper and lower case letters, "
     "digits and symbols such as #, %, & and @. One per line, numbered, with no other text."
 )
+
+# The three prompts by the keys the benchmark's results name them with.
+PROMPTS = {"chat": CHAT_PROMPT, "code": CODE_EDIT_PROMPT, "low": LOW_ACCEPTANCE_PROMPT}

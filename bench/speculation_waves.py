@@ -5,15 +5,16 @@ the speculation matrix's three waves per case cannot (their ranges span 15-20% o
   python -m bench.speculation_waves                          # co-located draft, 8 clients, 10 pairs
   python -m bench.speculation_waves --placement remote       # a draft service process instead
   python -m bench.speculation_waves --proposer prompt_lookup --pairs 20 --json waves.json
+  python -m bench.speculation_waves --prompt code            # the code edit (or low) instead of chat
   python -m bench.speculation_waves --log-dir logs --target-arg=--log-level --target-arg=DEBUG
 
 Starts one target service (`--draft-model` co-located, or `--draft-address` of a draft service it also
 starts), warms it, then runs `--pairs` pairs of waves: `--clients` concurrent greedy requests on the
-chat prompt (in the model's chat template, as the matrix sends it), plain and with `proposer` (no draft
-length named: the controller decides), in alternating order. Prints each pair, the median of the pair
-ratios with its range, and what the controller chose (rounds with drafts, tokens decoded without,
-probes) over every speculative request. With `--log-dir` the services' logs stay there (the target's at DEBUG gives
-each of the controller's decisions and what it expected of them).
+chat prompt (`--prompt`: or the matrix's code edit or low-acceptance one; in the model's chat template, as the
+matrix sends it), plain and with `proposer` (no draft length named: the controller decides), in alternating
+order. Prints each pair, the median of the pair ratios with its range, and what the controller chose (rounds
+with drafts, tokens decoded without, probes) over every speculative request. With `--log-dir` the services'
+logs stay there (the target's at DEBUG gives each of the controller's decisions and what it expected of them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import statistics
 from pathlib import Path
 
 from bench.machine import describe
-from bench.prompts import CHAT_PROMPT
+from bench.prompts import PROMPTS
 from bench.service_workloads import client_wave
 from bench.services import (
     Service,
@@ -59,7 +60,7 @@ def run(args) -> dict:
         for service in services:
             wait_healthy(service, 900.0)
         address = services[-1].address
-        prompt = served_prompt(address, CHAT_PROMPT)
+        prompt = served_prompt(address, PROMPTS[args.prompt])
         plain = {"do_sample": False, "max_new_tokens": args.max_new_tokens}
         cases = {"plain": plain, "speculative": {**plain, "proposer": args.proposer}}
         for kwargs in cases.values():  # warm both paths (and the draft) before the clock
@@ -89,6 +90,7 @@ def run(args) -> dict:
         "meta": describe("bench.speculation_waves"),
         "placement": args.placement,
         "proposer": args.proposer,
+        "prompt": args.prompt,
         "clients": args.clients,
         "max_new_tokens": args.max_new_tokens,
         "pairs": pairs,
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--proposer", default="draft_model", help="draft_model or prompt_lookup (default: %(default)s)")
     parser.add_argument("--model", default="default", help="target model (default: %(default)s)")
     parser.add_argument("--draft-model", default="default-int8", help="draft model (default: %(default)s)")
+    parser.add_argument("--prompt", choices=list(PROMPTS), default="chat", help="default: %(default)s")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients per wave (default: %(default)s)")
     parser.add_argument("--pairs", type=int, default=10, help="pairs of waves (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
@@ -122,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     low, high = result["ratio_range"]
     chose = result["controller"]
     print(
-        f"{args.placement} {args.proposer}, {args.clients} clients, {args.pairs} pairs: speculative / plain "
-        f"{result['ratio_median']:.3f}x (median of pair ratios; {low:.3f}-{high:.3f}), ratio of medians "
-        f"{result['ratio_of_medians']:.3f}x; the controller drafted in {chose['rounds_with_drafts']} rounds over "
-        f"{chose['requests']} requests, {chose['tokens_without_draft']} tokens without drafts, {chose['probes']} probes"
+        f"{args.placement} {args.proposer}, {args.prompt}, {args.clients} clients, {args.pairs} pairs: "
+        f"speculative / plain {result['ratio_median']:.3f}x (median of pair ratios; {low:.3f}-{high:.3f}), "
+        f"ratio of medians {result['ratio_of_medians']:.3f}x; the controller drafted in "
+        f"{chose['rounds_with_drafts']} rounds over {chose['requests']} requests, "
+        f"{chose['tokens_without_draft']} tokens without drafts, {chose['probes']} probes"
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.progress import log
-from bench.prompts import CHAT_PROMPT, CODE_EDIT_PROMPT, LOW_ACCEPTANCE_PROMPT
+from bench.prompts import PROMPTS
 from bench.reference import Reference, Run
 from bench.services import ServiceStack
 from bench.stats import summarize
@@ -46,8 +46,7 @@ class Context:
 
     def prompt(self, key: str) -> list[int]:
         if key not in self.prompts:
-            text = {"chat": CHAT_PROMPT, "code": CODE_EDIT_PROMPT, "low": LOW_ACCEPTANCE_PROMPT}[key]
-            ids = self.reference.encode(text)
+            ids = self.reference.encode(PROMPTS[key])
             # A small test model's context may not hold the prompt and the new tokens (the target refuses
             # what exceeds --max-model-len): keep the prompt's end. SmolLM2 (8192 positions) keeps it whole.
             context = self.reference.loaded.max_position_embeddings
