@@ -229,6 +229,18 @@ def _matrix_tables(m: dict) -> list[str]:
             + " |"
             for name, value in c["ratios"].items()
         ]
+        chosen = c.get("controller") or {}
+        if chosen:
+            lines += [
+                "",
+                "What the controller chose in the speculative waves: "
+                + "; ".join(
+                    f"{name}: {x['rounds_with_drafts']} rounds with drafts, {x['tokens_without_draft']} tokens "
+                    f"without, {x['probes']} probes or look-backs over {x['requests']} requests"
+                    for name, x in chosen.items()
+                )
+                + ".",
+            ]
     return lines
 
 

@@ -286,6 +286,7 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
     base = {"do_sample": False, "max_new_tokens": ctx.max_new_tokens}
     throughput: dict[str, list[float]] = {}
     pair_ratios: dict[str, list[float]] = {}
+    outputs: dict[str, list] = {}  # the speculative requests' outputs, for what the controller chose
     count = ctx.repeats if ctx.quick else max(ctx.repeats, WAVE_PAIR_COUNT)
     for repeat in range(count):
         for key in PROMPTS:
@@ -294,7 +295,8 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
                 wave = {}
                 for case in (pair.plain, label) if (repeat + i) % 2 == 0 else (label, pair.plain):
                     args = {**base, **pair.options} if case == label else base
-                    wall, _, tokens = client_wave(services.sides[pair.target].address, prompt, clients, args)
+                    kept = outputs.setdefault(_on_prompt(case, key), []) if case == label else None
+                    wall, _, tokens = client_wave(services.sides[pair.target].address, prompt, clients, args, kept)
                     wave[case] = tokens / wall
                     throughput.setdefault(_on_prompt(case, key), []).append(wave[case])
                     log(
@@ -308,7 +310,20 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
         "prompts": list(PROMPTS),
         "aggregate_tokens_per_second": {label: summarize(values) for label, values in throughput.items()},
         "pair_ratios": pairs,
+        "controller": {name: _chosen(values) for name, values in outputs.items()},
         "ratios": {name: summary["median"] if summary else None for name, summary in pairs.items()},
+    }
+
+
+def _chosen(outputs: list) -> dict[str, int]:
+    """What the controller chose over a case's speculative requests: rounds with drafts, tokens decoded without
+    (time off), probes and look-backs."""
+    stats = [o.speculation for o in outputs]
+    return {
+        "requests": len(stats),
+        "rounds_with_drafts": sum(s.rounds for s in stats),
+        "tokens_without_draft": sum(s.tokens_without_draft for s in stats),
+        "probes": sum(s.probes for s in stats),
     }
 
 

@@ -51,6 +51,9 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
         colocated = concurrency["pair_ratios"][f"co-located draft / plain greedy (same target), {key}"]["values"]
         on, plain = waves[f"colocated_on, {key}"]["values"], waves[f"colocated_plain_greedy, {key}"]["values"]
         assert colocated == [a / b for a, b in zip(on, plain, strict=True)]
+    chosen = concurrency["controller"]["colocated_on, low"]  # every speculative request's choices, per case
+    assert chosen["requests"] == 2 * repeats and chosen["rounds_with_drafts"] + chosen["tokens_without_draft"] > 0
+    assert "What the controller chose in the speculative waves" in (out / "results.md").read_text()
     for name, pairs in concurrency["pair_ratios"].items():
         assert pairs["n"] == repeats and concurrency["ratios"][name] == pairs["median"]
     names = {t["name"] for t in results["targets"]}
