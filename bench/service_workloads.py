@@ -60,6 +60,18 @@ def client_wave(
     return wall, latencies, sum(tokens)
 
 
+def controller_choices(outputs: list) -> dict[str, int]:
+    """What the speculation controller chose over speculative requests' outputs (`client_wave`'s): rounds with
+    drafts, tokens decoded without (time off), and probes or look-backs."""
+    stats = [o.speculation for o in outputs]
+    return {
+        "requests": len(stats),
+        "rounds_with_drafts": sum(s.rounds for s in stats),
+        "tokens_without_draft": sum(s.tokens_without_draft for s in stats),
+        "probes": sum(s.probes for s in stats),
+    }
+
+
 def concurrency(ctx: Context) -> dict:
     """6. 1, 2, 4, 8 concurrent clients: aggregate tokens/s and p50/p99 latency; transformers sequential."""
     prompt = ctx.prompt("chat")

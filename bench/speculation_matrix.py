@@ -34,7 +34,7 @@ import os
 from typing import Any, NamedTuple
 
 from bench.progress import log
-from bench.service_workloads import client_wave
+from bench.service_workloads import client_wave, controller_choices
 from bench.services import Service, free_port, service_env, wait_healthy
 from bench.stats import ratio, summarize
 from bench.target import Specwire, speculation_unavailable
@@ -310,20 +310,8 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
         "prompts": list(PROMPTS),
         "aggregate_tokens_per_second": {label: summarize(values) for label, values in throughput.items()},
         "pair_ratios": pairs,
-        "controller": {name: _chosen(values) for name, values in outputs.items()},
+        "controller": {name: controller_choices(values) for name, values in outputs.items()},
         "ratios": {name: summary["median"] if summary else None for name, summary in pairs.items()},
-    }
-
-
-def _chosen(outputs: list) -> dict[str, int]:
-    """What the controller chose over a case's speculative requests: rounds with drafts, tokens decoded without
-    (time off), probes and look-backs."""
-    stats = [o.speculation for o in outputs]
-    return {
-        "requests": len(stats),
-        "rounds_with_drafts": sum(s.rounds for s in stats),
-        "tokens_without_draft": sum(s.tokens_without_draft for s in stats),
-        "probes": sum(s.probes for s in stats),
     }
 
 

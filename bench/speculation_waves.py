@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.machine import describe
 from bench.prompts import PROMPTS
-from bench.service_workloads import client_wave
+from bench.service_workloads import client_wave, controller_choices
 from bench.services import (
     Service,
     add_log_options,
@@ -85,7 +85,6 @@ def run(args) -> dict:
         for service in reversed(services):
             service.stop()
     ratios = [p["speculative"] / p["plain"] for p in pairs]
-    stats = [o.speculation for o in outputs]
     return {
         "meta": describe("bench.speculation_waves"),
         "placement": args.placement,
@@ -98,12 +97,7 @@ def run(args) -> dict:
         "ratio_range": [min(ratios), max(ratios)],
         "ratio_of_medians": statistics.median(p["speculative"] for p in pairs)
         / statistics.median(p["plain"] for p in pairs),
-        "controller": {
-            "requests": len(stats),
-            "rounds_with_drafts": sum(s.rounds for s in stats),
-            "tokens_without_draft": sum(s.tokens_without_draft for s in stats),
-            "probes": sum(s.probes for s in stats),
-        },
+        "controller": controller_choices(outputs),
     }
 
 
