@@ -474,6 +474,15 @@ def test_loaded_rounds_price_rounds_until_rounds_alone_are_measured():
     costs.observe_verify(1, 0.300, drafted=False, loaded=True)
     assert costs.prices("draft_model").plain(1) == pytest.approx(0.030)
     assert costs.prices("draft_model").verify(3) == pytest.approx(0.150)  # no round with drafts alone yet
+    # A request's controller says whether others shared its round (the target's load when the round ended).
+    busy = SpeculationController(costs, "draft_model", load=lambda: 7)
+    busy.next_length(remaining=100)
+    busy.observe(0, [0], [0], [0], 0.0, 0.500, 1)
+    assert costs.prices("draft_model").plain(1) == pytest.approx(0.030)
+    alone = SpeculationController(costs, "draft_model")
+    alone.next_length(remaining=100)
+    alone.observe(0, [0], [0], [0], 0.0, 0.040, 1)
+    assert costs.prices("draft_model").plain(1) > 0.030
 
 
 def _plain_rounds(controller: SpeculationController, count: int) -> None:
