@@ -1,6 +1,6 @@
 """Waves of concurrent clients with speculation on (the controller) against the same waves plain, in
-alternating pairs, on one target: enough pairs to resolve the 5% the issue #23 target allows, which
-the speculation matrix's three waves per case cannot (their ranges span 15-20% on the 2-core box).
+alternating pairs, on one target: as many pairs as it takes to resolve the 5% the issue #23 target allows
+(one pair spans about +-8% on the 2-core box; the speculation matrix runs 5 per case and prompt).
 
   python -m bench.speculation_waves                          # co-located draft, 8 clients, 10 pairs
   python -m bench.speculation_waves --placement remote       # a draft service process instead
