@@ -60,6 +60,26 @@ def client_wave(
     return wall, latencies, sum(tokens)
 
 
+def wave_pair(
+    address: str,
+    prompt: list[int],
+    clients: int,
+    plain: dict,
+    speculative: dict,
+    speculative_first: bool,
+    outputs: list | None = None,
+) -> tuple[float, float]:
+    """A speculative wave beside a plain wave of `clients` on one target, the speculative one first or second:
+    their aggregate tokens/s, `(plain, speculative)`; the speculative requests' outputs go to `outputs`."""
+    rates = {}
+    for label in ("speculative", "plain") if speculative_first else ("plain", "speculative"):
+        is_speculative = label == "speculative"
+        args, kept = (speculative, outputs) if is_speculative else (plain, None)
+        wall, _, tokens = client_wave(address, prompt, clients, args, kept)
+        rates[label] = tokens / wall
+    return rates["plain"], rates["speculative"]
+
+
 def controller_choices(outputs: list) -> dict[str, int]:
     """What the speculation controller chose over speculative requests' outputs (`client_wave`'s): rounds with
     drafts, tokens decoded without (time off), and probes or look-backs."""

@@ -34,7 +34,7 @@ import os
 from typing import Any, NamedTuple
 
 from bench.progress import log
-from bench.service_workloads import client_wave, controller_choices
+from bench.service_workloads import controller_choices, wave_pair
 from bench.services import Service, free_port, service_env, wait_healthy
 from bench.stats import ratio, summarize
 from bench.target import Specwire, speculation_unavailable
@@ -292,18 +292,14 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
         for key in PROMPTS:
             prompt = ctx.prompt(key)
             for i, (label, pair) in enumerate(WAVE_PAIRS.items()):
-                wave = {}
-                for case in (pair.plain, label) if (repeat + i) % 2 == 0 else (label, pair.plain):
-                    args = {**base, **pair.options} if case == label else base
-                    kept = outputs.setdefault(_on_prompt(case, key), []) if case == label else None
-                    wall, _, tokens = client_wave(services.sides[pair.target].address, prompt, clients, args, kept)
-                    wave[case] = tokens / wall
-                    throughput.setdefault(_on_prompt(case, key), []).append(wave[case])
-                    log(
-                        f"  matrix {clients} clients, {key} [{repeat + 1}/{count}] {case}: "
-                        f"{wave[case]:.1f} tok/s aggregate"
-                    )
-                pair_ratios.setdefault(_on_prompt(pair.ratio, key), []).append(wave[label] / wave[pair.plain])
+                address, kept = services.sides[pair.target].address, outputs.setdefault(_on_prompt(label, key), [])
+                plain, speculative = wave_pair(
+                    address, prompt, clients, base, {**base, **pair.options}, (repeat + i) % 2 == 1, kept
+                )
+                for case, rate in ((pair.plain, plain), (label, speculative)):
+                    throughput.setdefault(_on_prompt(case, key), []).append(rate)
+                    log(f"  matrix {clients} clients, {key} [{repeat + 1}/{count}] {case}: {rate:.1f} tok/s aggregate")
+                pair_ratios.setdefault(_on_prompt(pair.ratio, key), []).append(speculative / plain)
     pairs = {name: summarize(values) for name, values in pair_ratios.items()}
     return {
         "clients": clients,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.machine import describe
 from bench.prompts import PROMPTS
-from bench.service_workloads import client_wave, controller_choices
+from bench.service_workloads import client_wave, controller_choices, wave_pair
 from bench.services import (
     Service,
     add_log_options,
@@ -68,13 +68,10 @@ def run(args) -> dict:
         pairs: list[dict[str, float]] = []
         outputs: list = []
         for i in range(args.pairs):
-            order = list(cases) if i % 2 == 0 else list(cases)[::-1]
-            rates: dict[str, float] = {}
-            for label in order:
-                wall, _, tokens = client_wave(
-                    address, prompt, args.clients, cases[label], outputs if label == "speculative" else None
-                )
-                rates[label] = tokens / wall
+            plain_rate, speculative_rate = wave_pair(
+                address, prompt, args.clients, cases["plain"], cases["speculative"], i % 2 == 1, outputs
+            )
+            rates = {"plain": plain_rate, "speculative": speculative_rate}
             pairs.append(rates)
             print(
                 f"pair {i + 1}/{args.pairs}: plain {rates['plain']:.1f} tok/s, speculative "
