@@ -6,6 +6,7 @@ not measured, never as met.
 
 from __future__ import annotations
 
+from bench.speculation_matrix import RATIOS, WAVE_PAIRS
 from bench.stats import lookup, ratio
 
 
@@ -154,7 +155,7 @@ def matrix_targets(matrix: dict | None) -> list[dict]:
         targets.append(_target(name, f">= {goal:.2f}x", value, met, detail if value is not None else why))
 
     # With the controller, no speculative row is more than 5% slower than plain greedy on the same services.
-    slowest, where = None, ""
+    slowest, where, drafted = None, "", None
     for key, p in prompts.items():
         for name, value in p["ratios"].items():
             if (
@@ -163,11 +164,15 @@ def matrix_targets(matrix: dict | None) -> list[dict]:
                 and value is not None
                 and (slowest is None or value < slowest)
             ):
-                slowest, where = value, f"{name}, {key} prompt"
+                slowest, where, drafted = value, f"{name}, {key} prompt", _row_drafted(p, name)
     for name, value in (lookup(matrix, "concurrency", "ratios", default={}) or {}).items():
         if value is not None and (slowest is None or value < slowest):
-            slowest, where = value, f"{name}, {lookup(matrix, 'concurrency', 'clients')} clients"
-    at_least("controller: slowest speculative row vs plain greedy", 0.95, slowest, f"the slowest: {where}")
+            clients = lookup(matrix, "concurrency", "clients")
+            slowest, where, drafted = value, f"{name}, {clients} clients", _waves_drafted(matrix, name)
+    detail = f"the slowest: {where}"
+    if drafted is False:
+        detail += " (none of its requests drafted: plain decoding against plain decoding)"
+    at_least("controller: slowest speculative row vs plain greedy", 0.95, slowest, detail + _identical_work(matrix))
     for key in ("chat", "code", "low"):
         at_least(
             f"co-located draft vs transformers assisted ({key})",
@@ -200,3 +205,43 @@ def matrix_targets(matrix: dict | None) -> list[dict]:
         )
     )
     return targets
+
+
+def _row_drafted(prompt: dict, name: str) -> bool | None:
+    """Whether any request of a single-client ratio's speculative row drafted a block (None: not recorded)."""
+    label = next((label for ratio_name, label, _ in RATIOS if ratio_name == name), None)
+    rounds = lookup(prompt, "speculation", label, "rounds", "values") if label else None
+    return None if rounds is None else any(rounds)
+
+
+def _waves_drafted(matrix: dict | None, name: str) -> bool | None:
+    """Whether any request of a concurrent case (its ratio `name`, "<ratio>, <prompt>") drafted a block or probed
+    (None: not recorded)."""
+    ratio_name, _, key = name.rpartition(", ")
+    label = next((label for label, pair in WAVE_PAIRS.items() if pair.ratio == ratio_name), None)
+    chosen = lookup(matrix, "concurrency", "controller", f"{label}, {key}") if label else None
+    return None if chosen is None else bool(chosen["rounds_with_drafts"] or chosen["probes"])
+
+
+def _identical_work(matrix: dict | None) -> str:
+    """What identical work read on two targets in the run: plain greedy on the co-located draft's target over plain
+    greedy on the main one (single client, and the concurrent waves), the yardstick of a ratio of plain decoding to
+    plain decoding (the controller not drafting)."""
+    single = [
+        ratio(
+            lookup(p, "series", "colocated_plain_greedy", "tokens_per_second"),
+            lookup(p, "series", "plain_greedy", "tokens_per_second"),
+        )
+        for p in (lookup(matrix, "prompts", default={}) or {}).values()
+    ]
+    waves = lookup(matrix, "concurrency", "aggregate_tokens_per_second", default={}) or {}
+    loaded = [
+        ratio(waves.get(f"colocated_plain_greedy, {key}"), waves.get(f"plain_greedy, {key}"))
+        for key in lookup(matrix, "concurrency", "prompts", default=[]) or []
+    ]
+    clients = lookup(matrix, "concurrency", "clients")
+    measured = (("single client", [v for v in single if v]), (f"with {clients} clients", [v for v in loaded if v]))
+    spans = [f"{min(values):.2f}x-{max(values):.2f}x {what}" for what, values in measured if values]
+    if not spans:
+        return ""
+    return f"; identical work on two targets (plain greedy, co-located target over main) read {' and '.join(spans)}"
