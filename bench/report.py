@@ -185,8 +185,11 @@ MATRIX_ROWS = [
 def _matrix_tables(m: dict) -> list[str]:
     prompts = m["prompts"]
     keys = list(prompts)
+    runs = lookup(prompts[keys[0]], "series", "plain_greedy", "tokens_per_second", "n") if keys else None
+    times = "once" if runs == 1 else f"{runs} times"
     lines = [
-        f"{m.get('pinning', '')}.",
+        f"{m.get('pinning', '')}."
+        + (f" Each row ran {times}, the rows alternating (medians, min-max)." if runs else ""),
         "",
         "| row | " + " | ".join(f"{k} tok/s" for k in keys) + " | acceptance | drafted ahead: hits / misses |",
     ]

@@ -13,6 +13,8 @@ Rows, per prompt (chat, code edit, and a low-acceptance one):
   both; `on` explicitly: the target cannot see the pinning, and its `auto` does not overlap with a draft
   service on loopback), with plain greedy on the same pinned target as their baseline.
 
+Each row runs `ROW_REPEATS` times (the repeats in quick mode), the rows alternating.
+
 Controller "off" requests name transformers' defaults explicitly (`num_assistant_tokens=20`,
 `num_assistant_tokens_schedule="constant"`; prompt lookup: `prompt_lookup_num_tokens=10`), which the
 controller leaves alone; "on" requests name none. Every speculative output is checked token for token
@@ -202,6 +204,11 @@ class Runs:
         )
 
 
+# Repeats of each single-client row (the repeats in quick mode). With 3, a row that drafted nothing read 0.91x of plain
+# greedy on its target (repeats 1.00x, 0.92x, 1.02x), and plain greedy on two targets 0.94x-1.06x, at `0f75bab`.
+ROW_REPEATS = 5
+
+
 def _prompt_rows(ctx: Context, services: MatrixServices, key: str) -> dict:
     prompt = ctx.prompt(key)
     base = {"do_sample": False, "max_new_tokens": ctx.max_new_tokens}
@@ -225,7 +232,8 @@ def _prompt_rows(ctx: Context, services: MatrixServices, key: str) -> dict:
     rows["transformers_assisted"] = ReferenceSpeculativeRuns(
         ctx, key, f"transformers assisted ({key})", assistant=assistant, **base
     )
-    runs, unavailable = alternate(ctx, rows, f"matrix {key}")
+    repeats = ctx.repeats if ctx.quick else max(ctx.repeats, ROW_REPEATS)
+    runs, unavailable = alternate(ctx, rows, f"matrix {key}", repeats)
     series = {label: run_series(r) for label, r in runs.items() if r}
     ratios = {}
     for name, label, baseline in RATIOS:

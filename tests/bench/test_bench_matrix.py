@@ -64,6 +64,7 @@ def test_quick_speculation_matrix(tiny_model_dir, tmp_path):
     markdown = (out / "results.md").read_text()
     assert "### 11. Speculation matrix" in markdown and "draft remote overlapped (pinned)" in markdown
     assert "First request on each fresh target" in markdown
+    assert "Each row ran once, the rows alternating" in markdown  # quick mode: its one repeat
     assert "| remote draft / plain greedy, code | " in markdown and "(pairs " in markdown
     assert "speculation_matrix.png" in results["plots"]
     assert "controller_draft_length.png" in results["plots"]
