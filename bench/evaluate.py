@@ -171,7 +171,7 @@ def matrix_targets(matrix: dict | None) -> list[dict]:
             slowest, where, drafted = value, f"{name}, {clients} clients", _waves_drafted(matrix, name)
     detail = f"the slowest: {where}"
     if drafted is False:
-        detail += " (none of its requests drafted: plain decoding against plain decoding)"
+        detail += " (none of its requests drafted a block)"
     at_least("controller: slowest speculative row vs plain greedy", 0.95, slowest, detail + _identical_work(matrix))
     for key in ("chat", "code", "low"):
         at_least(

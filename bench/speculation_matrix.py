@@ -209,6 +209,11 @@ class Runs:
 ROW_REPEATS = 5
 
 
+def _repeats(ctx: Context, at_least: int) -> int:
+    """The run's repeats, and at least `at_least` unless quick."""
+    return ctx.repeats if ctx.quick else max(ctx.repeats, at_least)
+
+
 def _prompt_rows(ctx: Context, services: MatrixServices, key: str) -> dict:
     prompt = ctx.prompt(key)
     base = {"do_sample": False, "max_new_tokens": ctx.max_new_tokens}
@@ -232,8 +237,7 @@ def _prompt_rows(ctx: Context, services: MatrixServices, key: str) -> dict:
     rows["transformers_assisted"] = ReferenceSpeculativeRuns(
         ctx, key, f"transformers assisted ({key})", assistant=assistant, **base
     )
-    repeats = ctx.repeats if ctx.quick else max(ctx.repeats, ROW_REPEATS)
-    runs, unavailable = alternate(ctx, rows, f"matrix {key}", repeats)
+    runs, unavailable = alternate(ctx, rows, f"matrix {key}", _repeats(ctx, ROW_REPEATS))
     series = {label: run_series(r) for label, r in runs.items() if r}
     ratios = {}
     for name, label, baseline in RATIOS:
@@ -295,7 +299,7 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
     throughput: dict[str, list[float]] = {}
     pair_ratios: dict[str, list[float]] = {}
     outputs: dict[str, list] = {}  # the speculative requests' outputs, for what the controller chose
-    count = ctx.repeats if ctx.quick else max(ctx.repeats, WAVE_PAIR_COUNT)
+    count = _repeats(ctx, WAVE_PAIR_COUNT)
     for repeat in range(count):
         for key in PROMPTS:
             prompt = ctx.prompt(key)
