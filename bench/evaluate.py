@@ -6,7 +6,7 @@ not measured, never as met.
 
 from __future__ import annotations
 
-from bench.speculation_matrix import RATIOS, WAVE_PAIRS
+from bench.speculation_matrix import RATIOS, WAVE_PAIRS, on_prompt
 from bench.stats import lookup, ratio
 
 
@@ -215,11 +215,19 @@ def _row_drafted(prompt: dict, name: str) -> bool | None:
 
 
 def _waves_drafted(matrix: dict | None, name: str) -> bool | None:
-    """Whether any request of a concurrent case (its ratio `name`, "<ratio>, <prompt>") drafted a block or probed
+    """Whether any request of a concurrent case (its ratio `name`, `on_prompt` named) drafted a block or probed
     (None: not recorded)."""
-    ratio_name, _, key = name.rpartition(", ")
-    label = next((label for label, pair in WAVE_PAIRS.items() if pair.ratio == ratio_name), None)
-    chosen = lookup(matrix, "concurrency", "controller", f"{label}, {key}") if label else None
+    prompts = lookup(matrix, "concurrency", "prompts", default=[]) or []
+    case = next(
+        (
+            on_prompt(label, key)
+            for label, pair in WAVE_PAIRS.items()
+            for key in prompts
+            if on_prompt(pair.ratio, key) == name
+        ),
+        None,
+    )
+    chosen = lookup(matrix, "concurrency", "controller", case) if case else None
     return None if chosen is None else bool(chosen["rounds_with_drafts"] or chosen["probes"])
 
 
@@ -236,7 +244,7 @@ def _identical_work(matrix: dict | None) -> str:
     ]
     waves = lookup(matrix, "concurrency", "aggregate_tokens_per_second", default={}) or {}
     loaded = [
-        ratio(waves.get(f"colocated_plain_greedy, {key}"), waves.get(f"plain_greedy, {key}"))
+        ratio(waves.get(on_prompt("colocated_plain_greedy", key)), waves.get(on_prompt("plain_greedy", key)))
         for key in lookup(matrix, "concurrency", "prompts", default=[]) or []
     ]
     clients = lookup(matrix, "concurrency", "clients")

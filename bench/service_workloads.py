@@ -71,11 +71,10 @@ def wave_pair(
 ) -> tuple[float, float]:
     """A speculative wave beside a plain wave of `clients` on one target, the speculative one first or second:
     their aggregate tokens/s, `(plain, speculative)`; the speculative requests' outputs go to `outputs`."""
+    waves = {"plain": (plain, None), "speculative": (speculative, outputs)}
     rates = {}
     for label in ("speculative", "plain") if speculative_first else ("plain", "speculative"):
-        is_speculative = label == "speculative"
-        args, kept = (speculative, outputs) if is_speculative else (plain, None)
-        wall, _, tokens = client_wave(address, prompt, clients, args, kept)
+        wall, _, tokens = client_wave(address, prompt, clients, *waves[label])
         rates[label] = tokens / wall
     return rates["plain"], rates["speculative"]
 

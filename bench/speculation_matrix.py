@@ -294,7 +294,7 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
     apart (each case once a repeat, the cases in turn), a case and its baseline saw different spells of the shared
     box: the waves' ranges spanned 15-20%, and the remote draft read 0.87x of plain greedy in a run (`f7c3660`)
     after which 8 alternating pairs on one target read 0.99x (0.92x-1.31x), none of their 64 speculative requests
-    drafting (`bench.speculation_waves`). Cases and ratios are named with their prompt (`_on_prompt`)."""
+    drafting (`bench.speculation_waves`). Cases and ratios are named with their prompt (`on_prompt`)."""
     base = {"do_sample": False, "max_new_tokens": ctx.max_new_tokens}
     throughput: dict[str, list[float]] = {}
     pair_ratios: dict[str, list[float]] = {}
@@ -304,14 +304,14 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
         for key in PROMPTS:
             prompt = ctx.prompt(key)
             for i, (label, pair) in enumerate(WAVE_PAIRS.items()):
-                address, kept = services.sides[pair.target].address, outputs.setdefault(_on_prompt(label, key), [])
+                address, kept = services.sides[pair.target].address, outputs.setdefault(on_prompt(label, key), [])
                 plain, speculative = wave_pair(
                     address, prompt, clients, base, {**base, **pair.options}, (repeat + i) % 2 == 1, kept
                 )
                 for case, rate in ((pair.plain, plain), (label, speculative)):
-                    throughput.setdefault(_on_prompt(case, key), []).append(rate)
+                    throughput.setdefault(on_prompt(case, key), []).append(rate)
                     log(f"  matrix {clients} clients, {key} [{repeat + 1}/{count}] {case}: {rate:.1f} tok/s aggregate")
-                pair_ratios.setdefault(_on_prompt(pair.ratio, key), []).append(speculative / plain)
+                pair_ratios.setdefault(on_prompt(pair.ratio, key), []).append(speculative / plain)
     pairs = {name: summarize(values) for name, values in pair_ratios.items()}
     return {
         "clients": clients,
@@ -323,7 +323,7 @@ def _concurrency(ctx: Context, services: MatrixServices, clients: int) -> dict:
     }
 
 
-def _on_prompt(name: str, key: str) -> str:
+def on_prompt(name: str, key: str) -> str:
     """A case or ratio of the concurrent waves, named with its prompt."""
     return f"{name}, {key}"
 
