@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from specwire.client.cli import main
+from specwire.client.cli.common import ctrl_c_closes
 from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.models import load_model
 from specwire.target_service.__main__ import build_server as build_target_server
-from tests.servers import free_port, threaded_server
+from tests.servers import free_port, threaded_server, wait_for
 from tests.service.releases import Faults
 
 
@@ -241,22 +245,30 @@ def test_help_shows_defaults(capsys):
     assert "default: 50052" in out and "default: cpu" in out and "registry.db" in out
 
 
+# `specwire` with Python's own Ctrl-C handler, as from a terminal: a pytest-xdist worker ignores SIGINT (its controller
+# takes Ctrl-C), and an ignored signal stays ignored in its children, so the CLI would never see it (as after `nohup`
+# or `cmd &`). Set in the child itself: a `preexec_fn` runs Python in a fork of this process, whose gRPC threads make
+# that unsafe (it aborted the child now and then).
+AS_FROM_A_TERMINAL = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from specwire.client.cli import main; sys.exit(main())"
+)
+
+
 def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(tiny_model_dir):
     # A target 20 ms a forward: its 200 tokens take 4 s, so the stream is still going when Ctrl-C comes however busy
     # the machine (the tiny model alone streams them in ~0.5 s). The sequential scheduler calls the model's `forward`
     # (the batched one's lean decoder runs the layers itself, which the delay would miss).
     slow = load_model(str(tiny_model_dir), progress=False)
     Faults(slow.model, delay_s=0.02)
+    forwards = count_calls(slow.model)
     with threaded_server(lambda: build_target_server(slow, scheduler="sequential")) as target:
         process = subprocess.Popen(
-            [sys.executable, "-m", "specwire.client.cli", "generate", "Hello", "--address", target.address]
+            [sys.executable, "-c", AS_FROM_A_TERMINAL, "generate", "Hello", "--address", target.address]
             + ["--no-chat", "--stream", "--set", "max_new_tokens=200", "--set", "min_new_tokens=200"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            # As from a terminal: a pytest-xdist worker ignores SIGINT (its controller takes Ctrl-C), and an ignored
-            # signal stays ignored in its children, so the CLI would never see it (as after `nohup` or `cmd &`).
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         first = process.stdout.read(1)  # streaming has begun; '' means the command ended before any text
         if not first:
@@ -264,13 +276,37 @@ def test_ctrl_c_during_a_stream_prints_stopped_not_a_traceback(tiny_model_dir):
             pytest.fail(f"the stream ended before its first token (exit {process.returncode}): {err}")
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=60)
-    assert (process.returncode, "stopped" in err, "Traceback" in err) == (130, True, False), err
+        assert (process.returncode, "stopped" in err, "Traceback" in err) == (130, True, False), err
+        # The request was cancelled on the server: its forwards stop short of the 200 tokens asked for.
+        wait_for(lambda: no_new_calls(forwards, quiet_s=0.3), timeout=30)
+        assert len(forwards) < 200
+
+
+def count_calls(model) -> list[None]:
+    """Wrap `model.forward` to append to the returned list at every call."""
+    calls: list[None] = []
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        calls.append(None)
+        return inner(*args, **kwargs)
+
+    model.forward = forward
+    return calls
+
+
+def no_new_calls(calls: list[None], quiet_s: float) -> bool:
+    before = len(calls)
+    time.sleep(quiet_s)
+    return len(calls) == before
 
 
 def test_ctrl_c_that_breaks_grpcs_lock_is_still_an_interrupt(monkeypatch, capsys):
     """Ctrl-C inside grpc's wait for a streamed message can leave its condition's lock released; leaving grpc's `with`
     then raises RuntimeError("cannot release un-acquired lock") in the middle of the KeyboardInterrupt (seen once in
-    the test above). The CLI says "stopped" and exits 130 for that too, and lets any other RuntimeError through."""
+    the test above, before a first Ctrl-C closed the channel instead; a second one still raises there). The CLI says
+    "stopped" and exits 130 for that too, and lets any other RuntimeError through."""
     import specwire.client.cli as cli
 
     def interrupted_in_grpcs_wait(args):
@@ -289,6 +325,63 @@ def test_ctrl_c_that_breaks_grpcs_lock_is_still_an_interrupt(monkeypatch, capsys
     monkeypatch.setattr(cli, "generate_command", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["generate", "Hello", "--address", "127.0.0.1:1"])
+
+
+@pytest.fixture
+def python_handles_ctrl_c():
+    """SIGINT raising KeyboardInterrupt, as in a CLI started from a terminal (a pytest-xdist worker ignores it)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+class Closable:
+    def __init__(self):
+        self.closed = threading.Event()
+
+    def close(self):
+        self.closed.set()
+
+
+def test_ctrl_c_closes_the_client_instead_of_raising_where_the_call_waits(python_handles_ctrl_c):
+    client = Closable()
+    with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_closes(client):
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                pytest.fail("Ctrl-C raised in the body, where grpc waits for the call")
+            assert client.closed.wait(10)
+            raise ValueError("Cannot invoke RPC on closed channel!")  # what the closed channel makes the call raise
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # The body finishing as the channel closes is still the user's Ctrl-C; errors without one pass through.
+    with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_closes(Closable()):
+            signal.raise_signal(signal.SIGINT)
+    with pytest.raises(ValueError, match="a bug"):
+        with ctrl_c_closes(Closable()):
+            raise ValueError("a bug")
+
+
+def test_a_second_ctrl_c_raises_at_once(python_handles_ctrl_c):
+    client = Closable()
+    with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_closes(client):
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            pytest.fail("the second Ctrl-C did not raise")
+    assert client.closed.wait(10)
+
+
+def test_an_ignored_ctrl_c_stays_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as after `nohup`
+    try:
+        client = Closable()
+        with ctrl_c_closes(client):
+            signal.raise_signal(signal.SIGINT)
+        assert not client.closed.is_set() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_the_registry_warns_about_unknown_keys_refuses_them_strictly_and_stores_them_on_purpose(services, capsys):

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,41 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 class UsageError(Exception):
     """The command line itself is wrong (exit 2, like argparse's own errors)."""
+
+
+@contextlib.contextmanager
+def ctrl_c_closes(client: Any) -> Iterator[None]:
+    """While the body runs, Ctrl-C closes `client` (from a thread of its own) instead of raising KeyboardInterrupt
+    wherever the main thread is: its call ends CANCELLED, the server stops the work, and the body's error becomes the
+    KeyboardInterrupt that `main` reports as "stopped". Raised inside grpc's wait for a message, a KeyboardInterrupt
+    could leave grpc's state half-updated: its condition's lock released, and at exit its threads raising or the
+    process aborting. A second Ctrl-C raises at once. Where SIGINT is not Python's default (ignored, as after `nohup`,
+    or handled by someone else) or off the main thread, nothing changes."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    pressed = threading.Event()
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        if pressed.is_set():
+            raise KeyboardInterrupt
+        pressed.set()
+        threading.Thread(target=client.close, name="specwire-ctrl-c", daemon=True).start()
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield
+    except Exception:
+        if pressed.is_set():  # the call failed because its channel was closed
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed.is_set():  # the body finished as the channel closed
+        raise KeyboardInterrupt
 
 
 def parse_assignments(items: list[str] | None, what: str = "--set") -> dict[str, Any]:

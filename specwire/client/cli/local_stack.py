@@ -22,6 +22,7 @@ from .common import (
     HINTS,
     add_chat_option,
     add_command,
+    ctrl_c_closes,
     parse_assignments,
 )
 from .generate import print_stats, print_warnings
@@ -252,7 +253,7 @@ def demo_command(args) -> int:
                 apply_chat_template=not args.no_chat,
                 **parse_assignments(args.set),
             )
-            with TargetClient(stack.target_address) as client:
+            with TargetClient(stack.target_address) as client, ctrl_c_closes(client):
                 # A short request each way first: the timed answers below then both run on warm services (a fresh
                 # target's and draft service's first forwards are slower, which would be charged to one side only).
                 print("warming up: one short request with speculation and one without", file=sys.stderr)
