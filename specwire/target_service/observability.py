@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Status, StatusCode
@@ -226,7 +227,7 @@ class RequestObserver:
         self.tokens_per_row: list[int] = []
         self.first_token: float | None = None
         self.span: Any = None
-        self._use: Any = None  # trace.use_span's context manager, entered in __enter__
+        self._attached: Any = None  # the token of the context that makes the span current, attached in __enter__
         self._task: asyncio.Task | None = None  # the task that entered it (None: no event loop)
 
     def __enter__(self) -> RequestObserver:
@@ -241,8 +242,7 @@ class RequestObserver:
                 "specwire.rpc": self.rpc,
             },
         )
-        self._use = trace.use_span(self.span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
-        self._use.__enter__()
+        self._attached = otel_context.attach(trace.set_span_in_context(self.span))
         self._task = _current_task()
         return self
 
@@ -267,9 +267,10 @@ class RequestObserver:
         finally:
             # A stream the client cancelled can have its generator closed by another task (the event loop's
             # finalizer of async generators), whose context the span was never made current in: there is nothing
-            # to undo there, and OpenTelemetry logs the failed detach as an error with a traceback.
+            # to undo there, and OpenTelemetry logs the failed detach as an error with a traceback. (A token, not
+            # `trace.use_span`: a context manager left unexited would detach when the garbage collector closes it.)
             if _current_task() is self._task:
-                self._use.__exit__(None, None, None)
+                otel_context.detach(self._attached)
             self.span.end()
 
     def _labels(self, stats: SpeculationStats | None) -> dict[str, str]:

@@ -4,6 +4,7 @@ in-memory exporter. Round spans add up to the response's speculation statistics;
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -251,7 +252,7 @@ def test_a_request_closed_by_another_task_ends_its_span_without_a_detach_error(s
         SpecDecodeMetrics(telemetry.get_meter()), "tiny", "GenerateStream", pb.GenerateStreamRequest()
     )
 
-    async def main():
+    async def main(observer):
         async def request():
             observer.__enter__()
             await asyncio.sleep(3600)
@@ -261,7 +262,9 @@ def test_a_request_closed_by_another_task_ends_its_span_without_a_detach_error(s
         task.cancel()
         observer.__exit__(asyncio.CancelledError, asyncio.CancelledError(), None)  # here, in another task
 
-    asyncio.run(main())
+    asyncio.run(main(observer))
+    del observer
+    gc.collect()  # nothing the request made current is left for the garbage collector to undo (and fail to)
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
     assert _one(spans.get_finished_spans(), REQUEST_SPAN).attributes.get("error.type") == "cancelled"
 
