@@ -249,6 +249,39 @@ def _guard_decoding(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMeth
     return handler._replace(request_deserializer=deserialize, **{kind: guarded})
 
 
+class StreamsCloseInTheirTask(grpc.aio.ServerInterceptor):
+    """The outermost interceptor: a server-streaming handler's messages are written here (`context.write`), and its
+    async generator is closed here, in the call's own task, however the call ends.
+
+    gRPC iterates a streaming handler's generator itself and does not close it when the call is cancelled while the
+    generator waits at a `yield` (its message not yet written); the event loop's finalizer closes it later, in
+    another task and context. There OpenTelemetry's server interceptor cannot detach the span it made current, and
+    logs "Failed to detach context" with a traceback, at every such cancel. Written from a coroutine, the cancel (a
+    CancelledError, or the write it failed) lands here, and the generator this iterates (the tracing interceptor's,
+    when tracing is on) unwinds at once, in the context it ran in. Generators deeper down that do not close what
+    they iterate still leave it to the finalizer; specwire's own tolerate that.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler.response_streaming:
+            return handler
+        kind = "stream_stream" if handler.request_streaming else "unary_stream"
+        behavior = getattr(handler, kind)
+        if not inspect.isasyncgenfunction(behavior):
+            return handler
+
+        async def write_each(request, context):
+            messages = behavior(request, context)
+            try:
+                async for message in messages:
+                    await context.write(message)
+            finally:
+                await messages.aclose()
+
+        return handler._replace(**{kind: write_each})
+
+
 @dataclass
 class ServiceBinding:
     """One servicer to mount: the generated `add_*_to_server` function, the servicer, its full name."""
@@ -342,9 +375,11 @@ class GrpcServer:
         """
         credentials = server_credentials()
         policy = self.policy = AccessPolicy.from_env(self.host, self.access, tls=credentials is not None)
-        # Tracing first (outermost), so refused and failed calls are traced too; none when telemetry is off.
-        # Decoding innermost: a request that cannot be parsed is still traced, counted and authenticated.
+        # Streams are written and closed outermost (`StreamsCloseInTheirTask`); tracing next, so refused and failed
+        # calls are traced too (none when telemetry is off). Decoding innermost: a request that cannot be parsed is
+        # still traced, counted and authenticated.
         interceptors = [
+            StreamsCloseInTheirTask(),
             *telemetry.server_interceptors(),
             *self.interceptors,
             AccessInterceptor(policy),

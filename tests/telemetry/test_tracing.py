@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 
+import grpc
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -16,10 +18,11 @@ from specwire import telemetry
 from specwire.client import AsyncTargetClient, ConfigClient, TargetClient
 from specwire.config_service.__main__ import build_server as build_config_server
 from specwire.draft_service.__main__ import build_server as build_draft_server
+from specwire.serving import GrpcServer, ServiceBinding
 from specwire.target_service.__main__ import build_server as build_target_server
 from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.observability import FALLBACK_EVENT, REQUEST_SPAN, ROUND_SPAN
-from tests.servers import free_port, threaded_server
+from tests.servers import free_port, threaded_server, wait_for
 from tests.telemetry.conftest import BATCH, PROMPT, telemetry_for_module
 
 TARGET = "/specwire.target.v1.TargetService/Generate"
@@ -267,6 +270,37 @@ def test_a_request_closed_by_another_task_ends_its_span_without_a_detach_error(s
     gc.collect()  # nothing the request made current is left for the garbage collector to undo (and fail to)
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
     assert _one(spans.get_finished_spans(), REQUEST_SPAN).attributes.get("error.type") == "cancelled"
+
+
+def test_a_stream_cancelled_while_its_message_waits_ends_its_span_without_a_detach_error(spans, caplog):
+    """A stream cancelled while its handler waits at a `yield` (the client stopped reading; gRPC's flow control holds
+    the message) is closed in its own task: the server span ends, and no "Failed to detach context" is logged. gRPC
+    alone leaves that generator to the event loop's finalizer, in another context (`StreamsCloseInTheirTask`)."""
+    closed = threading.Event()
+
+    async def flood(request, context):
+        try:
+            while True:
+                yield b"x" * (4 << 20)  # a few of these fill the flow-control windows
+        finally:
+            closed.set()
+
+    method = grpc.unary_stream_rpc_method_handler(flood)
+    handlers = grpc.method_handlers_generic_handler("test.Flood", {"Flood": method})
+    binding = ServiceBinding(lambda servicer, server: server.add_generic_rpc_handlers((handlers,)), None, "test.Flood")
+    with threaded_server(lambda: GrpcServer([binding])) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            call = channel.unary_stream("/test.Flood/Flood")(b"", timeout=60)
+            next(call)
+            time.sleep(0.5)  # the handler fills the windows and waits at its yield
+            call.cancel()
+        wait_for(closed.is_set, timeout=30)
+        for _ in range(3):  # what the finalizer would close, closed now
+            gc.collect()
+            server.run(asyncio.sleep(0.1))
+    # (gRPC itself may log the failed write as an ExecuteBatchError, when it sees the write fail before the cancel.)
+    assert [r.getMessage() for r in caplog.records if r.name == "opentelemetry.context"] == []
+    assert len(_by_name(spans.get_finished_spans(), "/test.Flood/Flood", SpanKind.SERVER)) == 1
 
 
 def test_async_client_joins_the_trace(stack, spans):
