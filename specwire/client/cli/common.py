@@ -29,6 +29,21 @@ class UsageError(Exception):
 
 
 @contextlib.contextmanager
+def connected(client_class: Any, args: argparse.Namespace) -> Iterator[Any]:
+    """A `TargetClient` or `ConfigClient` as the command line says (address, deadline, token policy, retries, load
+    balancing where the command has it), closed by Ctrl-C (`ctrl_c_closes`) and at the end."""
+    with client_class(
+        args.address,
+        timeout=args.timeout or None,
+        allow_insecure_token=args.allow_insecure_token or None,  # unset: SPECWIRE_ALLOW_INSECURE_TOKEN decides
+        load_balancing=getattr(args, "load_balancing", None),
+        retries=args.retries,
+    ) as client:
+        with ctrl_c_closes(client):
+            yield client
+
+
+@contextlib.contextmanager
 def ctrl_c_closes(client: Any) -> Iterator[None]:
     """While the body runs, Ctrl-C closes `client` (from a thread of its own) instead of raising KeyboardInterrupt
     wherever the main thread is: its call ends CANCELLED, the server stops the work, and the body's error becomes the

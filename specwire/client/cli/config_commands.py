@@ -19,7 +19,7 @@ from .common import (
     add_load_balancing_option,
     add_retries_option,
     add_token_option,
-    ctrl_c_closes,
+    connected,
     parse_assignments,
     read_source,
 )
@@ -106,17 +106,7 @@ def config_command(args) -> int:
     from specwire.client import ConfigClient
 
     # The token is SPECWIRE_AUTH_TOKEN (not a flag: a command line is visible to every user of the machine).
-    allow = args.allow_insecure_token or None  # unset: SPECWIRE_ALLOW_INSECURE_TOKEN decides
-    with (
-        ConfigClient(
-            args.address,
-            timeout=args.timeout or None,
-            allow_insecure_token=allow,
-            load_balancing=args.load_balancing,
-            retries=args.retries,
-        ) as client,
-        ctrl_c_closes(client),
-    ):
+    with connected(ConfigClient, args) as client:
         cmd = args.config_command
         if cmd == "create":
             record = client.create(

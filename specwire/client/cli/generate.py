@@ -18,7 +18,7 @@ from .common import (
     add_load_balancing_option,
     add_retries_option,
     add_token_option,
-    ctrl_c_closes,
+    connected,
     parse_assignments,
 )
 
@@ -129,17 +129,7 @@ def generate_command(args) -> int:
         raise UsageError('give a prompt, e.g. specwire generate "Hello" (several prompts make a batch)')
     overrides = parse_assignments(args.set)
     prompts = args.prompt
-    allow = args.allow_insecure_token or None  # unset: SPECWIRE_ALLOW_INSECURE_TOKEN decides
-    with (
-        TargetClient(
-            args.address,
-            timeout=args.timeout or None,
-            allow_insecure_token=allow,
-            load_balancing=args.load_balancing,
-            retries=args.retries,
-        ) as client,
-        ctrl_c_closes(client),
-    ):
+    with connected(TargetClient, args) as client:
         kwargs = dict(
             text=prompts if len(prompts) > 1 else prompts[0],
             generation_config=args.config,

@@ -13,7 +13,7 @@ from .common import (
     add_command,
     add_retries_option,
     add_token_option,
-    ctrl_c_closes,
+    connected,
     read_source,
 )
 
@@ -73,13 +73,7 @@ def watermark_command(args) -> int:
         if not isinstance(kwargs["watermarking_config"], dict):
             raise UsageError("--watermark-json holds a JSON object (the watermarking_config)")
     rows: dict[str, Any] = {"input_ids": _id_rows(args.rows)} if args.ids else {"text": list(args.rows)}
-    allow = args.allow_insecure_token or None
-    with (
-        TargetClient(
-            args.address, timeout=args.timeout or None, allow_insecure_token=allow, retries=args.retries
-        ) as client,
-        ctrl_c_closes(client),
-    ):
+    with connected(TargetClient, args) as client:
         out = client.detect_watermark(**rows, **kwargs)
     green = out.kind == "green_list"
     columns = (
