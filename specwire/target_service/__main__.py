@@ -563,6 +563,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_until_signal(server, "target-service")
     finally:
+        server.bindings[0].servicer.close()
         target.close()
 
 

@@ -186,6 +186,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             )
         self.pool.admit()
 
+    def close(self) -> None:
+        """Stop the engine's threads, after the server stopped: a daemon thread still in a forward when the
+        interpreter finalizes is ended there (Python 3.11 ends a daemon thread that wakes for the GIL), and
+        unwinding through torch's C++ frames aborts the process ("terminate called without an active exception")."""
+        self.engine.close()
+
     def liveness(self) -> str:
         """Why this service cannot generate now ("" when it can): the health watchdog's check."""
         return self.engine.problem()

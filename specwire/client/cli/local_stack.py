@@ -61,13 +61,18 @@ class ServiceFailed(Exception):
     """A local service did not come up (exit 1 with its reason)."""
 
 
+def _service_name(process: subprocess.Popen) -> str:
+    """`config-service`, `draft-service` or `target-service`, from the module the process runs."""
+    return process.args[2].removeprefix("specwire.").replace("_", "-")
+
+
 def _wait_healthy(address: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
     from specwire.client.health import NotHealthy, wait_healthy
 
     try:
         wait_healthy(address, timeout=timeout, process=process)
     except NotHealthy as exc:
-        raise ServiceFailed(f"{process.args[2].replace('_', '-')} on {address} {exc}") from None
+        raise ServiceFailed(f"{_service_name(process)} on {address} {exc}") from None
 
 
 class LocalStack:
@@ -175,15 +180,17 @@ class LocalStack:
         return self
 
     def __exit__(self, *exc) -> None:
-        for process in reversed(self.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in reversed(self.processes):
+        running = [process for process in reversed(self.processes) if process.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGTERM)
+        for process in running:
             try:
                 process.wait(60)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            if process.returncode not in (0, -signal.SIGTERM):  # a clean stop exits 0
+                print(f"warning: {_service_name(process)} exited {process.returncode} while stopping", file=sys.stderr)
 
 
 def serve_command(args) -> int:
@@ -201,7 +208,7 @@ def serve_command(args) -> int:
             while all(p.poll() is None for p in stack.processes):
                 time.sleep(1.0)
             exited = next(p for p in stack.processes if p.poll() is not None)
-            name = exited.args[2].replace("_", "-")
+            name = _service_name(exited)
             print(
                 f"{name} exited ({exited.returncode}){stack.last_words(exited)}: stopping the others", file=sys.stderr
             )
