@@ -265,10 +265,11 @@ def test_a_request_closed_by_another_task_ends_its_span_without_a_detach_error(s
         task.cancel()
         observer.__exit__(asyncio.CancelledError, asyncio.CancelledError(), None)  # here, in another task
 
+    gc.collect()  # earlier tests' garbage is collected before, not blamed on this request
     asyncio.run(main(observer))
     del observer
     gc.collect()  # nothing the request made current is left for the garbage collector to undo (and fail to)
-    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+    assert [r.getMessage() for r in caplog.records if r.name == "opentelemetry.context"] == []
     assert _one(spans.get_finished_spans(), REQUEST_SPAN).attributes.get("error.type") == "cancelled"
 
 
