@@ -138,6 +138,16 @@ class DraftChannel:
             call.cancel()
         self.calls.clear()
         await self._channel.close()
+        # What is still pending on the loop (a goodbye, gRPC's own tasks of a cancelled call) ends here, before
+        # the loop closes: a task left pending on a closed loop is destroyed later, and a completion gRPC
+        # delivers to a closed loop fails; both are logged as errors.
+        others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        if others:
+            await asyncio.wait(others, timeout=_GOODBYE_S)
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        await asyncio.get_running_loop().shutdown_asyncgens()
 
     def close(self) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ same draft model makes in-process (`ModelDrafter`) after the same rounds, rounds
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -134,6 +135,25 @@ def test_a_session_closed_before_its_prefill_is_answered_ends_its_stream(channel
     remote.prefill()
     remote.close()  # at once: the stream waits for the prefill's answer, then ends politely
     wait_for(lambda: channel.open_streams == 0)
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_a_channel_closed_with_streams_open_leaves_nothing_pending(tiny_draft, caplog, ended):
+    """Closing the channel (the target's shutdown) with a draft stream still open, or still saying goodbye, ends
+    every task on its loop first: nothing is destroyed pending later, and no completion reaches a closed loop."""
+    config = GenerationConfig(eos_token_id=2, assistant_confidence_threshold=0.0)
+    gc.collect()  # earlier tests' garbage is collected before, not blamed on this channel
+    with threaded_server(lambda: build_server(tiny_draft)) as running:
+        for _ in range(3):
+            channel = DraftChannel(running.address)
+            remote = RemoteDrafter(channel, [list(ROWS[0])], config, 378, False, 30.0, overlap=True)
+            remote.propose(3)
+            if ended:
+                remote.close()  # its goodbye is still on the loop when the channel closes
+            channel.close()
+            del remote, channel
+            gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
 @pytest.mark.parametrize("controlled", [True, False])
