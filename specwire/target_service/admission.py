@@ -85,4 +85,5 @@ class PreparationPool:
         return await asyncio.wrap_future(future)
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Drop the preparations not started and wait for the running ones (after the server stopped)."""
+        self.executor.shutdown(wait=True, cancel_futures=True)

@@ -85,7 +85,7 @@ class Engine:
 
     Args:
         loaded (`LoadedModel`): the model, tokenizer and the model's generation config.
-        drafting (`DraftPolicy`, *optional*): speculation settings.
+        drafting (`DraftPolicy`, *optional*): speculation settings; the engine owns it (`close` closes its channel).
         scheduler (`SchedulerKind` or its value, defaults to `SchedulerKind.BATCHED`): `BATCHED` (shared
             packed forwards, see `specwire.target_service.scheduler`) or `SEQUENTIAL` (one request per
             forward).
@@ -175,8 +175,14 @@ class Engine:
         )
 
     def close(self) -> None:
+        """Stop every thread the engine started: the running requests are cancelled and the scheduler thread
+        stops, the draft streams are cancelled (a request waiting for a draft falls back and meets its
+        cancel at its next forward), then the requests' threads and the model thread are joined."""
         if self.batcher is not None:
             self.batcher.close()
+        self.drafting.close()
+        if self.batcher is not None:
+            self.batcher.join_requests(10)
         self.executor.shutdown(wait=True, cancel_futures=True)
 
     def problem(self) -> str:

@@ -143,7 +143,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         limits (`RequestLimits`, *optional*): what one request may ask; defaults to
             `RequestLimits.for_model(...)` (`max_model_len` = the model's context).
         pool (`PreparationPool`, *optional*): where requests are validated and tokenized; defaults to
-            2 workers and 16 preparations in flight.
+            2 workers and 16 preparations in flight; the servicer owns it (`close` stops it).
         max_message_bytes (`int`, defaults to 16 MiB): the server's message size limit, reported by
             `GetModelInfo` (the server options set it).
         stuck_after_s (`float`, defaults to 60.0): seconds without model progress while work waits
@@ -191,6 +191,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         interpreter finalizes is ended there (Python 3.11 ends a daemon thread that wakes for the GIL), and
         unwinding through torch's C++ frames aborts the process ("terminate called without an active exception")."""
         self.engine.close()
+        self.pool.close()
 
     def liveness(self) -> str:
         """Why this service cannot generate now ("" when it can): the health watchdog's check."""

@@ -15,6 +15,7 @@ request is still running when its client cancels it or its deadline passes.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from contextlib import ExitStack
@@ -79,7 +80,6 @@ def start_target(stack: ExitStack, model_dir, scheduler: str, draft_address: str
             )
         )
     )
-    stack.callback(policy.close)
     return Target(server, faults, scheduler, policy)
 
 
@@ -170,6 +170,40 @@ def _stream_to_the_end(address: str, kwargs: dict, started: threading.Barrier, o
         first = next(stream)
         started.wait(60)
         outputs.append([first, *stream][-1])
+
+
+def _stream_until_stopped(address: str, kwargs: dict, started: threading.Barrier) -> None:
+    with TargetClient(address) as client, contextlib.suppress(SpecwireRpcError):
+        stream = client.stream(PROMPT, **LONG, **kwargs)
+        next(stream)
+        started.wait(60)
+        for _ in stream:
+            pass
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_target_stopped_mid_stream_ends_every_thread_it_started(tiny_draft_dir, tiny_model_dir, scheduler):
+    """The target's server stopped while its streams wait for a slow draft service: by the time `stop` returns,
+    every thread the target started has ended (the scheduler's, each request's, the model thread, the draft
+    channel's), so none can still be in a forward when the interpreter finalizes (which aborts the process)."""
+    draft = load_model(str(tiny_draft_dir), progress=False)
+    Faults(draft.model, delay_s=0.2)  # a request is in a draft wait most of the time
+    with threaded_server(lambda: build_draft_server(draft)) as draft_server:
+        before = set(threading.enumerate())
+        with ExitStack() as stack:
+            target = start_target(stack, tiny_model_dir, scheduler, draft_server.address)
+            started = threading.Barrier(3)
+            clients = [
+                threading.Thread(target=_stream_until_stopped, args=(target.address, DRAFT_MODEL, started))
+                for _ in range(2)
+            ]
+            for t in clients:
+                t.start()
+            started.wait(60)
+        left = [t.name for t in threading.enumerate() if t not in before and t.name.startswith("specwire-")]
+        assert left == []
+        for t in clients:
+            t.join(60)
 
 
 # The draft service's process killed (a connection reset) under a target of each scheduler at once (one process

@@ -74,6 +74,7 @@ class BatchScheduler:
         self.counters = SchedulerStats()  # updated under `cond`; `stats()` hands out copies
         self.chains = BatchedChains()
         self.calls: deque[LaneCall] = deque()  # sequential-lane model calls posted to the scheduler thread
+        self.request_threads: set[threading.Thread] = set()  # admitted requests' own threads (under `cond`)
         self.closed = False
         # Liveness: why the scheduler can no longer serve (sticky).
         self.failure_reason = ""
@@ -228,6 +229,8 @@ class BatchScheduler:
         return ""
 
     def close(self) -> None:
+        """Cancel the running requests and stop the scheduler thread (their threads end at their next work:
+        `join_requests`)."""
         with self.cond:
             self.closed = True
             if self.admission is not None:
@@ -236,6 +239,14 @@ class BatchScheduler:
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join(10)
+
+    def join_requests(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds in all for the requests' own threads to end (after `close`)."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            threads = list(self.request_threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- capacity and statistics --------------------------------------------------------------------
 

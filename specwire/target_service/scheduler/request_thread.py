@@ -49,6 +49,8 @@ class RequestThread:
 
     def start(self) -> None:
         thread = threading.Thread(target=self._run, daemon=True, name=f"specwire-request-{self.request.seq}")
+        with self.cond:
+            self.scheduler.request_threads.add(thread)
         thread.start()
 
     def _run(self) -> None:
@@ -85,6 +87,7 @@ class RequestThread:
                 if request.state is not RequestState.FINISHED:
                     # Requests exist only where the batched path serves: admission is set.
                     cast(SlotAdmission, self.scheduler.admission).free(request)
+                self.scheduler.request_threads.discard(threading.current_thread())
 
     def _rows(self, model: Any, *, attention_mask: Any, prompt_length: int, rows: int, **_: Any) -> SlotRows:
         """The loop's `rows_factory`: rows over the request's slots, their work posted to the scheduler."""
