@@ -315,6 +315,9 @@ class GrpcServer:
         access (`ServerAccess`, *optional*): `--read-only`, `--allow-anonymous-writes`,
             `--allow-insecure-token`; default: their environment variables. The credentials (tokens per
             role, mutual-TLS identities) come from the environment (`specwire.security.access`).
+        on_stop (`Callable[[], None]`, *optional*): what the service closes once the server stopped (its
+            threads, its database), run off the event loop: a thread still in a forward when the interpreter
+            finalizes aborts the process.
     """
 
     def __init__(
@@ -330,6 +333,7 @@ class GrpcServer:
         liveness: Callable[[], str] | None = None,
         liveness_interval_s: float = 1.0,
         access: ServerAccess | None = None,
+        on_stop: Callable[[], None] | None = None,
     ):
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
@@ -353,6 +357,7 @@ class GrpcServer:
         self.liveness = liveness
         self.liveness_interval_s = liveness_interval_s
         self.access = access
+        self.on_stop = on_stop
         self.policy: AccessPolicy | None = None  # read from the environment by `start`
         self.problem = ""  # what `liveness` last reported
         self._stopping = False
@@ -452,6 +457,8 @@ class GrpcServer:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         # grpc's stop(grace) refuses new calls at once and waits up to `grace` for the running ones.
         await self.server.stop(self.grace if grace is None else grace)
+        if self.on_stop is not None:
+            await asyncio.to_thread(self.on_stop)
         self._stopped.set()
 
     async def serve_until_signal(self) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from specwire.config.v1 import config_service_pb2_grpc as pb_grpc
 from specwire.config_service.backup import backup, restore
 from specwire.config_service.service import DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_EXTRA_BYTES, ConfigServicer
-from specwire.config_service.storage import RegistryStore, is_postgres_url, open_store
+from specwire.config_service.storage import is_postgres_url, open_store
 from specwire.errors import SpecwireError
 from specwire.paths import default_registry
 from specwire.security.access import ServerAccess, access_from_args, add_access_arguments
@@ -40,23 +40,6 @@ SERVICE_NAME = "specwire.config.v1.ConfigService"
 DB_ENV = "SPECWIRE_DB"
 # Registry calls are short; this bounds the memory of a burst (every call holds its request).
 DEFAULT_MAX_CONCURRENT_RPCS = 256
-
-
-class RegistryServer(GrpcServer):
-    """A `GrpcServer` that closes the registry's database once stopped (PostgreSQL: its connection pool).
-
-    Args:
-        store (`RegistryStore`): the database the servicer uses.
-        *args, **kwargs: those of `GrpcServer`.
-    """
-
-    def __init__(self, store: RegistryStore, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.store = store
-
-    async def stop(self, grace: float | None = None) -> None:
-        await super().stop(grace)
-        self.store.close()
 
 
 def describe_db(db: str) -> str:
@@ -88,8 +71,7 @@ def build_server(
     store = open_store(db)
     servicer = ConfigServicer(store, max_config_bytes, max_extra_bytes)
     binding = ServiceBinding(pb_grpc.add_ConfigServiceServicer_to_server, servicer, SERVICE_NAME)
-    return RegistryServer(
-        store,
+    return GrpcServer(
         [binding],
         host=host,
         port=port,
@@ -97,6 +79,7 @@ def build_server(
         max_message_bytes=max_message_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
         access=access,
+        on_stop=store.close,  # PostgreSQL: its connection pool
     )
 
 

@@ -65,6 +65,7 @@ def build_server(
         max_message_bytes=max_message_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
         access=access,
+        on_stop=servicer.close,
     )
 
 

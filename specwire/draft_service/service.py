@@ -204,6 +204,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         tokenizer = draft_model.tokenizer if draft_model is not None else None
         self._digest = tokenizer_digest(tokenizer) if tokenizer is not None else b""
 
+    def close(self) -> None:
+        """Stop the model thread once the server stopped: the work not started is dropped, the running one ends."""
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
     def _admit(self) -> None:
         if self._reserved >= self.max_sessions:
             raise ResourceExhausted(

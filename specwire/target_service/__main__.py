@@ -7,7 +7,6 @@ Usage: target-service --host 127.0.0.1 --port 50052 --model default [--config-ad
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -58,24 +57,6 @@ DEFAULT_SCHEDULER = os.environ.get("SPECWIRE_TARGET_SCHEDULER", "batched")
 DEFAULT_MAX_CONCURRENT_RPCS = 256
 
 
-class TargetServer(GrpcServer):
-    """A `GrpcServer` that stops its engine's threads once stopped (`TargetServicer.close`), as the registry's server
-    closes its database.
-
-    Args:
-        servicer (`TargetServicer`): the servicer whose engine it stops.
-        *args, **kwargs: those of `GrpcServer`.
-    """
-
-    def __init__(self, servicer: TargetServicer, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.servicer = servicer
-
-    async def stop(self, grace: float | None = None) -> None:
-        await super().stop(grace)
-        await asyncio.to_thread(self.servicer.close)  # joins threads that may still post to this loop
-
-
 def build_server(
     loaded,
     config_address: str | None = None,
@@ -93,7 +74,7 @@ def build_server(
     config_stale_max: float = DEFAULT_STALE_MAX_S,
     access: ServerAccess | None = None,
     plugins: PluginRegistry | None = None,
-) -> TargetServer:
+) -> GrpcServer:
     """A ready-to-start target server over an already loaded model.
 
     `scheduler` is `SchedulerKind.SEQUENTIAL` (one request per forward) or `BATCHED` (requests share
@@ -122,8 +103,7 @@ def build_server(
         stuck_after_s=stuck_after,
         plugins=plugins,
     )
-    return TargetServer(
-        servicer,
+    return GrpcServer(
         [ServiceBinding(pb_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
         host=host,
         port=port,
@@ -132,6 +112,7 @@ def build_server(
         max_concurrent_rpcs=max_concurrent_rpcs,
         liveness=servicer.liveness,
         access=access,
+        on_stop=servicer.close,  # joins threads that may still post to the server's loop
     )
 
 

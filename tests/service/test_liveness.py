@@ -243,6 +243,25 @@ def test_servers_and_channels_have_keepalive():
     assert options["grpc.keepalive_permit_without_calls"] == client["grpc.keepalive_permit_without_calls"] == 1
 
 
+def test_a_servers_on_stop_runs_once_it_stopped_off_its_event_loop():
+    """`on_stop` (the services close their threads and database there) runs after the server stopped serving,
+    on another thread than the event loop's (joining threads that post to the loop would deadlock it)."""
+    seen = []
+
+    def on_stop():
+        try:
+            answer = health(server.address)
+        except grpc.RpcError as error:
+            answer = error.code()
+        seen.append((threading.current_thread(), answer))
+
+    with threaded_server(lambda: GrpcServer([], on_stop=on_stop)) as server:
+        loop_thread = server.thread
+        assert seen == []
+    assert len(seen) == 1 and seen[0][0] is not loop_thread
+    assert seen[0][1] == grpc.StatusCode.UNAVAILABLE  # the server no longer answers by then
+
+
 def test_keepalive_finds_a_hung_server(tmp_path):
     # A config service process, SIGSTOPped after a first call: its TCP connection stays open (the
     # kernel keeps acking), so only keepalive can tell. With a 1 s ping the call fails UNAVAILABLE,
