@@ -5,17 +5,27 @@ that opens a parallel region. Once the pooled workers of all threads outnumber t
 stops spinning between parallel regions and parks its workers, so every matmul of a forward pays a
 wake-up. Measured on 2 cores with SmolLM2: a decode step takes 32 ms on the first thread that runs
 forwards and 52 ms on a second one. So each service runs its forwards on one thread only
-(`model_executor`, or a thread that calls `claim_torch_threads` first), and threads that only do
+(`ModelExecutor`, or a thread that calls `claim_torch_threads` first), and threads that only do
 small per-row tensor work run single-threaded (`torch.set_num_threads(1)` there opens no pool).
+
+A stopping service joins the threads that run torch work within a bound (`join_or_report`): one still in a
+forward when Python finalizes aborts the process, and one stuck on its device would hold the exit forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+log = logging.getLogger("specwire.model_thread")
 
 
 def claim_torch_threads(threads: int) -> None:
@@ -44,14 +54,63 @@ def without_thread_pool() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def model_executor(name: str) -> ThreadPoolExecutor:
-    """A single-thread executor for the model's forwards, with the process's torch thread count."""
-    return ThreadPoolExecutor(
-        max_workers=1,
-        thread_name_prefix=name,
-        initializer=claim_torch_threads,
-        initargs=(torch.get_num_threads(),),
-    )
+class ModelExecutor(ThreadPoolExecutor):
+    """A single-thread executor for the model's forwards, with the process's torch thread count.
+
+    Args:
+        name (`str`): its thread's name prefix.
+    """
+
+    def __init__(self, name: str):
+        self.thread: threading.Thread | None = None  # set by the thread itself when it starts
+        super().__init__(
+            max_workers=1, thread_name_prefix=name, initializer=self._start, initargs=(torch.get_num_threads(),)
+        )
+
+    def _start(self, threads: int) -> None:
+        self.thread = threading.current_thread()
+        claim_torch_threads(threads)
+
+    def close(self, timeout: float) -> None:
+        """Drop the work not started and wait up to `timeout` seconds for the running one (see `join_or_report`)."""
+        self.shutdown(wait=False, cancel_futures=True)
+        join_or_report([self.thread] if self.thread is not None else [], timeout)
+
+
+# Threads that did not end when their service stopped them: a forward stuck on its device.
+_stuck: list[str] = []
+
+
+def join_or_report(threads: list[threading.Thread], timeout: float) -> None:
+    """Join `threads`, waiting `timeout` seconds in all; the ones still running are logged and remembered
+    (`stuck_threads`): the service's process then exits without waiting for them or finalizing around them
+    (`exit_if_stuck`), since an executor's thread would hold the exit forever and a daemon thread woken inside
+    torch during finalization aborts the process."""
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    if stuck:
+        log.error(
+            "still running %.0fs after the service stopped them (a forward stuck on its device?): %s",
+            timeout,
+            ", ".join(stuck),
+        )
+        _stuck.extend(stuck)
+
+
+def stuck_threads() -> list[str]:
+    """The threads `join_or_report` found still running (none: every service thread ended)."""
+    return list(_stuck)
+
+
+def exit_if_stuck(service: str) -> None:
+    """End a stopped service's process at once, with exit status 1, when a thread it ran torch work on did not
+    end (`stuck_threads`); nothing when every one ended."""
+    if _stuck:
+        print(f"{service}: exiting without waiting for {', '.join(_stuck)}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(1)
 
 
 # Messages of the errors a broken accelerator raises (CUDA/ROCm runtime, cuBLAS/cuDNN, NCCL). After

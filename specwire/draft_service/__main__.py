@@ -17,6 +17,7 @@ from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.draft_service.service import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_TIMEOUT_S, DraftServicer
 from specwire.generation.speculation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
+from specwire.model_thread import exit_if_stuck
 from specwire.models import ModelLoadError, load_model
 from specwire.security.access import AccessPolicy, ServerAccess, access_from_args, add_access_arguments
 from specwire.security.tokens import SecuritySettingsError
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         access,
     )
     run_until_signal(server, "draft-service")
+    exit_if_stuck("draft-service")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import sys
 from specwire.generation.plugins import PluginLoadError, PluginRegistry, load_plugins
 from specwire.generation.speculation.drafters import PROMPT_LOOKUP_RULES
 from specwire.heap import fix_mmap_threshold
-from specwire.model_thread import without_thread_pool
+from specwire.model_thread import exit_if_stuck, without_thread_pool
 from specwire.models import ModelLoadError, load_model
 from specwire.models.dflash_assistant import load_dflash_assistant
 from specwire.runtime.lean_draft import draft_decoder
@@ -565,6 +565,7 @@ def main(argv: list[str] | None = None) -> None:
         run_until_signal(server, "target-service")
     finally:
         target.close()
+    exit_if_stuck("target-service")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from specwire.generation.loops.speculative import speculate_from_plan, speculati
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import GenerationPlan, prepare_generation
 from specwire.generation.speculation.drafters import Drafter, Proposal
-from specwire.model_thread import is_device_error, model_executor
+from specwire.model_thread import ModelExecutor, is_device_error
 from specwire.models import LoadedModel
 from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.requests import GenerationJob
@@ -133,7 +133,7 @@ class Engine:
             )
         # Every forward runs on one thread (`specwire.model_thread`): the scheduler's when it runs
         # (the sequential lane posts its forwards there), else this worker of our own.
-        self.executor = model_executor("specwire-model")
+        self.executor = ModelExecutor("specwire-model")
         # The lane's requests' model: the served one, with every call posted to the scheduler thread.
         self._lane_model = _ForwardsOn(loaded.model, self._serving) if self._serving is not None else None
         # The served model for model work that a preparation thread starts (token healing): every call runs
@@ -174,16 +174,17 @@ class Engine:
             kv_slots=slots,
         )
 
-    def close(self) -> None:
-        """Stop every thread the engine started: the running requests are cancelled and the scheduler thread
-        stops, the draft streams are cancelled (a request waiting for a draft falls back and meets its
-        cancel at its next forward), then the requests' threads and the model thread are joined."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every thread the engine started, within `timeout` seconds for each kind: the running requests
+        are cancelled and the scheduler thread stops, the draft streams are cancelled (a request waiting for a
+        draft falls back and meets its cancel at its next forward), then the requests' threads and the model
+        thread are joined; any still running is reported (`specwire.model_thread.join_or_report`)."""
         if self.batcher is not None:
-            self.batcher.close()
+            self.batcher.close(timeout)
         self.drafting.close()
         if self.batcher is not None:
-            self.batcher.join_requests(10)
-        self.executor.shutdown(wait=True, cancel_futures=True)
+            self.batcher.join_requests(timeout)
+        self.executor.close(timeout)
 
     def problem(self) -> str:
         """Why this engine cannot generate now ("" when it can); see the module docstring."""

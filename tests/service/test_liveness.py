@@ -9,6 +9,8 @@ Faults are injected the test-only way: the served model's `forward` (the packed 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -362,3 +364,62 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_model_dir):
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+# The target service's own `main`, its model's forward blocking forever once FLAG exists (a forward stuck on its
+# device); it says so on stdout when it blocks.
+STUCK_TARGET = """
+import functools, os, sys, threading
+import transformers.models.llama.modeling_llama as llama
+original, flag = llama.LlamaForCausalLM.forward, sys.argv.pop(1)
+@functools.wraps(original)
+def forward(self, *args, **kwargs):
+    if os.path.exists(flag):
+        print("forward stuck", flush=True)
+        threading.Event().wait()
+    return original(self, *args, **kwargs)
+llama.LlamaForCausalLM.forward = forward
+from specwire.target_service.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+def test_sigterm_with_a_forward_stuck_on_its_device_exits_1_without_waiting_for_it(tiny_model_dir, tmp_path):
+    """A stopped target whose model thread does not end (stuck in a forward) reports it and exits 1 once the
+    engine's bound (10 s) passed: Python's exit would wait for that thread forever."""
+    port, flag = free_port(), tmp_path / "stuck"
+    args = ["--port", str(port), "--model", str(tiny_model_dir), "--scheduler", "sequential", "--grace", "1"]
+    process = subprocess.Popen(
+        [sys.executable, "-c", STUCK_TARGET, str(flag), *args],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        from specwire.client.health import wait_healthy
+
+        address = f"127.0.0.1:{port}"
+        wait_healthy(address, timeout=120, process=process)
+        flag.touch()
+        caller = threading.Thread(target=_generate_quietly, args=(address,), daemon=True)
+        caller.start()
+        before = list(itertools.takewhile(lambda line: line.strip() != "forward stuck", process.stdout))
+        assert process.poll() is None, before
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = process.wait(60)
+        output = process.stdout.read()
+        assert code == 1, output
+        assert time.monotonic() - signalled < 1 + 10 + 15
+        assert "target-service: exiting without waiting for specwire-model" in output, output
+        assert "stuck on its device" in output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _generate_quietly(address: str) -> None:
+    with TargetClient(address, timeout=60) as client, contextlib.suppress(SpecwireRpcError):
+        client.generate([PROMPT], max_new_tokens=4)

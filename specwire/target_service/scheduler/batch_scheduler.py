@@ -26,6 +26,7 @@ from specwire.errors import Unavailable
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import prepare_generation
 from specwire.generation.processors.batched import BatchedChains
+from specwire.model_thread import join_or_report
 from specwire.runtime.lean_decoder import LeanDecoder
 from specwire.runtime.slot_cache import SlotKVCache, slot_support
 from specwire.target_service.scheduler.forward_loop import ForwardLoop, LaneCall
@@ -228,9 +229,9 @@ class BatchScheduler:
             )
         return ""
 
-    def close(self) -> None:
-        """Cancel the running requests and stop the scheduler thread (their threads end at their next work:
-        `join_requests`)."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel the running requests and stop the scheduler thread, waiting up to `timeout` seconds for it
+        (the requests' threads end at their next work: `join_requests`)."""
         with self.cond:
             self.closed = True
             if self.admission is not None:
@@ -238,15 +239,13 @@ class BatchScheduler:
                     request.state = RequestState.CANCELLED
             self.cond.notify_all()
         if self.thread is not None:
-            self.thread.join(10)
+            join_or_report([self.thread], timeout)
 
     def join_requests(self, timeout: float) -> None:
         """Wait up to `timeout` seconds in all for the requests' own threads to end (after `close`)."""
-        deadline = time.monotonic() + timeout
         with self.cond:
             threads = list(self.request_threads)
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        join_or_report(threads, timeout)
 
     # -- capacity and statistics --------------------------------------------------------------------
 
