@@ -36,7 +36,7 @@ from specwire.target_service.__main__ import build_server
 from specwire.target_service.config_resolver import ConfigResolver, LruCache
 from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.scheduler.options import SchedulerOptions
-from tests.servers import free_port, threaded_server, wait_for
+from tests.servers import free_port, subprocess_server, threaded_server, wait_for
 
 PROMPT = [5, 6, 7, 8, 9]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -366,43 +366,14 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_model_dir):
                 process.wait()
 
 
-# The target service's own `main`, its model's forward blocking forever once FLAG exists (a forward stuck on its
-# device); it says so on stdout when it blocks.
-STUCK_TARGET = """
-import functools, os, sys, threading
-import transformers.models.llama.modeling_llama as llama
-original, flag = llama.LlamaForCausalLM.forward, sys.argv.pop(1)
-@functools.wraps(original)
-def forward(self, *args, **kwargs):
-    if os.path.exists(flag):
-        print("forward stuck", flush=True)
-        threading.Event().wait()
-    return original(self, *args, **kwargs)
-llama.LlamaForCausalLM.forward = forward
-from specwire.target_service.__main__ import main
-main(sys.argv[1:])
-"""
-
-
 def test_sigterm_with_a_forward_stuck_on_its_device_exits_1_without_waiting_for_it(tiny_model_dir, tmp_path):
     """A stopped target whose model thread does not end (stuck in a forward) reports it and exits 1 once the
     engine's bound (10 s) passed: Python's exit would wait for that thread forever."""
     port, flag = free_port(), tmp_path / "stuck"
     args = ["--port", str(port), "--model", str(tiny_model_dir), "--scheduler", "sequential", "--grace", "1"]
-    process = subprocess.Popen(
-        [sys.executable, "-c", STUCK_TARGET, str(flag), *args],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        from specwire.client.health import wait_healthy
-
-        address = f"127.0.0.1:{port}"
-        wait_healthy(address, timeout=120, process=process)
+    with subprocess_server(["tests.service.stuck_target", str(flag), *args], port) as process:
         flag.touch()
-        caller = threading.Thread(target=_generate_quietly, args=(address,), daemon=True)
+        caller = threading.Thread(target=_generate_quietly, args=(f"127.0.0.1:{port}",), daemon=True)
         caller.start()
         before = list(itertools.takewhile(lambda line: line.strip() != "forward stuck", process.stdout))
         assert process.poll() is None, before
@@ -414,10 +385,6 @@ def test_sigterm_with_a_forward_stuck_on_its_device_exits_1_without_waiting_for_
         assert time.monotonic() - signalled < 1 + 10 + 15
         assert "target-service: exiting without waiting for specwire-model" in output, output
         assert "stuck on its device" in output
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def _generate_quietly(address: str) -> None:
