@@ -62,10 +62,11 @@ class ModelExecutor(ThreadPoolExecutor):
     """
 
     def __init__(self, name: str):
-        self.thread: threading.Thread | None = None  # set by the thread itself when it starts
+        self.thread: threading.Thread | None = None  # set by the thread itself, which starts here
         super().__init__(
             max_workers=1, thread_name_prefix=name, initializer=self._start, initargs=(torch.get_num_threads(),)
         )
+        self.submit(lambda: None).result()  # started now: `close` always has the thread to wait for
 
     def _start(self, threads: int) -> None:
         self.thread = threading.current_thread()
