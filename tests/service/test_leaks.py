@@ -15,10 +15,9 @@ request is still running when its client cancels it or its deadline passes.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 
 import grpc
 import pytest
@@ -173,7 +172,7 @@ def _stream_to_the_end(address: str, kwargs: dict, started: threading.Barrier, o
 
 
 def _stream_until_stopped(address: str, kwargs: dict, started: threading.Barrier) -> None:
-    with TargetClient(address) as client, contextlib.suppress(SpecwireRpcError):
+    with TargetClient(address) as client, suppress(SpecwireRpcError):
         stream = client.stream(PROMPT, **LONG, **kwargs)
         next(stream)
         started.wait(60)
