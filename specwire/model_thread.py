@@ -62,22 +62,20 @@ class ModelExecutor(ThreadPoolExecutor):
     """
 
     def __init__(self, name: str):
-        self.thread: threading.Thread | None = None  # set by the thread itself, which starts here
         super().__init__(
-            max_workers=1, thread_name_prefix=name, initializer=self._start, initargs=(torch.get_num_threads(),)
+            max_workers=1, thread_name_prefix=name, initializer=claim_torch_threads, initargs=(torch.get_num_threads(),)
         )
-        self.submit(lambda: None).result()  # started now: `close` always has the thread to wait for
-
-    def _start(self, threads: int) -> None:
-        self.thread = threading.current_thread()
-        claim_torch_threads(threads)
+        # Started now, so `close` always has the thread to wait for.
+        self.thread: threading.Thread = self.submit(threading.current_thread).result()
 
     def close(self, timeout: float) -> None:
         """Drop the work not started and wait up to `timeout` seconds for the running one (see `join_or_report`)."""
         self.shutdown(wait=False, cancel_futures=True)
-        join_or_report([self.thread] if self.thread is not None else [], timeout)
+        join_or_report([self.thread], timeout)
 
 
+# How long a stopping service waits for each kind of thread it started (scheduler, requests', model thread).
+STOP_TIMEOUT_S = 10.0
 # Threads that did not end when their service stopped them: a forward stuck on its device.
 _stuck: list[str] = []
 

@@ -32,7 +32,7 @@ from specwire.draft.v1 import draft_service_pb2_grpc as pb_grpc
 from specwire.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from specwire.generation.speculation.draft_ahead import AHEAD_HIT, AHEAD_MISS, AHEAD_NONE, OverlappingModelDrafter
 from specwire.generation.speculation.drafters import Drafter, PromptLookupDrafter, Proposal, open_model_drafter
-from specwire.model_thread import ModelExecutor
+from specwire.model_thread import STOP_TIMEOUT_S, ModelExecutor
 from specwire.models import LoadedModel
 from specwire.models.tokenizer_digest import tokenizer_digest
 from specwire.runtime.lean_draft import draft_decoder, lean_draft_forward
@@ -204,7 +204,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         tokenizer = draft_model.tokenizer if draft_model is not None else None
         self._digest = tokenizer_digest(tokenizer) if tokenizer is not None else b""
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop the model thread once the server stopped: the work not started is dropped, the running one ends
         (within `timeout` seconds, else it is reported: `specwire.model_thread.join_or_report`)."""
         self.executor.close(timeout)

@@ -49,7 +49,7 @@ from specwire.generation.loops.speculative import speculate_from_plan, speculati
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import GenerationPlan, prepare_generation
 from specwire.generation.speculation.drafters import Drafter, Proposal
-from specwire.model_thread import ModelExecutor, is_device_error
+from specwire.model_thread import STOP_TIMEOUT_S, ModelExecutor, is_device_error
 from specwire.models import LoadedModel
 from specwire.target_service.drafting import DraftPolicy
 from specwire.target_service.requests import GenerationJob
@@ -174,7 +174,7 @@ class Engine:
             kv_slots=slots,
         )
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop every thread the engine started, within `timeout` seconds for each kind: the running requests
         are cancelled and the scheduler thread stops, the draft streams are cancelled (a request waiting for a
         draft falls back and meets its cancel at its next forward), then the requests' threads and the model

@@ -26,7 +26,7 @@ from specwire.errors import Unavailable
 from specwire.generation.outputs import GenerationResult, StepEvent
 from specwire.generation.planning import prepare_generation
 from specwire.generation.processors.batched import BatchedChains
-from specwire.model_thread import join_or_report
+from specwire.model_thread import STOP_TIMEOUT_S, join_or_report
 from specwire.runtime.lean_decoder import LeanDecoder
 from specwire.runtime.slot_cache import SlotKVCache, slot_support
 from specwire.target_service.scheduler.forward_loop import ForwardLoop, LaneCall
@@ -229,7 +229,7 @@ class BatchScheduler:
             )
         return ""
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Cancel the running requests and stop the scheduler thread, waiting up to `timeout` seconds for it
         (the requests' threads end at their next work: `join_requests`)."""
         with self.cond:
